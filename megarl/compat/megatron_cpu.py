@@ -1,0 +1,355 @@
+"""Patches that let megatron-core 0.16.1 run on CPU under the gloo backend.
+
+Applied by :func:`megarl.compat.setup_cpu` only when CUDA is absent; no megatron-core file is
+edited. Every patched site is listed here with the upstream line it works around (measured on
+megatron-core 0.16.1, torch 2.13.0+cpu; see shared/reference/megatron-cpu/REPORT.md P1-P9).
+``tests/unit/test_compat_sites.py`` checks each ``SITES`` entry against the installed source and
+fails loudly when an upstream site moves or disappears (then the patch must be revisited).
+
+==  ============================================================  ==========================================
+id  upstream site (megatron/core/...)                              patch
+==  ============================================================  ==========================================
+P1  rotary_pos_embedding.py get_emb, utils.py GlobalMemoryBuffer,  ``torch.cuda.current_device`` -> cpu device
+    tensor_parallel/mappings.py buffers, p2p_communication.py,
+    param_and_grad_buffer.py, moe/router.py
+P2  transformer/utils.py get_default_causal_mask /                 CPU masks, also rebound in fused_softmax
+    get_sliding_window_causal_mask (``device="cuda"``)             (it imported them by name)
+P3  tensor_parallel/random.py _get/_set_cuda_rng_state,            tracker stores CPU generator states
+    CudaRNGStatesTracker.add (torch.cuda.get_rng_state)
+P4  pipeline_parallel/schedules.py ``total_num_tokens`` zeros,     a TorchFunctionMode that maps
+    optimizer/optimizer.py found_inf & friends, distrib_optimizer  ``device="cuda"``/``.cuda()``/``pin_memory``
+    ``param.type() == 'torch.cuda.FloatTensor'``, clip_grads.py,   to CPU and reports CPU tensors with
+    language_module.py ``weight.data.cuda()``, rope_utils.py       their cuda type names; no-op synchronize
+P5  transformer/moe/moe_utils.py te_general_gemm & fused_* only    define the missing names as None
+    defined when TE imports; used unguarded (NameError)
+P6  moe/token_dispatcher.py torch.cuda.Stream/Event,               no-op stream/event stubs; split sizes as
+    moe_utils.maybe_move_tensor_to_cpu keeps CPU split sizes as     numpy for CPU tensors too
+    tensors (all_to_all_single TypeError)
+P7  tensor_parallel/mappings.py _gather_along_first_dim /          pad + all_gather_into_tensor, all_reduce +
+    _reduce_scatter_along_first_dim with unequal splits (gloo)     slice
+P9  optimizer/distrib_optimizer.py sharded_state_dict(is_loading)  dummy-state init before load; copy only
+    on fresh torch AdamW; _set_main_param_and_optimizer_states     present keys under no_grad; un-share the
+    KeyError 'step'; load_state_dict shares one ``step`` tensor    ``step`` tensor (silent Adam bias error)
+==  ============================================================  ==========================================
+
+P8 (SP with the local torch norm) is not needed: megarl always builds the TE spec, whose CPU norm
+(:class:`megarl.compat.te_cpu.CpuTENorm`) tags its parameters for SP itself.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+
+@dataclass(frozen=True)
+class Site:
+    """One upstream location a patch depends on: ``module.attr`` must exist and, when
+    ``needle`` is set, its source must still contain it (else the bug may be fixed or moved)."""
+
+    patch: str
+    module: str
+    attr: str
+    needle: str | None = None
+
+
+SITES = [
+    Site("P1", "megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding",
+         "torch.cuda.current_device()"),
+    Site("P2", "megatron.core.transformer.utils", "get_default_causal_mask", 'device="cuda"'),
+    Site("P2", "megatron.core.transformer.utils", "get_sliding_window_causal_mask", 'device="cuda"'),
+    Site("P2", "megatron.core.fusions.fused_softmax", "get_default_causal_mask"),
+    Site("P3", "megatron.core.tensor_parallel.random", "_get_cuda_rng_state"),
+    Site("P3", "megatron.core.tensor_parallel.random", "_set_cuda_rng_state"),
+    Site("P3", "megatron.core.tensor_parallel.random", "CudaRNGStatesTracker", "get_cuda_rng_state"),
+    Site("P4", "megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining",
+         'device="cuda"'),
+    Site("P4", "megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer",
+         "torch.cuda.FloatTensor"),
+    Site("P5", "megatron.core.transformer.moe.moe_utils", "RouterGatingLinearFunction",
+         "te_general_gemm is not None"),
+    Site("P6", "megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher",
+         "torch.cuda"),
+    Site("P6", "megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu", "is_cuda"),
+    Site("P7", "megatron.core.tensor_parallel.mappings", "_gather_along_first_dim",
+         "output_split_sizes"),
+    Site("P7", "megatron.core.tensor_parallel.mappings", "_reduce_scatter_along_first_dim",
+         "input_split_sizes"),
+    Site("P9", "megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer",
+         "_set_main_param_and_optimizer_states"),
+]
+
+_MOE_TE_NAMES = (
+    "te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss",
+    "fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+    "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function", "fused_unpermute",
+)
+
+
+# --- P1 -------------------------------------------------------------------------------------
+def patch_current_device():
+    torch.cuda.current_device = lambda: torch.device("cpu")
+
+
+# --- P2 -------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=32)
+def _causal_mask(sq):
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _sliding_window_mask(sq, skv, window_size):
+    m = torch.ones(sq, skv, dtype=torch.bool)
+    lo, hi = skv - sq - window_size[0], skv - sq + window_size[1]
+    return ~torch.tril(torch.triu(m, diagonal=lo), diagonal=hi)
+
+
+def patch_causal_masks():
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as tutils
+
+    for mod in (tutils, fused_softmax):
+        mod.get_default_causal_mask = _causal_mask
+        if hasattr(mod, "get_sliding_window_causal_mask"):
+            mod.get_sliding_window_causal_mask = _sliding_window_mask
+
+
+# --- P3 -------------------------------------------------------------------------------------
+def patch_rng_tracker():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    # Both getter and setter: the unpatched setter silently queues a lazy CUDA call that never
+    # runs on a CPU build, so patching only the getter would not switch RNG states at all.
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+
+    base = mrandom.CudaRNGStatesTracker
+
+    class CpuRNGStatesTracker(base):
+        """Same bookkeeping as megatron's tracker, on the CPU default generator."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+    mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
+    mrandom._CUDA_RNG_STATE_TRACKER = None
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+    # fork() warns "CPU RNG state changed within GPU RNG context" whenever dropout runs: harmless here.
+    logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
+
+
+# --- P4 -------------------------------------------------------------------------------------
+def _is_cuda(device) -> bool:
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Redirects hard-coded CUDA allocations and type checks in megatron-core to the CPU.
+
+    Costs ~30% CPU time per tiny-model step (every torch call passes through it); it is only
+    entered when CUDA is absent.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            if name.startswith("torch.") and not name.startswith("torch.cuda."):
+                name = "torch.cuda." + name[len("torch."):]
+            return name
+        if kwargs.get("pin_memory"):
+            kwargs = dict(kwargs, pin_memory=False)
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs = dict(kwargs, device="cpu")
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu") + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+_CUDA_MODE: CudaToCpuMode | None = None
+
+
+def install_cuda_to_cpu_mode():
+    """Enter the redirect mode for the rest of the process (thread-local: CPU autograd runs on
+    the calling thread, so the main thread is where megatron allocates)."""
+    global _CUDA_MODE
+    if _CUDA_MODE is None:
+        _CUDA_MODE = CudaToCpuMode()
+        _CUDA_MODE.__enter__()
+        torch.cuda.synchronize = lambda *a, **k: None
+
+
+# --- P5 -------------------------------------------------------------------------------------
+def patch_moe_router_without_te():
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in _MOE_TE_NAMES:
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+
+
+# --- P6 -------------------------------------------------------------------------------------
+class _NoEvent:
+    def __init__(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def wait(self, *a, **k):
+        pass
+
+    def record(self, *a, **k):
+        pass
+
+    def query(self):
+        return True
+
+
+class _NoStream:
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return _NoEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+def patch_moe_alltoall():
+    default_stream = _NoStream()
+    torch.cuda.Stream = _NoStream
+    torch.cuda.Event = _NoEvent
+    torch.cuda.current_stream = lambda *a, **k: default_stream
+    torch.cuda.default_stream = lambda *a, **k: default_stream
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    orig = moe_utils.maybe_move_tensor_to_cpu
+    if getattr(orig, "_megarl_patched", False):
+        return
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy() if as_numpy else tensor
+        return orig(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    maybe_move_tensor_to_cpu._megarl_patched = True
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+# --- P7 -------------------------------------------------------------------------------------
+def patch_uneven_collectives():
+    from megatron.core.tensor_parallel import mappings
+
+    orig_gather = mappings._gather_along_first_dim
+    orig_rs = mappings._reduce_scatter_along_first_dim
+    if getattr(orig_gather, "_megarl_patched", False):
+        return
+
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return orig_gather(input_, group, output_split_sizes, use_global_buffer)
+        width = max(output_split_sizes)
+        padded = input_.new_zeros((width,) + tuple(input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        out = input_.new_empty((width * group.size(),) + tuple(input_.shape[1:]))
+        dist.all_gather_into_tensor(out, padded, group=group)
+        return torch.cat([out[r * width: r * width + s] for r, s in enumerate(output_split_sizes)])
+
+    def _reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return orig_rs(input_, group, input_split_sizes, use_global_buffer)
+        full = input_.clone()
+        dist.all_reduce(full, group=group)
+        return torch.split(full, list(input_split_sizes))[group.rank()].contiguous()
+
+    _gather_along_first_dim._megarl_patched = True
+    mappings._gather_along_first_dim = _gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = _reduce_scatter_along_first_dim
+
+
+# --- P9 -------------------------------------------------------------------------------------
+def patch_distributed_optimizer_checkpoint():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if getattr(DistributedOptimizer, "_megarl_patched", False):
+        return
+    orig_sd = DistributedOptimizer.sharded_state_dict
+    orig_set = DistributedOptimizer._set_main_param_and_optimizer_states
+    orig_load = DistributedOptimizer.load_state_dict
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, sharding_type=None,
+                           metadata=None):
+        # torch AdamW has no state before its first step; the upstream code asserts one `step`.
+        if is_loading and len(self.optimizer.state) == 0:
+            self._init_optimizer_states_with_dummy_values()
+        return orig_sd(self, model_sharded_state_dict, is_loading=is_loading,
+                       sharding_type=sharding_type, metadata=metadata)
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return orig_set(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        dst = {"param": main_param, **self.optimizer.state[main_param]}
+        with torch.no_grad():
+            for key, value in dst.items():
+                if key in tensors:
+                    value.copy_(tensors[key])
+
+    def load_state_dict(self, state_dict):
+        # Upstream assigns ONE shared `step` tensor to every param; torch AdamW increments it
+        # per param, so Adam's bias correction silently goes wrong after a resume.
+        orig_load(self, state_dict)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+    DistributedOptimizer.sharded_state_dict = sharded_state_dict
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+    DistributedOptimizer.load_state_dict = load_state_dict
+    DistributedOptimizer._megarl_patched = True
+
+
+def apply_all():
+    """Apply P1-P7 and P9 (idempotent)."""
+    patch_current_device()
+    patch_causal_masks()
+    patch_rng_tracker()
+    install_cuda_to_cpu_mode()
+    patch_moe_router_without_te()
+    patch_moe_alltoall()
+    patch_uneven_collectives()
+    patch_distributed_optimizer_checkpoint()
