@@ -1,0 +1,261 @@
+"""Advantage estimators: GRPO, Dr.GRPO, RLOO, REINFORCE++ and GAE, over packed response tokens.
+
+Layout (see :mod:`megarl.algorithms.packed`): per-token tensors are packed 1-D over all response
+tokens of the batch (``_T``), sequence boundaries are ``cu_seqlens_N1``, ``mask_T`` marks the
+tokens that count, ``group_ids_N`` labels the prompt each sequence was sampled from (any integers;
+sequences of one prompt share a label, groups need not be contiguous or equally sized).
+
+Every estimator has the registry signature::
+
+    fn(*, rewards_N, cu_seqlens_N1, mask_T, group_ids_N,
+       token_rewards_T=None, values_T=None, **options) -> AdvantageResult(advantages_T, returns_T)
+
+``rewards_N`` is the outcome score of each sequence (the verifiable reward). ``token_rewards_T``,
+when given, adds dense per-token rewards (typically the KL penalty from
+:func:`megarl.algorithms.kl.kl_reward_penalty`). The outcome estimators (GRPO, RLOO) score a
+sequence by ``rewards_N + sum of its masked token rewards``; the per-token ones (REINFORCE++, GAE)
+place ``rewards_N`` on the last masked-in token and add ``token_rewards_T``.
+Advantages are 0 outside ``mask_T``.
+
+Algorithms and deviations:
+- GRPO (Shao et al. 2024, DeepSeekMath): A_i = (r_i - mean_g) / (std_g + eps), the unbiased
+  (n - 1) std as in verl. Dr.GRPO (Liu et al. 2025) drops the std division (``norm_by_std=False``).
+  A group whose rewards are all equal gets exactly 0 (no float residue from the mean), and a group
+  of one sequence gets 0.
+- RLOO (Ahmadian et al. 2024): A_i = r_i - mean of the other n - 1 rewards of its group; a group of
+  one has no baseline and gets 0 (the paper assumes n >= 2).
+- REINFORCE++ (Hu 2025): per-token discounted returns G_t = r_t + gamma * G_{t+1}, then whitened
+  over all masked tokens of the batch (unbiased std). ``group_baseline=True`` first subtracts the
+  group mean from the outcome rewards ("REINFORCE++-baseline"). Masked-out tokens inside a response
+  neither receive reward nor discount: the return passes through them unchanged.
+- GAE (Schulman et al. 2016) with a critic's ``values_T``: delta_t = r_t + gamma V_{t+1} - V_t,
+  A_t = delta_t + gamma lam A_{t+1}, V = 0 after the last token (no bootstrap: responses end or are
+  truncated, and truncated ones are treated as terminal, as in verl/OpenRLHF). Masked-out tokens
+  are skipped by the recursion (value and advantage carry over them). Returns are A + V before
+  whitening; advantages are whitened over the batch unless ``whiten=False``.
+
+Shape legend: N sequences, T packed response tokens, L longest response, G groups, N1 = N + 1.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from megarl.algorithms.packed import (
+    broadcast_to_tokens,
+    check_cu_seqlens,
+    group_index,
+    last_token_index_N,
+    masked_whiten,
+    pad_by_seq,
+    segment_sum,
+    unpad_by_seq,
+)
+
+__all__ = [
+    "AdvantageResult",
+    "grpo_advantages",
+    "drgrpo_advantages",
+    "rloo_advantages",
+    "reinforce_pp_advantages",
+    "gae_advantages",
+    "outcome_to_token_rewards",
+    "discounted_returns",
+]
+
+
+class AdvantageResult(NamedTuple):
+    advantages_T: torch.Tensor
+    """Per-token advantages, 0 outside the mask."""
+    returns_T: torch.Tensor
+    """Per-token regression targets for a critic (GAE) or the un-whitened returns; equals the
+    advantages for the group estimators, which have no critic."""
+
+
+def _float(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype.is_floating_point else x.to(torch.float32)
+
+
+def _validate(rewards_N: torch.Tensor, cu_seqlens_N1: torch.Tensor, mask_T: torch.Tensor, group_ids_N: torch.Tensor | None) -> None:
+    check_cu_seqlens(cu_seqlens_N1, num_tokens=mask_T.numel())
+    num_seqs = cu_seqlens_N1.numel() - 1
+    if rewards_N.dim() != 1 or rewards_N.numel() != num_seqs:
+        raise ValueError(f"rewards_N must have one value per sequence ({num_seqs}), got shape {tuple(rewards_N.shape)}")
+    if group_ids_N is not None and group_ids_N.shape != rewards_N.shape:
+        raise ValueError(f"group_ids_N must have shape ({num_seqs},), got {tuple(group_ids_N.shape)}")
+
+
+def _check_token_tensor(name: str, x: torch.Tensor | None, mask_T: torch.Tensor) -> None:
+    if x is not None and x.shape != mask_T.shape:
+        raise ValueError(f"{name} must have the packed shape {tuple(mask_T.shape)}, got {tuple(x.shape)}")
+
+
+def _sequence_scores(rewards_N, token_rewards_T, mask_T, cu_seqlens_N1) -> torch.Tensor:
+    scores_N = _float(rewards_N)
+    if token_rewards_T is not None:
+        _check_token_tensor("token_rewards_T", token_rewards_T, mask_T)
+        scores_N = scores_N + segment_sum(_float(token_rewards_T) * mask_T.to(scores_N.dtype), cu_seqlens_N1)
+    return scores_N
+
+
+def _group_stats(scores_N: torch.Tensor, group_ids_N: torch.Tensor):
+    """Per-sequence (count, sum, constant-group flag) of the sequence's group."""
+    index_N, num_groups = group_index(group_ids_N)
+    count_G = torch.zeros(num_groups, dtype=scores_N.dtype, device=scores_N.device).index_add(0, index_N, torch.ones_like(scores_N))
+    sum_G = torch.zeros_like(count_G).index_add(0, index_N, scores_N)
+    max_G = torch.full_like(count_G, -torch.inf).scatter_reduce(0, index_N, scores_N, reduce="amax")
+    min_G = torch.full_like(count_G, torch.inf).scatter_reduce(0, index_N, scores_N, reduce="amin")
+    return index_N, count_G, sum_G, (max_G == min_G)
+
+
+def grpo_advantages(
+    *,
+    rewards_N: torch.Tensor,
+    cu_seqlens_N1: torch.Tensor,
+    mask_T: torch.Tensor,
+    group_ids_N: torch.Tensor,
+    token_rewards_T: torch.Tensor | None = None,
+    values_T: torch.Tensor | None = None,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> AdvantageResult:
+    """GRPO group-relative advantage, broadcast to the sequence's tokens (``values_T`` is unused)."""
+    _validate(rewards_N, cu_seqlens_N1, mask_T, group_ids_N)
+    scores_N = _sequence_scores(rewards_N, token_rewards_T, mask_T, cu_seqlens_N1)
+    index_N, count_G, sum_G, constant_G = _group_stats(scores_N, group_ids_N)
+    dev_N = scores_N - (sum_G / count_G)[index_N]
+    dev_N = torch.where(constant_G[index_N], torch.zeros_like(dev_N), dev_N)
+    if norm_by_std:
+        var_G = torch.zeros_like(sum_G).index_add(0, index_N, dev_N**2) / (count_G - 1.0).clamp(min=1.0)
+        dev_N = dev_N / (var_G.sqrt()[index_N] + eps)
+    adv_T = broadcast_to_tokens(dev_N, cu_seqlens_N1) * mask_T.to(dev_N.dtype)
+    return AdvantageResult(adv_T, adv_T.clone())
+
+
+def drgrpo_advantages(**kwargs) -> AdvantageResult:
+    """Dr.GRPO: GRPO without the std division (pair it with ``seq-mean-token-sum-norm``)."""
+    kwargs.setdefault("norm_by_std", False)
+    return grpo_advantages(**kwargs)
+
+
+def rloo_advantages(
+    *,
+    rewards_N: torch.Tensor,
+    cu_seqlens_N1: torch.Tensor,
+    mask_T: torch.Tensor,
+    group_ids_N: torch.Tensor,
+    token_rewards_T: torch.Tensor | None = None,
+    values_T: torch.Tensor | None = None,
+) -> AdvantageResult:
+    """RLOO: reward minus the mean reward of the other samples of the same prompt."""
+    _validate(rewards_N, cu_seqlens_N1, mask_T, group_ids_N)
+    scores_N = _sequence_scores(rewards_N, token_rewards_T, mask_T, cu_seqlens_N1)
+    index_N, count_G, sum_G, constant_G = _group_stats(scores_N, group_ids_N)
+    count_N = count_G[index_N]
+    baseline_N = (sum_G[index_N] - scores_N) / (count_N - 1.0).clamp(min=1.0)
+    adv_N = scores_N - baseline_N
+    zero_N = constant_G[index_N] | (count_N < 2)
+    adv_N = torch.where(zero_N, torch.zeros_like(adv_N), adv_N)
+    adv_T = broadcast_to_tokens(adv_N, cu_seqlens_N1) * mask_T.to(adv_N.dtype)
+    return AdvantageResult(adv_T, adv_T.clone())
+
+
+def outcome_to_token_rewards(
+    rewards_N: torch.Tensor, mask_T: torch.Tensor, cu_seqlens_N1: torch.Tensor, token_rewards_T: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Place each sequence's outcome reward on its last masked-in token (plus dense ``token_rewards_T``).
+
+    A sequence without any masked-in token has nowhere to put its reward; it is dropped.
+    """
+    rewards_N = _float(rewards_N)
+    out_T = torch.zeros(mask_T.shape, dtype=rewards_N.dtype, device=rewards_N.device)
+    if token_rewards_T is not None:
+        _check_token_tensor("token_rewards_T", token_rewards_T, mask_T)
+        out_T = out_T + _float(token_rewards_T) * mask_T.to(rewards_N.dtype)
+    last_N = last_token_index_N(mask_T, cu_seqlens_N1)
+    has_N = last_N >= 0
+    return out_T.index_add(0, last_N[has_N], rewards_N[has_N])
+
+
+def discounted_returns(
+    token_rewards_T: torch.Tensor, mask_T: torch.Tensor, cu_seqlens_N1: torch.Tensor, gamma: float = 1.0
+) -> torch.Tensor:
+    """G_t = r_t + gamma * G_{t+1} within each sequence; masked-out tokens pass the return through."""
+    rewards_NL = pad_by_seq(_float(token_rewards_T), cu_seqlens_N1)
+    mask_NL = pad_by_seq(mask_T.to(rewards_NL.dtype), cu_seqlens_N1)
+    returns_NL = torch.zeros_like(rewards_NL)
+    running_N = rewards_NL.new_zeros(rewards_NL.shape[0])
+    for t in reversed(range(rewards_NL.shape[1])):
+        m_N = mask_NL[:, t]
+        running_N = m_N * (rewards_NL[:, t] + gamma * running_N) + (1.0 - m_N) * running_N
+        returns_NL[:, t] = running_N
+    return unpad_by_seq(returns_NL, cu_seqlens_N1) * mask_T.to(rewards_NL.dtype)
+
+
+def reinforce_pp_advantages(
+    *,
+    rewards_N: torch.Tensor,
+    cu_seqlens_N1: torch.Tensor,
+    mask_T: torch.Tensor,
+    group_ids_N: torch.Tensor | None = None,
+    token_rewards_T: torch.Tensor | None = None,
+    values_T: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    group_baseline: bool = False,
+    eps: float = 1e-6,
+) -> AdvantageResult:
+    """REINFORCE++: discounted per-token returns, whitened over the whole batch."""
+    _validate(rewards_N, cu_seqlens_N1, mask_T, group_ids_N)
+    rewards_N = _float(rewards_N)
+    if group_baseline:
+        if group_ids_N is None:
+            raise ValueError("group_baseline=True needs group_ids_N")
+        index_N, count_G, sum_G, _ = _group_stats(rewards_N, group_ids_N)
+        rewards_N = rewards_N - (sum_G / count_G)[index_N]
+    token_rewards_T = outcome_to_token_rewards(rewards_N, mask_T, cu_seqlens_N1, token_rewards_T)
+    returns_T = discounted_returns(token_rewards_T, mask_T, cu_seqlens_N1, gamma)
+    return AdvantageResult(masked_whiten(returns_T, mask_T, eps=eps), returns_T)
+
+
+def gae_advantages(
+    *,
+    rewards_N: torch.Tensor,
+    cu_seqlens_N1: torch.Tensor,
+    mask_T: torch.Tensor,
+    group_ids_N: torch.Tensor | None = None,
+    token_rewards_T: torch.Tensor | None = None,
+    values_T: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    whiten: bool = True,
+    eps: float = 1e-6,
+) -> AdvantageResult:
+    """Generalised advantage estimation for PPO with a critic (``values_T`` required)."""
+    _validate(rewards_N, cu_seqlens_N1, mask_T, group_ids_N)
+    if values_T is None:
+        raise ValueError("gae needs values_T (the critic's per-token values); got None")
+    _check_token_tensor("values_T", values_T, mask_T)
+    token_rewards_T = outcome_to_token_rewards(rewards_N, mask_T, cu_seqlens_N1, token_rewards_T)
+    values_T = values_T.detach().to(token_rewards_T.dtype)
+    rewards_NL = pad_by_seq(token_rewards_T, cu_seqlens_N1)
+    values_NL = pad_by_seq(values_T, cu_seqlens_N1)
+    mask_NL = pad_by_seq(mask_T.to(rewards_NL.dtype), cu_seqlens_N1)
+    adv_NL = torch.zeros_like(rewards_NL)
+    next_value_N = rewards_NL.new_zeros(rewards_NL.shape[0])
+    last_gae_N = torch.zeros_like(next_value_N)
+    for t in reversed(range(rewards_NL.shape[1])):
+        m_N, v_N = mask_NL[:, t], values_NL[:, t]
+        delta_N = rewards_NL[:, t] + gamma * next_value_N - v_N
+        gae_N = delta_N + gamma * lam * last_gae_N
+        adv_NL[:, t] = gae_N
+        # Masked-out tokens (and padding) are invisible to the recursion: carry both through.
+        next_value_N = m_N * v_N + (1.0 - m_N) * next_value_N
+        last_gae_N = m_N * gae_N + (1.0 - m_N) * last_gae_N
+    mask_f = mask_T.to(rewards_NL.dtype)
+    adv_T = unpad_by_seq(adv_NL, cu_seqlens_N1) * mask_f
+    returns_T = (adv_T + values_T) * mask_f
+    if whiten:
+        adv_T = masked_whiten(adv_T, mask_T, eps=eps)
+    return AdvantageResult(adv_T, returns_T)

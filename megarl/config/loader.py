@@ -1,0 +1,225 @@
+"""YAML recipe + dotted command-line overrides -> a validated :class:`MegaRLConfig`.
+
+OmegaConf parses the YAML, the ``key=value`` overrides (YAML value grammar) and ``${...}``
+interpolations; the schema walk here checks every key and type itself so that each error names
+the full key path, the offending value and what is expected, and suggests the closest valid key
+for a typo.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from megarl.config.errors import ConfigError, ConfigValueError, invalid_value
+from megarl.config.schema import MegaRLConfig
+
+_TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str", type(None): "null"}
+
+
+def all_keys(cls=MegaRLConfig, prefix: str = "") -> list[str]:
+    """Every valid dotted key of the schema (sections and fields)."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        keys.append(key)
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            keys += all_keys(hint, key + ".")
+    return keys
+
+
+def _describe(hint) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(hint))
+    return _TYPE_NAMES.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _coerce(value, hint, key: str):
+    """Return ``value`` checked against the annotation ``hint`` (int is accepted for float)."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(hint):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                continue
+        raise _type_error(key, value, hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value in choices and not isinstance(value, bool):
+            return value
+        if any(type(value) is type(c) for c in choices):
+            raise invalid_value(key, value, _describe(hint))
+        raise _type_error(key, value, hint)
+    if hint is type(None):
+        if value is None:
+            return None
+        raise _type_error(key, value, hint)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise _type_error(key, value, hint)
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _type_error(key, value, hint)
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _type_error(key, value, hint)
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise _type_error(key, value, hint)
+    raise TypeError(f"schema type {hint!r} of {key} is not supported by the loader")
+
+
+def _type_error(key, value, hint) -> ConfigError:
+    return ConfigError(key, f"wrong type for config key '{key}': got {value!r} "
+                            f"({type(value).__name__}), expected {_describe(hint)}")
+
+
+def _build(cls, data: Any, prefix: str):
+    if not isinstance(data, dict):
+        raise ConfigError(prefix.rstrip("."), f"config key '{prefix.rstrip('.')}' must be a mapping of "
+                                              f"fields, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for name in data:
+        if name not in known:
+            key = f"{prefix}{name}"
+            close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(key, f"unknown config key '{key}'{hint}")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        key = f"{prefix}{name}"
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value if value is not None else {}, key + ".")
+        else:
+            kwargs[name] = _coerce(value, hint, key)
+    section = cls(**kwargs)
+    if hasattr(section, "validate"):
+        try:
+            section.validate()
+        except ConfigValueError as err:
+            raise invalid_value(f"{prefix}{err.field}", err.value, err.expected) from None
+    return section
+
+
+def _parse_overrides(overrides: list[str]):
+    from omegaconf import OmegaConf
+
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(item, f"override {item!r} is not of the form section.field=value")
+    return OmegaConf.from_dotlist(list(overrides))
+
+
+def load_config(recipe: str | os.PathLike | None = None, overrides: list[str] = (), *,
+                check_model: bool = True) -> MegaRLConfig:
+    """Load ``recipe`` (YAML; None for the defaults), apply ``overrides`` and validate."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    base = OmegaConf.create({})
+    if recipe is not None:
+        path = Path(recipe)
+        if not path.is_file():
+            raise ConfigError("", f"config file {str(path)!r} not found")
+        try:
+            base = OmegaConf.load(path)
+        except Exception as err:
+            raise ConfigError("", f"config file {str(path)!r} is not valid YAML: {err}") from None
+        if not isinstance(OmegaConf.to_container(base), dict):
+            raise ConfigError("", f"config file {str(path)!r} must hold a mapping of sections")
+    try:
+        merged = OmegaConf.merge(base, _parse_overrides(list(overrides)))
+        data = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as err:
+        raise ConfigError(getattr(err, "full_key", "") or "", f"config error: {err}") from None
+    cfg = _build(MegaRLConfig, data, "")
+    if check_model:
+        cross_validate(cfg)
+    return cfg
+
+
+def model_hf_config(path: str) -> dict | None:
+    """config.json of the model, if it can be read without building anything."""
+    from megarl.models.fixtures import FIXTURES, fixture_dir, tiny_config
+
+    if path.startswith("fixture:"):
+        name = path[len("fixture:"):]
+        if name not in FIXTURES:
+            return None
+        folder = fixture_dir(name)
+        if not (folder / "config.json").exists():
+            return tiny_config(name[len("tiny-"):]).to_dict() if name.startswith("tiny-") else None
+    else:
+        folder = Path(path)
+    cfg_file = folder / "config.json"
+    return json.loads(cfg_file.read_text()) if cfg_file.is_file() else None
+
+
+def cross_validate(cfg: MegaRLConfig) -> None:
+    """Rules that involve several sections or the model's own config.json."""
+    from megarl.models.fixtures import FIXTURES
+    from megarl.parallel.topology import ModelDims, Topology, TopologyError
+
+    path = cfg.model.path
+    if path.startswith("fixture:") and path[len("fixture:"):] not in FIXTURES:
+        raise invalid_value("model.path", path, "fixture:<name> with name one of " + ", ".join(FIXTURES))
+    if not path.startswith("fixture:") and not Path(path).is_dir():
+        raise invalid_value("model.path", path, "an existing HF checkpoint folder or fixture:<name>")
+    hf = model_hf_config(path)
+    if hf is not None and not path.startswith("fixture:") and "model_type" not in hf:
+        raise invalid_value("model.path", path, "a folder whose config.json has a model_type")
+    if hf is None:
+        return
+    dims = ModelDims.from_hf_config(hf)
+    t = cfg.topology
+    try:
+        Topology(t.world_size, t.tp, t.pp, t.vpp, t.ep, t.etp, t.cp, t.sp).check_model(dims)
+    except TopologyError as err:
+        raise invalid_value(f"topology.{err.field}", err.value,
+                            f"{err.expected} (model {path})") from None
+    if dims.num_attention_heads % cfg.rollout.tp:
+        raise invalid_value("rollout.tp", cfg.rollout.tp,
+                            f"a divisor of num_attention_heads={dims.num_attention_heads} (model {path})")
+    max_len = hf.get("max_position_embeddings")
+    total = cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens
+    if max_len and total > max_len:
+        raise invalid_value("rollout.max_response_tokens", cfg.rollout.max_response_tokens,
+                            f"max_prompt_tokens + max_response_tokens <= max_position_embeddings={max_len}")
+    if total > cfg.data.max_tokens_per_micro_batch:
+        raise invalid_value("data.max_tokens_per_micro_batch", cfg.data.max_tokens_per_micro_batch,
+                            f"at least max_prompt_tokens + max_response_tokens = {total} "
+                            "(one whole sequence must fit a micro-batch)")
+
+
+def to_yaml(cfg: MegaRLConfig) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_resolved(cfg: MegaRLConfig, run_dir: str | os.PathLike) -> Path:
+    """Write the resolved config to <run_dir>/config.yaml (atomically) and return the path."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = run_dir / "config.yaml"
+    tmp = out.with_suffix(".yaml.tmp")
+    tmp.write_text(to_yaml(cfg))
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,295 @@
+"""The typed configuration: one dataclass per component, a docstring under every field.
+
+A recipe is YAML with one mapping per section (``topology``, ``model``, ``rollout``,
+``algorithm``, ``data``, ``trainer``, ``checkpoint``, ``logging``); any field can be overridden
+on the command line as ``section.field=value``. :mod:`megarl.config.loader` turns both into a
+:class:`MegaRLConfig` and reports every mistake with its full key path.
+
+Each section validates its own values in ``validate()`` by raising
+:class:`megarl.config.errors.ConfigValueError` with the field name; rules that need two sections
+(or the model's own config.json) live in :func:`megarl.config.loader.cross_validate`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from megarl.config.errors import ConfigValueError
+
+
+def _positive(section, *names, allow_zero=False):
+    for name in names:
+        value = getattr(section, name)
+        if value is None:
+            continue
+        if value < 0 or (value == 0 and not allow_zero):
+            raise ConfigValueError(name, value, "a non-negative number" if allow_zero else "a positive number")
+
+
+@dataclass
+class TopologyConfig:
+    world_size: int = 1
+    """Training processes: one per GPU, or gloo ranks on CPU. dp = world_size / (tp*cp*pp)."""
+    tp: int = 1
+    """Tensor-parallel size of the Megatron policy; must divide attention and KV heads."""
+    pp: int = 1
+    """Pipeline-parallel stages; pp*vpp must divide the number of layers."""
+    vpp: Optional[int] = None
+    """Virtual pipeline chunks per stage (interleaved 1F1B); null for none."""
+    ep: int = 1
+    """Expert-parallel size (MoE); must divide the number of experts."""
+    etp: Optional[int] = None
+    """Expert tensor-parallel size; null means the same as tp."""
+    cp: int = 1
+    """Context-parallel size: each packed sequence is split across cp ranks."""
+    sp: bool = False
+    """Sequence parallelism (needs tp > 1)."""
+
+    def validate(self):
+        from megarl.parallel.topology import Topology, TopologyError
+
+        try:
+            Topology(self.world_size, self.tp, self.pp, self.vpp, self.ep, self.etp, self.cp, self.sp)
+        except TopologyError as err:
+            raise ConfigValueError(err.field, err.value, err.expected) from None
+
+
+@dataclass
+class ModelConfig:
+    path: str = "fixture:smollm2"
+    """HF checkpoint folder, or fixture:<name> (smollm2, tiny-llama, tiny-qwen2, tiny-qwen3,
+    tiny-qwen3_moe, tiny-deepseek_v3) built offline into ~/.cache/megarl."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype of the policy and of vLLM (fp32 on CPU for exact parity checks)."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recompute granularity of the Megatron policy."""
+    moe_aux_loss_coeff: float = 0.0
+    """MoE router load-balancing loss coefficient (reported every step)."""
+    moe_z_loss_coeff: float = 0.0
+    """MoE router z-loss coefficient."""
+
+    def validate(self):
+        if not self.path:
+            raise ConfigValueError("path", self.path, "an HF folder or fixture:<name>")
+        _positive(self, "moe_aux_loss_coeff", "moe_z_loss_coeff", allow_zero=True)
+
+
+@dataclass
+class RolloutConfig:
+    tp: int = 1
+    """vLLM tensor-parallel size (may differ from topology.tp; the weight bridge reshards)."""
+    n: int = 4
+    """Samples per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature (1.0 keeps vLLM's log-probs comparable with the policy's)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables it."""
+    max_prompt_tokens: int = 256
+    """Prompts longer than this are rejected with an error naming the prompt."""
+    max_response_tokens: int = 128
+    """Generation budget per sample; longer responses are truncated (and counted as clipped)."""
+    kv_cache_gib: float = 1.0
+    """KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE); on GPU see gpu_memory_utilization."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take when colocated with training."""
+    placement: Literal["colocated", "split"] = "colocated"
+    """colocated: rollout and training take turns on the same devices; split: separate pools."""
+    enforce_eager: bool = True
+    """Disable CUDA graphs / torch.compile in vLLM (faster start, required on CPU CI)."""
+
+    def validate(self):
+        _positive(self, "tp", "n", "max_prompt_tokens", "max_response_tokens", "kv_cache_gib")
+        _positive(self, "temperature", allow_zero=True)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigValueError("top_p", self.top_p, "a number in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ConfigValueError("top_k", self.top_k, "-1 (disabled) or a positive integer")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigValueError("gpu_memory_utilization", self.gpu_memory_utilization, "a number in (0, 1]")
+
+
+@dataclass
+class AlgorithmConfig:
+    name: Literal["grpo", "drgrpo", "dapo", "ppo", "rloo", "reinforce_pp", "gspo"] = "grpo"
+    """RL algorithm; sets the advantage estimator and policy loss unless overridden below."""
+    advantage: Optional[str] = None
+    """Advantage estimator by registry name or dotted path (module:function); null: from name."""
+    policy_loss: Optional[str] = None
+    """Policy loss by registry name or dotted path; null: from name."""
+    clip_low: float = 0.2
+    """PPO ratio clip below 1 (1 - clip_low)."""
+    clip_high: float = 0.2
+    """PPO ratio clip above 1 (1 + clip_high); DAPO's clip-higher uses 0.28."""
+    dual_clip_c: Optional[float] = None
+    """Dual-clip bound c > 1 for negative advantages; null disables it."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm"] = "token-mean"
+    """How per-token losses are averaged (the last is Dr.GRPO's constant normaliser)."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide group-centred rewards by the group std (Dr.GRPO turns this off)."""
+    kl_coef: float = 0.0
+    """KL-to-reference coefficient; 0 disables the reference policy."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (k3 is the low-variance one)."""
+    kl_mode: Literal["loss", "reward"] = "loss"
+    """Apply the KL as a loss term or as a per-token reward penalty."""
+    kl_target: Optional[float] = None
+    """Adaptive KL controller target; null keeps kl_coef fixed."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch (the rollout batch is split into this many mini-batches)."""
+    gamma: float = 1.0
+    """Discount (PPO/GAE, REINFORCE++)."""
+    lam: float = 1.0
+    """GAE lambda."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample more prompts."""
+    max_sampling_tries: int = 3
+    """DAPO dynamic sampling: generation rounds per step before training on what is there."""
+    overlong_buffer: int = 0
+    """DAPO overlong shaping: tokens before max_response_tokens where the soft penalty starts; 0 off."""
+
+    def validate(self):
+        _positive(self, "clip_low", "clip_high", "ppo_epochs", "mini_batches", "max_sampling_tries")
+        _positive(self, "kl_coef", "entropy_coef", "overlong_buffer", allow_zero=True)
+        if self.clip_low >= 1:
+            raise ConfigValueError("clip_low", self.clip_low, "a number in (0, 1)")
+        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
+            raise ConfigValueError("dual_clip_c", self.dual_clip_c, "null or a number > 1")
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ConfigValueError("gamma", self.gamma, "a number in [0, 1]")
+        if not 0.0 <= self.lam <= 1.0:
+            raise ConfigValueError("lam", self.lam, "a number in [0, 1]")
+
+
+@dataclass
+class DataConfig:
+    task: str = "arithmetic"
+    """'arithmetic' (built-in offline generator) or a .parquet/.jsonl file with columns
+    prompt, answer, data_source."""
+    difficulty: int = 1
+    """Arithmetic task level (1 = one-digit sums; higher adds digits, operands, products)."""
+    prompts_per_step: int = 8
+    """Prompts per RL step (each sampled rollout.n times)."""
+    eval_prompts: int = 32
+    """Held-out prompts scored greedily at each evaluation."""
+    reward: str = "gsm8k"
+    """Reward function: registry name (gsm8k, boxed, format) or dotted path module:function."""
+    reward_timeout_s: float = 10.0
+    """Per-sample reward timeout; a timeout or exception scores 0 and is counted."""
+    max_tokens_per_micro_batch: int = 4096
+    """Hard token budget of one packed micro-batch."""
+    balance_cost: Literal["tokens", "flops"] = "tokens"
+    """Cost model for balancing sequences across data-parallel ranks and micro-batches."""
+    use_chat_template: bool = True
+    """Wrap prompts with the tokenizer's chat template."""
+    seed: int = 0
+    """Seed of the prompt order (and of the arithmetic generator)."""
+
+    def validate(self):
+        _positive(self, "difficulty", "prompts_per_step", "max_tokens_per_micro_batch", "reward_timeout_s")
+        _positive(self, "eval_prompts", allow_zero=True)
+        if self.task != "arithmetic" and not self.task.endswith((".parquet", ".jsonl")):
+            raise ConfigValueError("task", self.task, "'arithmetic' or a path ending in .parquet or .jsonl")
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 20
+    """RL steps (generate -> score -> train -> sync) to run."""
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 0
+    """Linear warm-up steps (optimizer steps)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip; 0 disables it."""
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """Optimizer (Megatron's distributed optimizer wraps it)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    seed: int = 42
+    """Seed of model init, sampling and dropout."""
+    run_dir: str = "runs/quickstart"
+    """Where metrics, the resolved config, plots and checkpoints go."""
+    eval_every: int = 0
+    """Evaluate every this many steps; 0 disables evaluation."""
+    logprob_diff_threshold: float = 0.5
+    """Stop the run when mean |vLLM - Megatron| log-prob of sampled tokens exceeds this
+    (a broken weight sync); 0 disables the alarm."""
+
+    def validate(self):
+        _positive(self, "steps", "lr", "adam_beta1", "adam_beta2")
+        _positive(self, "min_lr", "warmup_steps", "weight_decay", "grad_clip", "eval_every",
+                  "logprob_diff_threshold", allow_zero=True)
+        if self.min_lr > self.lr:
+            raise ConfigValueError("min_lr", self.min_lr, f"a value <= lr ({self.lr})")
+        for name in ("adam_beta1", "adam_beta2"):
+            if getattr(self, name) >= 1:
+                raise ConfigValueError(name, getattr(self, name), "a number in (0, 1)")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None
+    """Checkpoint folder; null means <trainer.run_dir>/checkpoints."""
+    save_every: int = 0
+    """Save every this many steps (and at the end); 0 disables checkpoints."""
+    keep_last: int = 2
+    """Complete checkpoints kept; older ones are deleted after a new one is complete."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in dir (also: megarl train --resume)."""
+
+    def validate(self):
+        _positive(self, "save_every", allow_zero=True)
+        _positive(self, "keep_last")
+
+
+@dataclass
+class LoggingConfig:
+    stdout: bool = True
+    """Print a metrics table every step."""
+    jsonl: bool = True
+    """Append metrics to <run_dir>/metrics.jsonl."""
+    tensorboard: bool = True
+    """Write TensorBoard events to <run_dir>/tensorboard."""
+    progress: bool = True
+    """Show a live progress line."""
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    """Log level of the megarl logger."""
+
+    def validate(self):
+        pass
+
+
+@dataclass
+class MegaRLConfig:
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    """Parallel layout of the Megatron policy."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Which model and how it is built."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """vLLM generation."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages, losses and KL."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts, rewards and batching."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Optimisation and the run loop."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Saving and resuming."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics and progress output."""
+
+
+SECTIONS = ("topology", "model", "rollout", "algorithm", "data", "trainer", "checkpoint", "logging")

