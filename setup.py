@@ -20,7 +20,8 @@ CORE = [
     "pyarrow>=14",                    # parquet prompt datasets
     "math-verify>=0.7",               # \boxed{} answer equivalence
     "matplotlib>=3.7",                # megarl plot
-    "gguf>=0.10",                     # SmolLM2 fixture ships as GGUF
+    "gguf>=0.10",                     # SmolLM2 fixture ships as GGUF ...
+    "accelerate>=1.0",                # ... and transformers needs accelerate to load a GGUF file
 ]
 
 EXTRAS = {

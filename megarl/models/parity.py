@@ -75,6 +75,8 @@ def compare(path: str, num_new: int = 16, one_at_a_time: bool = False, tp: int =
         "first_mismatch": first_mismatch,
         "prompt_logprob_max_abs_diff": max(diffs),
         "prompt_logprob_count": len(diffs),
+        # the first scored position attends to one key only: rope- and softmax-scale-invariant
+        "first_position_max_abs_diff": max(abs(x[0] - y[0]) for x, y in zip(hf_lp, vl_lp)),
         "hf_greedy": hf_greedy,
         "vllm_greedy": vl_greedy,
     }

