@@ -3,6 +3,7 @@
     megarl fixtures [NAME ...] [--rebuild] [--verify]   build offline model fixtures
     megarl config [RECIPE] [key=value ...]             validate, print and save a resolved config
     megarl generate [RECIPE] [key=value ...]           sample from the model with vLLM
+    megarl plot RUN_DIR                                PNG curves from <run_dir>/metrics.jsonl
 """
 from __future__ import annotations
 
@@ -111,6 +112,13 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _cmd_plot(args) -> int:
+    from megarl.observability.plot import plot_run
+
+    print(f"written {plot_run(args.run_dir, args.out)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="megarl", description="Megatron-native RL post-training with vLLM rollout")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -134,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); default: task prompts")
     p.add_argument("--num-prompts", type=int, default=8)
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("plot", help="write PNG curves (reward, length, KL, phase times) of a run")
+    p.add_argument("run_dir")
+    p.add_argument("--out", help="PNG path (default: <run_dir>/curves.png)")
+    p.set_defaults(func=_cmd_plot)
     return ap
 
 

@@ -1,0 +1,5 @@
+"""Metrics sinks (stdout, JSONL, TensorBoard), progress, phase timers, GPU stats and plots."""
+from megarl.observability.gpu import gpu_stats
+from megarl.observability.metrics import MetricsLogger, PhaseTimer, read_jsonl
+
+__all__ = ["MetricsLogger", "PhaseTimer", "gpu_stats", "read_jsonl"]

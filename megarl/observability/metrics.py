@@ -1,0 +1,119 @@
+"""Per-step metrics: a stdout table, JSONL, TensorBoard and a live progress line.
+
+One :class:`MetricsLogger` per run (on the controller). ``log(step, metrics)`` writes every sink;
+values must be plain numbers. JSONL lines are flushed per step so a killed run keeps every
+completed step; on resume the logger drops lines of steps at or after the resumed step, so the
+file never holds a step twice.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+
+class PhaseTimer:
+    """Accumulates wall seconds per named phase: ``with timer("generate"): ...``."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, phase: str):
+        return _Phase(self, phase)
+
+    def pop(self) -> dict[str, float]:
+        out, self.seconds = {f"time/{k}_s": v for k, v in self.seconds.items()}, {}
+        return out
+
+
+class _Phase:
+    def __init__(self, timer: PhaseTimer, phase: str):
+        self.timer, self.phase = timer, phase
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.timer.seconds[self.phase] = self.timer.seconds.get(self.phase, 0.0) + time.perf_counter() - self.t0
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
+            return f"{value:.3e}"
+        return f"{value:.4f}"
+    return str(value)
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str | os.PathLike, *, stdout: bool = True, jsonl: bool = True,
+                 tensorboard: bool = True, progress: bool = True, total_steps: int | None = None,
+                 resume_step: int | None = None, stream=None):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.stdout, self.progress, self.total_steps = stdout, progress, total_steps
+        self.stream = stream or sys.stdout
+        self.jsonl_path = self.run_dir / "metrics.jsonl" if jsonl else None
+        if self.jsonl_path is not None and resume_step is not None and self.jsonl_path.exists():
+            self._truncate_from(resume_step)
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        self._t0 = time.time()
+
+    def _truncate_from(self, step: int):
+        keep = [line for line in self.jsonl_path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] < step]
+        tmp = self.jsonl_path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, self.jsonl_path)
+
+    def log(self, step: int, metrics: dict[str, float]):
+        clean = {}
+        for key, value in metrics.items():
+            value = float(value) if not isinstance(value, (int, float)) else value
+            if isinstance(value, float) and not math.isfinite(value):
+                value = None if math.isnan(value) else value
+            clean[key] = value
+        if self.jsonl_path is not None:
+            with open(self.jsonl_path, "a") as fh:
+                fh.write(json.dumps({"step": step, **clean}) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+        if self._tb is not None:
+            for key, value in clean.items():
+                if value is not None:
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self.stdout:
+            self._print_table(step, clean)
+
+    def _print_table(self, step: int, metrics: dict):
+        total = f"/{self.total_steps}" if self.total_steps else ""
+        lines = [f"step {step}{total}  ({time.time() - self._t0:.0f}s elapsed)"]
+        width = max((len(k) for k in metrics), default=0)
+        for key in sorted(metrics):
+            lines.append(f"  {key:<{width}}  {_fmt(metrics[key])}")
+        print("\n".join(lines), file=self.stream, flush=True)
+
+    def progress_line(self, step: int, phase: str, **fields):
+        """One-line live status (carriage-return updated on a terminal)."""
+        if not self.progress:
+            return
+        total = f"/{self.total_steps}" if self.total_steps else ""
+        extra = " ".join(f"{k}={_fmt(v)}" for k, v in fields.items())
+        end = "\r" if getattr(self.stream, "isatty", lambda: False)() else "\n"
+        print(f"[step {step}{total}] {phase:<10s} {extra}", end=end, file=self.stream, flush=True)
+
+    def close(self):
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
