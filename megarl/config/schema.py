@@ -179,7 +179,8 @@ class DataConfig:
     eval_prompts: int = 32
     """Held-out prompts scored greedily at each evaluation."""
     reward: str = "gsm8k"
-    """Reward function: registry name (gsm8k, boxed, format) or dotted path module:function."""
+    """Reward function: registry name (gsm8k, gsm8k_lenient, arithmetic, math, format) or a dotted
+    path module:function with signature fn(response, answer, **extra) -> float."""
     reward_timeout_s: float = 10.0
     """Per-sample reward timeout; a timeout or exception scores 0 and is counted."""
     max_tokens_per_micro_batch: int = 4096

@@ -60,12 +60,13 @@ def vllm_outputs(llm, prompt_ids: list[list[int]], num_new: int, one_at_a_time: 
 
 def compare(path: str, num_new: int = 16, one_at_a_time: bool = False, tp: int = 1) -> dict:
     from megarl.models.fixtures import resolve_model_path
-    from megarl.rollout.vllm_engine import make_llm
+    from megarl.rollout.vllm_engine import make_llm, shutdown_llm
 
     folder = resolve_model_path(path)
     hf_greedy, hf_lp, prompt_ids = hf_reference(folder, PROMPTS, num_new)
     llm = make_llm(folder, tp=tp, max_model_len=256, kv_cache_gib=1, enable_prefix_caching=False)
     vl_greedy, vl_lp = vllm_outputs(llm, prompt_ids, num_new, one_at_a_time)
+    shutdown_llm(llm)
     diffs = [abs(a - b) for x, y in zip(hf_lp, vl_lp) for a, b in zip(x, y)]
     first_mismatch = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
                       for x, y in zip(hf_greedy, vl_greedy)]

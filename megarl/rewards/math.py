@@ -156,6 +156,12 @@ def answers_equivalent(pred: str, gold: str) -> bool:
         return False
 
 
+def gsm8k_lenient_reward(response: str, answer: str, **extra) -> float:
+    """:func:`gsm8k_reward` that falls back to the last number when there is no ``####`` (small
+    models rarely follow the format at first; the quickstart's reward)."""
+    return gsm8k_reward(response, answer, strict=False, **extra)
+
+
 def gsm8k_reward(response: str, answer: str, *, strict: bool = True, format_score: float = 0.0, **extra) -> float:
     """1.0 for the right number after ``####``; ``format_score`` for a wrong one; 0.0 without one."""
     pred = extract_gsm8k_answer(response)

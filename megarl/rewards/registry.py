@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
-from megarl.rewards.math import boxed_math_reward, format_reward, gsm8k_reward
+from megarl.rewards.math import boxed_math_reward, format_reward, gsm8k_lenient_reward, gsm8k_reward
 
 __all__ = ["REWARD_FUNCTIONS", "get_reward_fn", "load_function"]
 
@@ -28,6 +28,7 @@ RewardFn = Callable[..., float]
 
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "gsm8k": gsm8k_reward,
+    "gsm8k_lenient": gsm8k_lenient_reward,
     "arithmetic": gsm8k_reward,
     "math": boxed_math_reward,
     "format": format_reward,

@@ -43,3 +43,15 @@ def make_llm(model: str, *, tp: int = 1, dtype: str = "float32", seed: int = 0,
 
     return LLM(model=model, tensor_parallel_size=tp, dtype=dtype, seed=seed, enforce_eager=enforce_eager,
                max_model_len=max_model_len, **llm_kwargs)
+
+
+def shutdown_llm(llm) -> None:
+    """Stop the engine's processes now (garbage collection alone can leave them running while
+    the next engine starts, doubling memory and CPU use)."""
+    import gc
+
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    del llm
+    gc.collect()

@@ -175,11 +175,11 @@ def test_registry():
     assert get_reward_fn("math") is boxed_math_reward
     assert get_reward_fn("megarl.rewards.math:format_reward") is format_reward
     assert get_reward_fn("megarl.rewards.math.format_reward") is format_reward
-    assert set(REWARD_FUNCTIONS) == {"arithmetic", "format", "gsm8k", "math"}
+    assert set(REWARD_FUNCTIONS) == {"arithmetic", "format", "gsm8k", "gsm8k_lenient", "math"}
     with pytest.raises(ValueError) as err:
         get_reward_fn("countdown")
     assert str(err.value) == (
-        "unknown reward function 'countdown'; known: ['arithmetic', 'format', 'gsm8k', 'math'] "
+        "unknown reward function 'countdown'; known: ['arithmetic', 'format', 'gsm8k', 'gsm8k_lenient', 'math'] "
         "(or a dotted path 'package.module:function')"
     )
     with pytest.raises(TypeError, match="resolved to str, which is not callable"):
@@ -247,3 +247,11 @@ def test_pool_input_errors(pool):
         pool.score("gsm8k", ["a", "b"], ["c"])
     with pytest.raises(ValueError, match="timeout_s must be > 0, got 0"):
         RewardPool(timeout_s=0)
+
+
+def test_gsm8k_lenient_falls_back_to_last_number():
+    lenient = get_reward_fn("gsm8k_lenient")
+    assert lenient("4 + 5 = 9", "9") == 1.0            # no '####': last number 9 is right
+    assert lenient("1 + 8 = 9", "8") == 0.0            # last number 9 is wrong
+    assert lenient("so 8 #### 9", "8") == 0.0          # '####' wins over the last-number fallback
+    assert gsm8k_reward("4 + 5 = 9", "9") == 0.0       # the strict reward needs '####'
