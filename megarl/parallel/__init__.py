@@ -1,4 +1,6 @@
 """Parallel layout: :class:`Topology` (validated sizes) and process-group construction."""
+from megarl.parallel.groups import ParallelGroups, build_process_groups, destroy_process_groups
 from megarl.parallel.topology import ModelDims, Topology, TopologyError
 
-__all__ = ["ModelDims", "Topology", "TopologyError"]
+__all__ = ["ModelDims", "ParallelGroups", "Topology", "TopologyError", "build_process_groups",
+           "destroy_process_groups"]

@@ -59,6 +59,8 @@ class Topology:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise TopologyError(name, value, "null or an integer >= 1")
+        if not isinstance(self.sp, bool):
+            raise TopologyError("sp", self.sp, "true or false")
         if self.sp and self.tp == 1:
             raise TopologyError("sp", self.sp, "false when tp == 1 (sequence parallelism needs tp > 1)")
         if self.vpp is not None and self.vpp > 1 and self.pp == 1:
@@ -100,8 +102,6 @@ class Topology:
         if dims.num_layers % stages:
             raise TopologyError("pp" if self.vpp_size == 1 else "vpp", self.pp if self.vpp_size == 1 else self.vpp,
                                 f"pp*vpp (= {stages}) dividing num_hidden_layers={dims.num_layers}")
-        if dims.num_layers < stages:
-            raise TopologyError("pp", self.pp, f"pp*vpp (= {stages}) at most num_hidden_layers={dims.num_layers}")
         if self.ep > 1 and dims.num_experts == 0:
             raise TopologyError("ep", self.ep, "1 for a dense model (expert parallelism needs a mixture-of-experts model)")
         if dims.num_experts and dims.num_experts % self.ep:

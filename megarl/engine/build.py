@@ -1,0 +1,185 @@
+"""Build a Megatron GPTModel (TE layer spec; CPU TE modules on CPU) from an HF folder.
+
+Steps of :func:`build_model`:
+
+1. Validate the layout against the model (``Topology.check_model``), before any group or model.
+2. Family bridge from the registry (mbridge + :mod:`megarl.models.mbridge_fixes`): HF config ->
+   ``TransformerConfig`` / ``MLATransformerConfig`` and the TE decoder-block spec.
+3. Model chunks (one per virtual pipeline stage) on this rank, HF safetensors -> this rank's
+   shards (mbridge's loader: TP rank 0 reads and scatters; expert shards over the expert-TP group).
+4. Optionally wrap each chunk in megatron-core DDP (grads in a contiguous fp32 buffer, reduced
+   for the distributed optimizer).
+
+Megatron settings chosen here (and why): ``calculate_per_token_loss=False`` with the loss
+scaling described in :mod:`megarl.engine.policy`; ``variable_seq_lengths=True`` (packed rows
+differ per micro-batch); ``batch_p2p_comm=False`` on CPU (gloo swaps VPP messages otherwise);
+sequence parallelism only when ``topology.sp``; MoE dispatcher ``alltoall`` (mbridge default).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megarl.parallel.groups import ParallelGroups
+from megarl.parallel.topology import ModelDims, Topology
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# megatron's LanguageModule writes the attention backend into these env vars and asserts they
+# agree with the next model's choice: building DeepSeek (mbridge picks "fused") after a "auto"
+# model in one process fails. Each build starts from the values the process started with.
+_NVTE_VARS = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+_NVTE_AT_START = {k: os.environ.get(k) for k in _NVTE_VARS}
+
+
+def _restore_attention_env() -> None:
+    for key, value in _NVTE_AT_START.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@dataclass
+class ModelOptions:
+    """What to build (besides the layout)."""
+
+    path: str
+    """HF folder (config.json + safetensors) or ``fixture:<name>``."""
+    dtype: str = "float32"
+    """Parameter dtype: float32 or bfloat16."""
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing aux-loss coefficient (0 = off, the RL default)."""
+    moe_z_loss_coeff: float = 0.0
+    """Router z-loss coefficient (0 = off)."""
+    recompute: str = "none"
+    """Activation recompute: none, selective or full."""
+    config_overrides: dict = field(default_factory=dict)
+    """Extra TransformerConfig fields (win over everything else)."""
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"ModelOptions.dtype={self.dtype!r}, expected one of {sorted(_DTYPES)}")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"ModelOptions.recompute={self.recompute!r}, expected none, selective or full")
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ModelOptions.{name}={getattr(self, name)!r}, expected >= 0")
+
+
+@dataclass
+class BuiltModel:
+    """This rank's model chunks and what was used to build them."""
+
+    chunks: list
+    """One GPTModel per virtual pipeline stage (DDP-wrapped when built with ``ddp=True``)."""
+    bridge: Any
+    """The family's mbridge bridge (name mapping, HF config)."""
+    config: Any
+    """The megatron TransformerConfig shared by the chunks."""
+    hf_config: Any
+    groups: ParallelGroups
+    path: str
+
+    @property
+    def modules(self) -> list:
+        """The chunks without the DDP wrapper."""
+        return [_unwrap(c) for c in self.chunks]
+
+
+def _unwrap(chunk):
+    from megatron.core.distributed import DistributedDataParallel as DDP
+
+    return chunk.module if isinstance(chunk, DDP) else chunk
+
+
+def read_hf_config(path: str) -> dict:
+    """The raw config.json of an HF folder (``fixture:<name>`` resolved)."""
+    from megarl.models.fixtures import resolve_model_path
+
+    folder = resolve_model_path(path)
+    config_json = os.path.join(folder, "config.json")
+    if not os.path.exists(config_json):
+        raise ValueError(f"model path {path!r} has no config.json (expected an HF model folder)")
+    with open(config_json) as f:
+        return json.load(f)
+
+
+def check_layout(path: str, topology: Topology) -> None:
+    """Raise before any process group exists if ``topology`` cannot hold the model at ``path``:
+    unknown ``model_type`` (ValueError listing the supported ones) or a TopologyError."""
+    from megarl.models.registry import get_family
+
+    cfg = read_hf_config(path)
+    get_family(cfg.get("model_type", "<missing>"))
+    topology.check_model(ModelDims.from_hf_config(cfg))
+
+
+def _config_overrides(options: ModelOptions, topology: Topology) -> dict:
+    from megarl.compat import cpu_transformer_overrides, cuda_available
+
+    extra = {} if cuda_available() else cpu_transformer_overrides()
+    extra.update(
+        sequence_parallel=topology.sp,
+        variable_seq_lengths=True,
+        calculate_per_token_loss=False,
+        moe_aux_loss_coeff=options.moe_aux_loss_coeff,
+        moe_z_loss_coeff=options.moe_z_loss_coeff or None,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    if options.moe_aux_loss_coeff > 0:
+        extra["moe_router_load_balancing_type"] = "aux_loss"
+    if options.recompute != "none":
+        extra["recompute_granularity"] = options.recompute
+        if options.recompute == "full":
+            extra.update(recompute_method="uniform", recompute_num_layers=1)
+    if topology.vpp_size > 1:
+        extra["overlap_p2p_comm"] = False   # simple, deterministic p2p; batch_p2p_comm stays False
+    extra.update(options.config_overrides)
+    return extra
+
+
+def build_model(options: ModelOptions, groups: ParallelGroups, *, ddp: bool = False,
+                distributed_optimizer: bool = True, load_weights: bool = True) -> BuiltModel:
+    """Build this rank's chunks of the model at ``options.path`` for ``groups``' layout.
+
+    ``ddp`` wraps the chunks in megatron-core DDP; ``distributed_optimizer`` picks its grad
+    layout (reduce-scatter for the distributed optimizer, else all-reduce).
+    """
+    from megarl.compat import setup_cpu
+    from megarl.models.fixtures import resolve_model_path
+    from megarl.models.registry import make_bridge
+    from transformers import AutoConfig
+
+    setup_cpu()
+    topology = groups.topology
+    check_layout(options.path, topology)
+    folder = resolve_model_path(options.path)
+    hf_config = AutoConfig.from_pretrained(folder)
+    dtype = _DTYPES[options.dtype]
+    bridge = make_bridge(hf_config, dtype, _config_overrides(options, topology))
+    _restore_attention_env()
+    chunks = bridge.get_model(wrap_with_ddp=False, bf16=dtype == torch.bfloat16, fp16=False,
+                              use_cpu_initialization=True)
+    if load_weights:
+        bridge.load_weights(chunks, folder)
+    config = bridge.config
+    if ddp:
+        chunks = wrap_ddp(chunks, config, distributed_optimizer)
+    return BuiltModel(chunks=chunks, bridge=bridge, config=config, hf_config=hf_config, groups=groups,
+                      path=folder)
+
+
+def wrap_ddp(chunks: list, config, distributed_optimizer: bool = True) -> list:
+    """megatron-core DDP per chunk (fp32 grad buffers)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=distributed_optimizer)
+    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                    disable_bucketing=i > 0)
+            for i, chunk in enumerate(chunks)]

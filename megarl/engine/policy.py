@@ -1,0 +1,313 @@
+"""Megatron policy engine: packed log-probs, train step, reference copy, export, offload.
+
+:class:`PolicyEngine` owns this rank's model chunks (and, when trainable, megatron-core DDP and
+the distributed optimizer). Every method is collective over all ranks of the layout; every
+rank of a model-parallel group (tp, pp, cp, ep) must pass the same micro-batches, DP ranks
+pass their own.
+
+Loss convention (``train_step``)
+--------------------------------
+``loss_fn(logprobs_R, batch) -> (loss, metrics)`` gets the log-probs of one micro-batch's
+response tokens (whole sequences, also under CP) and returns that micro-batch's *share of the
+step loss*: the step loss is the SUM of the returned losses over micro-batches and DP ranks.
+To normalise, ``batch.num_global_tokens`` / ``batch.num_global_sequences`` hold the step's
+response-token count (masked by ``extras['mask_T']`` when present) and sequence count over all
+micro-batches and DP ranks (e.g. pass them as ``num_tokens`` / ``num_seqs`` to
+:func:`megarl.algorithms.losses.aggregate_loss`). The returned ``loss`` is that sum; metrics are
+averaged over micro-batches and DP ranks.
+
+How this maps onto megatron's scaling: with ``calculate_per_token_loss=False`` the schedule
+multiplies the loss by ``cp / num_microbatches`` and DDP averages gradients over dp*cp ranks;
+every CP rank computes the same micro-batch loss but back-propagates only its own tokens (see
+:func:`megarl.engine.logprobs.gather_cp`). Handing megatron ``loss * num_microbatches * dp``
+therefore yields the gradient of the summed loss, while MoE aux / z losses keep megatron's
+usual mean over micro-batches and DP ranks.
+
+LR schedule (own, not megatron's OptimizerParamScheduler, which spends step 0 at ``init_lr``):
+step s (0-based) uses ``lr * (s + 1) / warmup_steps`` during warm-up, then constant, linear or
+cosine decay to ``min_lr`` over ``decay_steps``.
+
+Shape legend: R packed response tokens of a micro-batch, E experts, Lm MoE layers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megarl.engine.build import BuiltModel, ModelOptions, build_model, check_layout, read_hf_config
+from megarl.engine.export import export_hf_weights, local_shards
+from megarl.engine.logprobs import PackedMicroBatch, SequenceBatch, pack_micro_batch, response_logprobs
+from megarl.engine.moe_stats import MoEStats
+from megarl.engine.offload import Offloader
+from megarl.parallel.groups import ParallelGroups
+from megarl.parallel.topology import Topology, TopologyError
+
+_OPTIMIZERS = ("adam", "sgd")
+_DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+@dataclass
+class OptimOptions:
+    """Optimizer, clipping and LR schedule of a trainable engine."""
+
+    optimizer: str = "adam"
+    """adam (AdamW, decoupled weight decay; megatron's distributed optimizer, state sharded over
+    DP) or sgd (with ``sgd_momentum``; megatron only shards Adam, so SGD is replicated)."""
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    decay_steps: Optional[int] = None
+    """Steps after warm-up over which the LR decays to ``min_lr`` (None: no decay)."""
+    decay_style: str = "constant"
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    """Global grad-norm clip (0 disables)."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.0
+
+    def __post_init__(self):
+        if self.optimizer not in _OPTIMIZERS:
+            raise ValueError(f"OptimOptions.optimizer={self.optimizer!r}, expected one of {_OPTIMIZERS}")
+        if self.decay_style not in _DECAY_STYLES:
+            raise ValueError(f"OptimOptions.decay_style={self.decay_style!r}, expected one of {_DECAY_STYLES}")
+        if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"OptimOptions.lr={self.lr!r}, min_lr={self.min_lr!r}: expected 0 <= min_lr <= lr")
+        if self.warmup_steps < 0:
+            raise ValueError(f"OptimOptions.warmup_steps={self.warmup_steps!r}, expected >= 0")
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate used by optimizer step ``step`` (0-based)."""
+        if self.warmup_steps and step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.decay_style == "constant" or not self.decay_steps:
+            return self.lr
+        frac = min(1.0, (step - self.warmup_steps) / self.decay_steps)
+        if self.decay_style == "linear":
+            return self.lr - (self.lr - self.min_lr) * frac
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * frac))
+
+
+@dataclass
+class LogprobOutput:
+    """Response-token log-probs of one micro-batch (layout of ``batch.cu_seqlens_N1``)."""
+
+    logprobs_R: torch.Tensor
+    entropy_R: Optional[torch.Tensor]
+    cu_seqlens_N1: torch.Tensor
+
+
+class PolicyEngine:
+    """Policy (trainable) or reference (frozen) Megatron model on this rank."""
+
+    def __init__(self, model: ModelOptions, groups: ParallelGroups, optim: Optional[OptimOptions] = None,
+                 trainable: bool = True):
+        self.groups, self.trainable = groups, trainable
+        self.optim = optim or OptimOptions()
+        check_train_layout(model.path, groups.topology) if trainable else check_layout(model.path, groups.topology)
+        # megatron's distributed optimizer only wraps Adam; SGD runs the plain (replicated) one.
+        self.distributed_optimizer = self.optim.optimizer == "adam"
+        self.model: BuiltModel = build_model(model, groups, ddp=trainable,
+                                             distributed_optimizer=self.distributed_optimizer)
+        self.config = self.model.config
+        self.moe = MoEStats(self.model.modules, self.config, groups)
+        self.step_count = 0
+        self.optimizer = None
+        if trainable:
+            self._setup_optimizer()
+        else:
+            for chunk in self.model.chunks:
+                chunk.requires_grad_(False)
+        self.offloader = Offloader(self)
+
+    # ---------------------------------------------------------------- setup
+    def _setup_optimizer(self) -> None:
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        o = self.optim
+        cfg = OptimizerConfig(optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                              adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+                              sgd_momentum=o.sgd_momentum, clip_grad=o.grad_clip, bf16=self.config.bf16,
+                              params_dtype=self.config.params_dtype,
+                              use_distributed_optimizer=self.distributed_optimizer)
+        self.optimizer = get_megatron_optimizer(cfg, self.model.chunks)
+        chunks = self.model.chunks
+        self.config.finalize_model_grads_func = finalize_model_grads
+        no_sync = [c.no_sync for c in chunks]
+        self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        self.config.grad_scale_func = None
+
+    # ---------------------------------------------------------------- schedule
+    def _run(self, micro_batches: Sequence[SequenceBatch], loss_func: Callable, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        g, topo = self.groups, self.groups.topology
+        packed = [pack_micro_batch(b, topo.tp, topo.cp, g.cp_rank, topo.sp) for b in micro_batches]
+
+        moe = bool(self.config.num_moe_experts)
+
+        def forward_step(data_iterator: Iterator[PackedMicroBatch], model):
+            mb = next(data_iterator)
+            kwargs = {"padding_mask": self._padding_mask(mb, model)} if moe else {}
+            out = model(mb.tokens_1T, mb.position_ids_1T, None, packed_seq_params=mb.packed_seq_params, **kwargs)
+            return out, partial(loss_func, mb)
+
+        chunks = self.model.chunks
+        iters = [iter(packed) for _ in chunks] if len(chunks) > 1 else iter(packed)
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iters, model=chunks,
+            num_microbatches=len(packed), seq_length=max(p.num_packed_tokens for p in packed),
+            micro_batch_size=1, forward_only=forward_only)
+
+    def _padding_mask(self, mb: PackedMicroBatch, model) -> torch.Tensor:
+        """MoE padding mask ``[1, T]``. GPTModel splits it for sequence parallelism only on the
+        first pipeline stage (megatron-core 0.16 passes it unsplit to later stages), so later
+        stages get this rank's SP slice here."""
+        mask = mb.padding_mask_1T
+        topo = self.groups.topology
+        first = getattr(model.module if hasattr(model, "module") else model, "pre_process", True)
+        if topo.sp and topo.tp > 1 and not first:
+            mask = mask.chunk(topo.tp, dim=1)[self.groups.tp_rank]
+        return mask
+
+    def _check_micro_batches(self, micro_batches) -> list:
+        if isinstance(micro_batches, SequenceBatch):
+            micro_batches = [micro_batches]
+        micro_batches = list(micro_batches)
+        if not micro_batches:
+            raise ValueError("micro_batches is empty; expected at least one SequenceBatch")
+        topo = self.groups.topology
+        if topo.vpp_size > 1 and len(micro_batches) < topo.pp:
+            raise ValueError(f"{len(micro_batches)} micro-batches with pp={topo.pp} and vpp={topo.vpp}: the "
+                             f"interleaved schedule needs at least pp={topo.pp} micro-batches")
+        return micro_batches
+
+    def _from_last_stage(self, obj):
+        """Broadcast a picklable object from the last pipeline stage to the whole PP group."""
+        g = self.groups
+        if g.topology.pp == 1:
+            return obj
+        box = [obj if g.is_last_stage else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(g.pgs.pp, g.topology.pp - 1), group=g.pgs.pp)
+        return box[0]
+
+    # ---------------------------------------------------------------- public API
+    @torch.no_grad()
+    def forward_logprobs(self, micro_batches, with_entropy: bool = False) -> list[LogprobOutput]:
+        """Response-token log-probs (and entropy) of each micro-batch, on every rank."""
+        micro_batches = self._check_micro_batches(micro_batches)
+        for c in self.model.chunks:
+            c.eval()
+
+        def loss_func(mb: PackedMicroBatch, output):
+            logprobs_R, entropy_R = response_logprobs(output, mb, self.groups.pgs, with_entropy)
+            return torch.zeros(()), {"logprobs": logprobs_R, "entropy": entropy_R}
+
+        self.moe.reset()
+        outs = self._run(micro_batches, loss_func, forward_only=True)
+        outs = self._from_last_stage([(o["logprobs"], o["entropy"]) for o in outs] if outs else None)
+        return [LogprobOutput(lp, ent, b.cu_seqlens_N1) for (lp, ent), b in zip(outs, micro_batches)]
+
+    def train_step(self, micro_batches, loss_fn: Callable, with_entropy: bool = False) -> dict:
+        """One optimizer step over ``micro_batches`` (gradient accumulation); see the module doc.
+
+        Returns ``loss`` (summed over micro-batches and DP), ``grad_norm`` (before clipping),
+        ``lr``, ``update_successful``, token counts and the averaged ``loss_fn`` metrics, plus MoE
+        aux/z losses and per-expert token counts for MoE models.
+        """
+        if not self.trainable:
+            raise RuntimeError("train_step on a frozen (reference) engine; build it with trainable=True")
+        micro_batches = self._check_micro_batches(micro_batches)
+        g, topo = self.groups, self.groups.topology
+        counts = torch.tensor([sum(_masked_tokens(b) for b in micro_batches),
+                               sum(len(b.input_ids) for b in micro_batches),
+                               sum(b.num_tokens for b in micro_batches)], dtype=torch.float64)
+        dist.all_reduce(counts, group=g.pgs.dp)
+        for b in micro_batches:
+            b.num_global_tokens, b.num_global_sequences = int(counts[0]), int(counts[1])
+        scale = len(micro_batches) * topo.dp
+
+        def loss_func(mb: PackedMicroBatch, output):
+            logprobs_R, entropy_R = response_logprobs(output, mb, g.pgs, with_entropy)
+            if with_entropy:
+                mb.batch.extras["entropy_T"] = entropy_R
+            loss, metrics = loss_fn(logprobs_R, mb.batch)
+            report = {"loss": loss.detach().clone()}
+            report.update({k: torch.as_tensor(v).detach().float() for k, v in (metrics or {}).items()})
+            return loss * scale, report
+
+        for c in self.model.chunks:
+            c.train()
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.moe.reset()
+        outs = self._run(micro_batches, loss_func, forward_only=False)
+        lr = self.optim.lr_at(self.step_count)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+        update_successful, grad_norm, _ = self.optimizer.step()
+        self.step_count += 1
+        result = self._reduce_reports(outs, len(micro_batches))
+        result.update(lr=lr, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                      update_successful=bool(update_successful), num_response_tokens=int(counts[0]),
+                      num_sequences=int(counts[1]), num_tokens=int(counts[2]), step=self.step_count)
+        result.update(self.moe.report(len(micro_batches)))
+        return result
+
+    def _reduce_reports(self, outs: list, num_micro_batches: int) -> dict:
+        g = self.groups
+        keys = self._from_last_stage(sorted(outs[0]) if outs else None)
+        if g.is_last_stage:
+            vals = torch.stack([torch.stack([o[k].float().reshape(()) for o in outs]).sum() for k in keys])
+        else:
+            vals = torch.zeros(len(keys))
+        if g.topology.pp > 1:
+            dist.broadcast(vals, src=dist.get_global_rank(g.pgs.pp, g.topology.pp - 1), group=g.pgs.pp)
+        dist.all_reduce(vals, group=g.pgs.dp)
+        denom = num_micro_batches * g.topology.dp
+        return {k: float(v) if k == "loss" else float(v) / denom for k, v in zip(keys, vals)}
+
+    # ---------------------------------------------------------------- weights
+    def export_hf(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors (collective; every rank gets every tensor)."""
+        return export_hf_weights(self.model)
+
+    def local_shards(self):
+        """This rank's parameter shards with their TP/EP partition metadata (no communication)."""
+        return local_shards(self.model)
+
+    def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
+        """Move params / grads / optimizer state to host memory and free the device copies."""
+        self.offloader.offload(params=params, grads=grads, optimizer=optimizer)
+
+    def onload(self) -> None:
+        """Bring back everything :meth:`offload` moved."""
+        self.offloader.onload()
+
+
+def reference_engine(model: ModelOptions, groups: ParallelGroups) -> PolicyEngine:
+    """A frozen copy (forward only, no DDP, no optimizer) for KL against the reference policy."""
+    return PolicyEngine(model, groups, trainable=False)
+
+
+def check_train_layout(path: str, topology: Topology) -> None:
+    """:func:`megarl.engine.build.check_layout` plus the rules of training (no process needed):
+    megatron-core's MoE layer refuses to train with tp > 1 unless sequence parallelism is on."""
+    from megarl.models.registry import get_family
+
+    check_layout(path, topology)
+    if topology.tp > 1 and not topology.sp and get_family(read_hf_config(path)["model_type"]).is_moe:
+        raise TopologyError("sp", topology.sp, f"true for training a mixture-of-experts model with "
+                            f"tp={topology.tp} (megatron-core requires sequence parallelism with MoE and TP)")
+
+
+def _masked_tokens(batch: SequenceBatch) -> int:
+    mask = batch.extras.get("mask_T")
+    return int(mask.sum()) if mask is not None else batch.num_response_tokens

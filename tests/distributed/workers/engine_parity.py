@@ -1,0 +1,74 @@
+"""Engine log-probs vs transformers, for several families and layouts in one torchrun launch.
+
+Usage: engine_parity.py FAMILIES LAYOUTS [MOE_LAYOUTS] [VPP_LAYOUTS]
+  FAMILIES     comma-separated: tiny families (llama, qwen2, ...) or smollm2 (first layout only)
+  LAYOUTS      comma-separated layout specs for every family ('-' = all sizes 1)
+  MOE_LAYOUTS  extra layouts for MoE families only
+  VPP_LAYOUTS  layouts run on a 4-layer variant of each tiny family (built in a temp dir:
+               the fixtures have 2 layers, pp=2 x vpp=2 needs 4)
+
+Reports per family and layout the max |engine - HF| over the response tokens of 3 packed
+sequences (split in 2 micro-batches), and at the first layout packed (THD, one row) vs unpacked
+(one sequence per micro-batch).
+"""
+import gc
+import json
+import sys
+import time
+
+import torch
+
+from engine_common import (deeper_variant, fixture, groups_for, hf_logprobs, init, make_batch,
+                           micro_batches, remove_dir, report)
+from megarl.engine import ModelOptions, SequenceBatch, reference_engine
+from megarl.models.registry import get_family
+
+
+def engine_logprobs(path, spec, world, ids, prompts, split=(2,)):
+    engine = reference_engine(ModelOptions(path=path), groups_for(spec, world))
+    outs = engine.forward_logprobs(micro_batches(ids, prompts, split))
+    del engine
+    gc.collect()
+    return torch.cat([o.logprobs_R for o in outs]).double()
+
+
+def main():
+    rank, world = init()
+    families = sys.argv[1].split(",")
+    layouts = [s for s in sys.argv[2].split(",") if s]
+    moe_layouts = [s for s in (sys.argv[3] if len(sys.argv) > 3 else "").split(",") if s]
+    vpp_layouts = [s for s in (sys.argv[4] if len(sys.argv) > 4 else "").split(",") if s]
+    out = {"world": world}
+    for family in families:
+        t0 = time.time()
+        name = family if family == "smollm2" else f"tiny-{family}"
+        path = fixture(name)
+        cfg = json.load(open(f"{path}/config.json"))
+        ids, prompts = make_batch(cfg["vocab_size"])
+        ref = hf_logprobs(path, ids, prompts)
+        todo = layouts + (moe_layouts if get_family(cfg["model_type"]).is_moe else [])
+        if family == "smollm2":   # 135M params, 9 heads / 3 KV heads: the first layout only
+            todo = layouts[:1]
+        for i, spec in enumerate(todo):
+            spec = spec.replace("-", "")
+            got = engine_logprobs(path, spec, world, ids, prompts)
+            out[f"{name}|{spec or 'tp1'}"] = (got - ref).abs().max().item()
+            if i == 0:   # packed THD (all sequences in one row) vs one sequence per micro-batch
+                packed = engine_logprobs(path, spec, world, ids, prompts, split=())
+                single = engine_logprobs(path, spec, world, ids, prompts, split=(1, 2))
+                out[f"{name}|packed_vs_unpacked|{spec or 'tp1'}"] = (packed - single).abs().max().item()
+        if vpp_layouts and family != "smollm2":
+            deep = deeper_variant(family, 4)
+            ref4 = hf_logprobs(deep, ids, prompts)
+            for spec in vpp_layouts:
+                got = engine_logprobs(deep, spec, world, ids, prompts)
+                out[f"{name}-4l|{spec}"] = (got - ref4).abs().max().item()
+            remove_dir(deep)
+        out[f"{name}|seconds"] = round(time.time() - t0, 1)
+        if rank == 0:
+            print(f"{name}: {json.dumps({k: v for k, v in out.items() if k.startswith(name)})}", flush=True)
+    report(out)
+
+
+if __name__ == "__main__":
+    main()
