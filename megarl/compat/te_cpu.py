@@ -300,6 +300,15 @@ class CpuTEDotProductAttention(MegatronModule):
             cu_q = packed_seq_params.cu_seqlens_q_padded if packed_seq_params.cu_seqlens_q_padded is not None else packed_seq_params.cu_seqlens_q
             cu_k = packed_seq_params.cu_seqlens_kv_padded if packed_seq_params.cu_seqlens_kv_padded is not None else packed_seq_params.cu_seqlens_kv
             cu_q, cu_k = cu_q.to(torch.long).cpu(), cu_k.to(torch.long).cpu()
+            if cp == 1 and torch.equal(cu_q, cu_k):
+                # One sequence at a time: cost sum(len_i^2), not T^2 over the whole packed row.
+                causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+                bounds = list(zip(cu_q[:-1].tolist(), cu_q[1:].tolist()))
+                ctx = torch.cat([self._attend(query[s:e], key[s:e], value[s:e], _segment_mask(e - s, causal))
+                                 for s, e in bounds if e > s]
+                                + ([query.new_zeros((sq - bounds[-1][1],) + tuple(query.shape[1:3]) + (value.shape[-1],))]
+                                   if bounds and bounds[-1][1] < sq else []))
+                return ctx.reshape(sq, nh * ctx.shape[-1])
         if cp > 1:
             r = get_pg_rank(self.cp_group)
             if thd:   # cu_seqlens are global (whole padded sequences); local = chunks r, 2cp-1-r of each
@@ -324,16 +333,27 @@ class CpuTEDotProductAttention(MegatronModule):
         masked = masked[None, None]               # [1, 1, sq, sk]
         if attention_mask is not None and not thd:
             masked = masked | attention_mask.to(torch.bool)
+        ctx = self._attend(query, key, value, masked)                        # [sq, b, h, dv]
+        if thd:
+            return ctx.reshape(sq, nh * ctx.shape[-1])                      # [t, h*dv]
+        return ctx.reshape(sq, b, nh * ctx.shape[-1])
+
+    def _attend(self, query, key, value, masked):
+        """softmax(q k^T * scale, masked) v with q [s,b,h,d], k/v [t,b,h,d], masked [1|b,1|h,s,t]."""
         scores = torch.einsum("sbhd,tbhd->bhst", query.float(), key.float()) * self.softmax_scale
         scores = scores.masked_fill(masked, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1)
         if self.training and self.dropout_p > 0:
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 probs = F.dropout(probs, p=self.dropout_p)
-        ctx = torch.einsum("bhst,tbhd->sbhd", probs.to(value.dtype), value)   # [sq, b, h, dv]
-        if thd:
-            return ctx.reshape(sq, nh * ctx.shape[-1])                      # [t, h*dv]
-        return ctx.reshape(sq, b, nh * ctx.shape[-1])
+        return torch.einsum("bhst,tbhd->sbhd", probs.to(value.dtype), value)
+
+
+def _segment_mask(length: int, causal: bool) -> torch.Tensor:
+    """[1, 1, length, length] mask (True = not allowed) for one whole sequence."""
+    if not causal:
+        return torch.zeros(1, 1, length, length, dtype=torch.bool)
+    return torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)[None, None]
 
 
 class CpuTESpecProvider(BackendSpecProvider):

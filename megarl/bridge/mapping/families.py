@@ -1,0 +1,186 @@
+"""Per-family tensor lists and name rules: llama / qwen2 / qwen3 (dense GQA), qwen3_moe, deepseek_v3.
+
+Megatron names are the TE-spec names of megatron-core 0.16 as built by mbridge (checked against
+real models in ``tests/distributed/workers/bridge_sync.py``); HF names are those of the
+transformers checkpoints (and mbridge's export). Layouts:
+
+* ``linear_qkv`` rows are grouped per query group g (``num_key_value_heads`` groups):
+  ``[q_g (heads/kv_heads * head_dim rows); k_g (head_dim); v_g (head_dim)]``; TP splits whole groups.
+* ``linear_fc1`` is ``[gate; up]`` (TP rank r holds ``[gate_r; up_r]``: two segments).
+* Routed experts: one stacked logical tensor per layer (see :mod:`.base`); ``linear_fc1`` stack
+  ``[E, 2I, H]`` -> HF ``experts.*.gate_proj`` / ``up_proj`` ``[E, I, H]``, ``linear_fc2``
+  ``[E, H, I]`` -> ``experts.*.down_proj``.
+* DeepSeek-V3 MLA: ``linear_q_down_proj`` / ``linear_kv_down_proj`` are replicated over TP
+  (vLLM fuses them into ``fused_qkv_a_proj``, also replicated); ``linear_q_up_proj`` /
+  ``linear_kv_up_proj`` are split by heads (dim 0) as are vLLM's ``q_b_proj`` / ``kv_b_proj``;
+  ``W_UK_T`` / ``W_UV`` are derived by vLLM from ``kv_b_proj`` at load time and never sent.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from megarl.bridge.mapping.base import FamilyMapping, MegatronTensor, Piece, full_box, replace_dim
+
+T = MegatronTensor
+
+
+def _same(t: T, hf: str) -> list[Piece]:
+    return [Piece(full_box(t.shape), hf, full_box(t.shape))]
+
+
+def _gated(t: T, gate: str, up: str, dim: int) -> list[Piece]:
+    """[gate; up] along ``dim`` -> two HF tensors."""
+    half = t.shape[dim] // 2
+    box = full_box(t.shape)
+    dst_shape = tuple(half if i == dim else s for i, s in enumerate(t.shape))
+    return [Piece(replace_dim(box, dim, 0, half), gate, full_box(dst_shape)),
+            Piece(replace_dim(box, dim, half, 2 * half), up, full_box(dst_shape))]
+
+
+class DenseGQAMapping(FamilyMapping):
+    """llama, qwen2, qwen3 (and the attention/MLP shared by qwen3_moe)."""
+
+    model_type = "llama"
+
+    # -- Megatron tensors ----------------------------------------------------------------
+    def attention_tensors(self, i: int) -> list[T]:
+        c, p = self.cfg, f"decoder.layers.{i}.self_attention."
+        rows = (c.heads + 2 * c.kv_heads) * c.head_dim
+        out = [T(p + "linear_qkv.layer_norm_weight", (c.hidden,), i),
+               T(p + "linear_qkv.weight", (rows, c.hidden), i, tp_dim=0)]
+        if c.qkv_bias:
+            out.append(T(p + "linear_qkv.bias", (rows,), i, tp_dim=0))
+        if c.qk_norm:
+            out += [T(p + "q_layernorm.weight", (c.head_dim,), i), T(p + "k_layernorm.weight", (c.head_dim,), i)]
+        out.append(T(p + "linear_proj.weight", (c.hidden, c.heads * c.head_dim), i, tp_dim=1))
+        return out
+
+    def dense_mlp_tensors(self, i: int) -> list[T]:
+        c, p = self.cfg, f"decoder.layers.{i}.mlp."
+        return [T(p + "linear_fc1.layer_norm_weight", (c.hidden,), i),
+                T(p + "linear_fc1.weight", (2 * c.intermediate, c.hidden), i, tp_dim=0, gated=True),
+                T(p + "linear_fc2.weight", (c.hidden, c.intermediate), i, tp_dim=1)]
+
+    def moe_tensors(self, i: int) -> list[T]:
+        c, p = self.cfg, f"decoder.layers.{i}."
+        e, m = c.num_experts, c.moe_intermediate
+        out = [T(p + "pre_mlp_layernorm.weight", (c.hidden,), i),
+               T(p + "mlp.router.weight", (e, c.hidden), i)]
+        if self.has_expert_bias:
+            out.append(T(p + "mlp.router.expert_bias", (e,), i))
+        out += [T(p + "mlp.experts.linear_fc1.weight", (e, 2 * m, c.hidden), i, tp_dim=1, gated=True, expert=True),
+                T(p + "mlp.experts.linear_fc2.weight", (e, c.hidden, m), i, tp_dim=2, expert=True)]
+        if c.shared_intermediate:
+            s = c.shared_intermediate
+            out += [T(p + "mlp.shared_experts.linear_fc1.weight", (2 * s, c.hidden), i, tp_dim=0, gated=True),
+                    T(p + "mlp.shared_experts.linear_fc2.weight", (c.hidden, s), i, tp_dim=1)]
+        return out
+
+    has_expert_bias = False
+
+    def layer_tensors(self, i: int) -> list[T]:
+        mlp = self.moe_tensors(i) if self.cfg.is_moe_layer(i) else self.dense_mlp_tensors(i)
+        return self.attention_tensors(i) + mlp
+
+    # -- Megatron -> HF ------------------------------------------------------------------
+    def qkv_pieces(self, t: T, hf: str) -> list[Piece]:
+        c = self.cfg
+        q_per_group = c.heads // c.kv_heads * c.head_dim
+        group = q_per_group + 2 * c.head_dim
+        cols = t.shape[1:]
+        out = []
+        for g in range(c.kv_heads):
+            base = g * group
+            for proj, off, rows, dst_start in (("q_proj", 0, q_per_group, g * q_per_group),
+                                               ("k_proj", q_per_group, c.head_dim, g * c.head_dim),
+                                               ("v_proj", q_per_group + c.head_dim, c.head_dim, g * c.head_dim)):
+                src = ((base + off, base + off + rows),) + full_box(cols)
+                dst = ((dst_start, dst_start + rows),) + full_box(cols)
+                out.append(Piece(src, f"{hf}.{proj}.{t.name.rpartition('.')[2]}", dst))
+        return out
+
+    def hf_rules(self, t: T) -> list[Piece]:
+        i = t.layer
+        hf = f"model.layers.{i}."
+        suffix = t.name[len(f"decoder.layers.{i}."):]
+        direct = {
+            "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+            "input_layernorm.weight": "input_layernorm.weight",
+            "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+            "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+            "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+            "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+            "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+            "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+            "mlp.router.weight": "mlp.gate.weight",
+            "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
+            "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight",
+            "mlp.experts.linear_fc2.weight": "mlp.experts.*.down_proj.weight",
+            "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+            "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+            "self_attention.linear_q_up_proj.layer_norm_weight": "self_attn.q_a_layernorm.weight",
+            "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+            "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+            "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attn.kv_a_layernorm.weight",
+        }
+        if suffix in direct:
+            return _same(t, hf + direct[suffix])
+        if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+            return self.qkv_pieces(t, hf + "self_attn")
+        if suffix == "mlp.linear_fc1.weight":
+            return _gated(t, hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight", 0)
+        if suffix == "mlp.shared_experts.linear_fc1.weight":
+            return _gated(t, hf + "mlp.shared_experts.gate_proj.weight", hf + "mlp.shared_experts.up_proj.weight", 0)
+        if suffix == "mlp.experts.linear_fc1.weight":
+            return _gated(t, hf + "mlp.experts.*.gate_proj.weight", hf + "mlp.experts.*.up_proj.weight", 1)
+        return []
+
+    # -- HF -> vLLM ----------------------------------------------------------------------
+    def vllm_rules(self, name: str, shape: tuple, tp: int, rank: int) -> Optional[list[Piece]]:
+        if ".experts.*." not in name:
+            return None
+        layer_prefix = name.split(".experts.*.")[0]
+        box = full_box(shape)
+        if name.endswith("down_proj.weight"):       # [E, H, I] -> w2 [E, H, I/tp]
+            per = shape[2] // tp
+            return [Piece(replace_dim(box, 2, rank * per, (rank + 1) * per),
+                          f"{layer_prefix}.experts.routed_experts.w2_weight", replace_dim(box, 2, 0, per))]
+        per = shape[1] // tp                          # [E, I, H] -> w13 [E, 2I/tp, H]
+        off = 0 if name.endswith("gate_proj.weight") else per
+        return [Piece(replace_dim(box, 1, rank * per, (rank + 1) * per),
+                      f"{layer_prefix}.experts.routed_experts.w13_weight", replace_dim(box, 1, off, off + per))]
+
+
+class Qwen3MoeMapping(DenseGQAMapping):
+    model_type = "qwen3_moe"
+
+
+class DeepseekV3Mapping(DenseGQAMapping):
+    model_type = "deepseek_v3"
+    has_expert_bias = True
+
+    def attention_tensors(self, i: int) -> list[T]:
+        c, p = self.cfg, f"decoder.layers.{i}."
+        a = p + "self_attention."
+        return [T(p + "input_layernorm.weight", (c.hidden,), i),
+                T(a + "linear_q_down_proj.weight", (c.q_lora, c.hidden), i),
+                T(a + "linear_q_up_proj.layer_norm_weight", (c.q_lora,), i),
+                T(a + "linear_q_up_proj.weight", (c.heads * (c.nope_dim + c.rope_dim), c.q_lora), i, tp_dim=0),
+                T(a + "linear_kv_down_proj.weight", (c.kv_lora + c.rope_dim, c.hidden), i),
+                T(a + "linear_kv_up_proj.layer_norm_weight", (c.kv_lora,), i),
+                T(a + "linear_kv_up_proj.weight", (c.heads * (c.nope_dim + c.v_dim), c.kv_lora), i, tp_dim=0),
+                T(a + "linear_proj.weight", (c.hidden, c.heads * c.v_dim), i, tp_dim=1)]
+
+    def vllm_rules(self, name: str, shape: tuple, tp: int, rank: int) -> Optional[list[Piece]]:
+        c = self.cfg
+        parent = name.rpartition(".")[0].rpartition(".")[0]
+        if name.endswith("q_a_proj.weight"):
+            return [Piece(full_box(shape), f"{parent}.fused_qkv_a_proj.weight", replace_dim(full_box(shape), 0, 0, c.q_lora))]
+        if name.endswith("kv_a_proj_with_mqa.weight"):
+            return [Piece(full_box(shape), f"{parent}.fused_qkv_a_proj.weight",
+                          replace_dim(full_box(shape), 0, c.q_lora, c.q_lora + shape[0]))]
+        if name.endswith("q_b_proj.weight") or name.endswith("kv_b_proj.weight"):
+            per = shape[0] // tp
+            return [Piece(replace_dim(full_box(shape), 0, rank * per, (rank + 1) * per), name,
+                          replace_dim(full_box(shape), 0, 0, per))]
+        return super().vllm_rules(name, shape, tp, rank)

