@@ -4,6 +4,7 @@
     megarl config [RECIPE] [key=value ...]             validate, print and save a resolved config
     megarl generate [RECIPE] [key=value ...]           sample from the model with vLLM
     megarl plot RUN_DIR                                PNG curves from <run_dir>/metrics.jsonl
+    megarl train [RECIPE] [key=value ...] [--resume]   RL training (GRPO by default) on Ray
 """
 from __future__ import annotations
 
@@ -112,6 +113,16 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _cmd_train(args) -> int:
+    from megarl.config import load_config
+    from megarl.trainer.loop import train
+
+    cfg = load_config(args.recipe, args.overrides)
+    run_dir = train(cfg, resume=args.resume)
+    print(f"run finished: {run_dir}/metrics.jsonl (megarl plot {run_dir})")
+    return 0
+
+
 def _cmd_plot(args) -> int:
     from megarl.observability.plot import plot_run
 
@@ -142,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); default: task prompts")
     p.add_argument("--num-prompts", type=int, default=8)
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("train", help="RL training: generate -> score -> train -> sync, on Ray workers")
+    p.add_argument("recipe", nargs="?")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("plot", help="write PNG curves (reward, length, KL, phase times) of a run")
     p.add_argument("run_dir")

