@@ -175,7 +175,7 @@ def model_hf_config(path: str) -> dict | None:
 def cross_validate(cfg: MegaRLConfig) -> None:
     """Rules that involve several sections or the model's own config.json."""
     from megarl.models.fixtures import FIXTURES
-    from megarl.parallel.topology import ModelDims, Topology, TopologyError
+    from megarl.parallel.topology import ModelDims, TopologyError
 
     path = cfg.model.path
     if path.startswith("fixture:") and path[len("fixture:"):] not in FIXTURES:
@@ -188,9 +188,8 @@ def cross_validate(cfg: MegaRLConfig) -> None:
     if hf is None:
         return
     dims = ModelDims.from_hf_config(hf)
-    t = cfg.topology
     try:
-        Topology(t.world_size, t.tp, t.pp, t.vpp, t.ep, t.etp, t.cp, t.sp).check_model(dims)
+        cfg.topology.to_topology().check_model(dims)
     except TopologyError as err:
         raise invalid_value(f"topology.{err.field}", err.value,
                             f"{err.expected} (model {path})") from None

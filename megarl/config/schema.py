@@ -45,11 +45,17 @@ class TopologyConfig:
     sp: bool = False
     """Sequence parallelism (needs tp > 1)."""
 
+    def to_topology(self):
+        """The validated :class:`megarl.parallel.Topology` of these sizes."""
+        from megarl.parallel.topology import Topology
+
+        return Topology(self.world_size, self.tp, self.pp, self.vpp, self.ep, self.etp, self.cp, self.sp)
+
     def validate(self):
-        from megarl.parallel.topology import Topology, TopologyError
+        from megarl.parallel.topology import TopologyError
 
         try:
-            Topology(self.world_size, self.tp, self.pp, self.vpp, self.ep, self.etp, self.cp, self.sp)
+            self.to_topology()
         except TopologyError as err:
             raise ConfigValueError(err.field, err.value, err.expected) from None
 

@@ -28,7 +28,6 @@ class HybridWorker:
         from megarl.compat import setup_cpu
         from megarl.engine import ModelOptions, OptimOptions, PolicyEngine, reference_engine
         from megarl.models.fixtures import resolve_model_path
-        from megarl.parallel import Topology
         from megarl.parallel.groups import build_process_groups
 
         cpu = setup_cpu()
@@ -36,8 +35,7 @@ class HybridWorker:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         dist.init_process_group("gloo" if cpu else "nccl", rank=rank, world_size=world_size)
         self.cfg, self.rank = cfg, rank
-        t = cfg.topology
-        self.topology = Topology(t.world_size, t.tp, t.pp, t.vpp, t.ep, t.etp, t.cp, t.sp)
+        self.topology = cfg.topology.to_topology()
         self.groups = build_process_groups(self.topology, seed=cfg.trainer.seed)
         self.model_path = resolve_model_path(cfg.model.path)
         opts = ModelOptions(path=self.model_path, dtype=cfg.model.dtype, recompute=cfg.model.recompute,
@@ -100,7 +98,21 @@ class HybridWorker:
         from megarl.trainer.algorithm import make_loss_fn
 
         loss_fn = make_loss_fn(self.cfg.algorithm, self.cfg.rollout.max_response_tokens, kl_coef)
-        return self.policy.train_step(micro_batches, loss_fn, with_entropy=self.cfg.algorithm.entropy_coef > 0)
+        out = self.policy.train_step(micro_batches, loss_fn, with_entropy=self.cfg.algorithm.entropy_coef > 0)
+        out["weight_checksum"] = self._weight_checksum()
+        return out
+
+    def _weight_checksum(self) -> float:
+        """Sum of every parameter of the model (all ranks): changes whenever an update lands."""
+        import torch
+        import torch.distributed as dist
+
+        local = torch.zeros((), dtype=torch.float64)
+        for chunk in self.policy.model.modules:
+            for p in chunk.parameters():
+                local += p.detach().double().sum()
+        dist.all_reduce(local)   # replicas count several times: fine for a change detector
+        return float(local)
 
     def sync_weights(self) -> dict:
         t0 = time.perf_counter()

@@ -159,10 +159,8 @@ class WorkerGroup:
     # ------------------------------------------------------------------ training
     def plan(self, rollout: Rollout):
         from megarl.data import BatchBudget, plan_batches
-        from megarl.parallel import Topology
 
-        t = self.cfg.topology
-        topo = Topology(t.world_size, t.tp, t.pp, t.vpp, t.ep, t.etp, t.cp, t.sp)
+        topo = self.cfg.topology.to_topology()
         budget = BatchBudget(max_tokens_per_micro_batch=self.cfg.data.max_tokens_per_micro_batch,
                              cost=self.cfg.data.balance_cost)
         return plan_batches(rollout.lengths(), topo, budget)

@@ -34,7 +34,7 @@ def parse_layout(spec: str, world: int) -> Topology:
     kw = {}
     for part in filter(None, spec.split(".")):
         key = part.rstrip("0123456789")
-        kw[key] = int(part[len(key):])
+        kw[key] = bool(int(part[len(key):])) if key == "sp" else int(part[len(key):])
     return Topology(world_size=world, **kw)
 
 
