@@ -36,7 +36,7 @@ from megarl.algorithms.losses import gspo_policy_loss, ppo_policy_loss
 
 # One dotted-path loader for the project; it lives with the rewards because reward workers must
 # not import torch.
-from megarl.rewards.registry import load_function
+from megarl.rewards.registry import load_function, resolve
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -59,19 +59,6 @@ POLICY_LOSSES: dict[str, Callable[..., Any]] = {
     "ppo": ppo_policy_loss,
     "gspo": gspo_policy_loss,
 }
-
-
-def resolve(name_or_path: str | Callable[..., Any], registry: dict[str, Callable[..., Any]], kind: str) -> Callable[..., Any]:
-    """A callable passes through; a registered name is looked up; a dotted path is imported."""
-    if callable(name_or_path):
-        return name_or_path
-    if not isinstance(name_or_path, str):
-        raise TypeError(f"{kind} must be a name, a dotted path or a callable, got {type(name_or_path).__name__}")
-    if name_or_path in registry:
-        return registry[name_or_path]
-    if ":" in name_or_path or "." in name_or_path:
-        return load_function(name_or_path)
-    raise ValueError(f"unknown {kind} {name_or_path!r}; known: {sorted(registry)} (or a dotted path 'package.module:function')")
 
 
 def get_advantage_estimator(name_or_path: str | Callable[..., Any]) -> Callable[..., Any]:

@@ -231,7 +231,7 @@ class TrainerConfig:
     """Where metrics, the resolved config, plots and checkpoints go."""
     eval_every: int = 0
     """Evaluate every this many steps; 0 disables evaluation."""
-    logprob_diff_threshold: float = 0.5
+    logprob_diff_threshold: float = 0.05
     """Stop the run when mean |vLLM - Megatron| log-prob of sampled tokens exceeds this
     (a broken weight sync); 0 disables the alarm."""
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from megarl.bridge.mapping import (MegatronTensor, intersect, local_shape, shard_segments, slices,
                                    translate)
 from megarl.conversion.safetensors_io import DTYPE_NAMES, HFCheckpoint
+from megarl.engine.export import named_tensors
 
 META_NAME = "megarl_conversion.json"
 # HF files copied into the Megatron checkpoint folder (and back out): everything small that is
@@ -73,13 +74,6 @@ def model_dtype_for(reader: HFCheckpoint, hf_config: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- name resolution
-def _named_tensors(module) -> list[tuple[str, torch.Tensor]]:
-    out = list(module.named_parameters())
-    seen = {n for n, _ in out}
-    for name, buf in module.state_dict(keep_vars=True).items():
-        if "expert_bias" in name and name not in seen and "_extra_state" not in name:
-            out.append((name, buf))
-    return out
 
 
 def local_targets(model, mapping) -> list[tuple[str, torch.Tensor, MegatronTensor, list]]:
@@ -93,7 +87,7 @@ def local_targets(model, mapping) -> list[tuple[str, torch.Tensor, MegatronTenso
     out = []
     for module in model.modules:
         names = model.bridge._weight_name_mapping_mcore_local_to_global(module, consider_ep=False)
-        for local_name, tensor in _named_tensors(module):
+        for local_name, tensor in named_tensors(module):
             gname = names[local_name]
             m = _EXPERT_RE.match(gname)
             if m:

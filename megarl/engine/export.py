@@ -56,7 +56,7 @@ def _is_gated_fc1(name: str, config) -> bool:
     return bool(config.gated_linear_unit) and ("linear_fc1.weight" in name or "linear_fc1.bias" in name)
 
 
-def _named_tensors(module) -> list[tuple[str, torch.Tensor]]:
+def named_tensors(module) -> list[tuple[str, torch.Tensor]]:
     """Parameters plus the MoE ``expert_bias`` buffers (not registered as parameters)."""
     out = list(module.named_parameters())
     seen = {n for n, _ in out}
@@ -100,7 +100,7 @@ def export_hf_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     names = _global_names(model)
     local = []   # (global name, tensor, shape, dtype) of this stage, in a fixed order
     for module, mapping in zip(model.modules, names):
-        for name, t in _named_tensors(module):
+        for name, t in named_tensors(module):
             gname = mapping[name]
             if tied and gname == "output_layer.weight":
                 continue
@@ -151,7 +151,7 @@ def local_shards(model) -> list[LocalShard]:
     per_rank = (config.num_moe_experts or 0) // topo.ep
     out = []
     for module, mapping in zip(model.modules, _global_names(model)):
-        for name, t in _named_tensors(module):
+        for name, t in named_tensors(module):
             gname, expert = mapping[name], _is_expert(name)
             if expert and topo.ep > 1:
                 prefix, local_id = gname.rsplit(".weight", 1)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from megarl.rewards.math import boxed_math_reward, format_reward, gsm8k_lenient_reward, gsm8k_reward
 
-__all__ = ["REWARD_FUNCTIONS", "get_reward_fn", "load_function"]
+__all__ = ["REWARD_FUNCTIONS", "get_reward_fn", "load_function", "resolve"]
 
 RewardFn = Callable[..., float]
 
@@ -59,16 +59,19 @@ def load_function(path: str) -> Callable[..., Any]:
     return obj
 
 
-def get_reward_fn(name_or_path: str | RewardFn) -> RewardFn:
+def resolve(name_or_path: str | Callable[..., Any], registry: dict[str, Callable[..., Any]], kind: str) -> Callable[..., Any]:
     """A callable passes through; a registered name is looked up; a dotted path is imported."""
     if callable(name_or_path):
         return name_or_path
     if not isinstance(name_or_path, str):
-        raise TypeError(f"reward function must be a name, a dotted path or a callable, got {type(name_or_path).__name__}")
-    if name_or_path in REWARD_FUNCTIONS:
-        return REWARD_FUNCTIONS[name_or_path]
+        raise TypeError(f"{kind} must be a name, a dotted path or a callable, got {type(name_or_path).__name__}")
+    if name_or_path in registry:
+        return registry[name_or_path]
     if ":" in name_or_path or "." in name_or_path:
         return load_function(name_or_path)
-    raise ValueError(
-        f"unknown reward function {name_or_path!r}; known: {sorted(REWARD_FUNCTIONS)} (or a dotted path 'package.module:function')"
-    )
+    raise ValueError(f"unknown {kind} {name_or_path!r}; known: {sorted(registry)} (or a dotted path 'package.module:function')")
+
+
+def get_reward_fn(name_or_path: str | RewardFn) -> RewardFn:
+    """Reward function by registry name, dotted path, or a callable passed through."""
+    return resolve(name_or_path, REWARD_FUNCTIONS, "reward function")

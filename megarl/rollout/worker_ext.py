@@ -47,6 +47,21 @@ def repack_cpu_moe(model, layers: set) -> int:
     return count
 
 
+def refresh_tied_lm_head(model) -> bool:
+    """Tied embeddings (SmolLM2): the checkpoint has no lm_head, so vLLM's reload never re-runs
+    the lm_head's post-load processing, and on CPU the lm_head GEMM keeps computing from the
+    weights pre-packed at start-up although the shared tensor was updated. Re-pack it."""
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if lm_head is None or embed is None or getattr(lm_head, "weight", None) is not getattr(embed, "weight", None):
+        return False
+    method = getattr(lm_head, "quant_method", None)
+    if method is None:
+        return False
+    method.process_weights_after_loading(lm_head)
+    return True
+
+
 class BridgeWorkerExtension:
     """Mixed into vLLM's Worker: ``self`` has ``model_runner``, ``rank``, ``reload_weights``."""
 
@@ -67,6 +82,8 @@ class BridgeWorkerExtension:
             self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
             layers = {int(m.group(1)) for n, _ in weights if (m := _LAYER.match(n))}
             repacked = repack_cpu_moe(model, layers) if layers else 0
+            if any(n.endswith("embed_tokens.weight") for n, _ in weights):
+                refresh_tied_lm_head(model)
         else:
             import torch
 
@@ -87,6 +104,8 @@ class BridgeWorkerExtension:
         self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
         layers = {int(m.group(1)) for n, _ in named if (m := _LAYER.match(n))}
         repack_cpu_moe(self.model_runner.model, layers)
+        if any(n.endswith("embed_tokens.weight") for n, _ in named):
+            refresh_tied_lm_head(self.model_runner.model)
         return {"rank": self.rank, "secs": time.perf_counter() - t}
 
     def megarl_weight_version(self) -> int:

@@ -59,6 +59,9 @@ class WorkerGroup:
         from megarl.models.fixtures import resolve_model_path
         from megarl.trainer.worker import HybridWorker
 
+        if cfg.rollout.placement != "colocated":
+            raise ValueError(f"rollout.placement={cfg.rollout.placement!r}: the trainer supports only 'colocated' "
+                             "so far (separate rollout devices are planned through the same bridge)")
         self.cfg = cfg
         world = cfg.topology.world_size
         if not ray.is_initialized():
