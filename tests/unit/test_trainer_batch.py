@@ -1,0 +1,86 @@
+"""Controller helpers without engines: rollout bookkeeping, plan round trip, alarm, algorithms."""
+import pytest
+import torch
+
+from megarl.config.schema import AlgorithmConfig
+from megarl.data import BatchBudget, plan_batches
+from megarl.parallel import Topology
+from megarl.trainer.algorithm import make_loss_fn, resolve
+from megarl.trainer.batch import Rollout, compute_advantages, micro_batches_for, scatter_back
+from megarl.trainer.loop import WeightSyncAlarm, alarm_metrics
+
+
+def rollout_of(response_lengths, rewards, n=2):
+    gens = [[{"token_ids": list(range(10, 10 + L)), "logprobs": [-1.0] * L, "clipped": L >= 5}
+             for L in response_lengths[i:i + n]] for i in range(0, len(response_lengths), n)]
+    r = Rollout.from_generations([[1, 2, 3]] * len(gens), [str(i) for i in range(len(gens))], gens)
+    r.rewards = list(rewards)
+    return r
+
+
+def test_from_generations_is_prompt_major():
+    r = rollout_of([2, 3, 4, 5], [0, 1, 1, 1])
+    assert r.group_ids == [0, 0, 1, 1] and r.answers == ["0", "0", "1", "1"]
+    assert r.clipped == [False, False, False, True]
+    assert r.lengths() == [5, 6, 7, 8]
+    assert r.cu_seqlens_N1().tolist() == [0, 2, 5, 9, 14]
+
+
+def test_grpo_advantages_per_sample():
+    # group 0 rewards (0, 1): mean 0.5, sample std sqrt(0.5) = 0.7071 -> (-0.7071, +0.7071);
+    # group 1 all equal -> 0
+    r = rollout_of([2, 3, 4, 5], [0, 1, 1, 1])
+    adv_fn, opts, _ = resolve(AlgorithmConfig(name="grpo"))
+    adv = compute_advantages(r, adv_fn, opts)
+    assert [a.shape[0] for a in adv] == [2, 3, 4, 5]
+    assert torch.allclose(adv[0], torch.full((2,), -0.5 / 0.5 ** 0.5), atol=1e-4)
+    assert torch.allclose(adv[1], torch.full((3,), 0.5 / 0.5 ** 0.5), atol=1e-4)
+    assert adv[2].abs().max() == 0 and adv[3].abs().max() == 0
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_micro_batches_and_scatter_back_round_trip(dp):
+    r = rollout_of([2, 7, 4, 5, 1, 3], [0, 1, 1, 0, 1, 1])
+    topo = Topology(world_size=dp)
+    plan = plan_batches(r.lengths(), topo, BatchBudget(max_tokens_per_micro_batch=16))
+    values = [torch.arange(len(x), dtype=torch.float32) + 100 * i for i, x in enumerate(r.response_ids)]
+    outs = {}
+    for rank in range(dp):
+        batches = micro_batches_for(r, plan, rank, {"v_T": values})
+        for b in batches:                        # every sequence = prompt + its response
+            assert all(int(ids[:3].sum()) == 6 for ids in b.input_ids) and b.prompt_lengths == [3] * len(b.input_ids)
+            assert sum(int(x.numel()) for x in b.input_ids) <= 16
+        outs[rank] = [b.extras["v_T"] for b in batches]
+    back = scatter_back(r, plan, outs)
+    assert all(torch.equal(a, b) for a, b in zip(back, values))
+
+
+def test_alarm_reports_and_stops():
+    r = rollout_of([2, 2], [0, 1])
+    close = [torch.full((2,), -1.0 + 1e-6), torch.full((2,), -1.0)]
+    m = alarm_metrics(r, close, threshold=0.01)
+    assert m["rollout/logprob_diff_max"] == pytest.approx(1e-6, abs=1e-7)   # fp32 rounding of -1 + 1e-6
+    far = [torch.full((2,), -1.5), torch.full((2,), -1.0)]
+    with pytest.raises(WeightSyncAlarm, match=r"mean \|vLLM - Megatron\| log-prob of sampled tokens is 0.25 "
+                                               r"\(max 0.5\) > trainer.logprob_diff_threshold=0.01"):
+        alarm_metrics(r, far, threshold=0.01)
+
+
+def test_loss_fn_at_ratio_one_is_minus_mean_advantage():
+    from megarl.engine import SequenceBatch
+
+    cfg = AlgorithmConfig(name="grpo", kl_coef=0.0)
+    loss_fn = make_loss_fn(cfg, max_response_tokens=8)
+    lp = torch.tensor([-1.0, -2.0, -0.5])
+    batch = SequenceBatch([torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6, 7])], [1, 3],
+                          {"old_logprobs_T": lp.clone(), "advantages_T": torch.tensor([1.0, 1.0, -0.5]),
+                           "mask_T": torch.ones(3, dtype=torch.bool)})
+    batch.num_global_tokens, batch.num_global_sequences = 3, 2
+    loss, metrics = loss_fn(lp, batch)
+    assert loss.item() == pytest.approx(-(1.0 + 1.0 - 0.5) / 3)     # token-mean of -A at ratio 1
+    assert float(metrics["clip_frac"]) == 0.0
+
+
+def test_ppo_without_critic_is_a_clear_error():
+    with pytest.raises(ValueError, match="algorithm.name='ppo' needs a critic"):
+        resolve(AlgorithmConfig(name="ppo"))
