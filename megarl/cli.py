@@ -5,6 +5,8 @@
     megarl generate [RECIPE] [key=value ...]           sample from the model with vLLM
     megarl plot RUN_DIR                                PNG curves from <run_dir>/metrics.jsonl
     megarl train [RECIPE] [key=value ...] [--resume]   RL training (GRPO by default) on Ray
+    megarl convert {hf-to-megatron,megatron-to-hf,verify} ...   checkpoint conversion (one process;
+                                                       use torchrun conversion/*.py for several)
 """
 from __future__ import annotations
 
@@ -123,6 +125,16 @@ def _cmd_train(args) -> int:
     return 0
 
 
+_CONVERTERS = {"hf-to-megatron": "hf_to_megatron_main", "megatron-to-hf": "megatron_to_hf_main",
+               "verify": "verify_main"}
+
+
+def _cmd_convert(args) -> int:
+    from megarl.conversion import cli as conversion_cli
+
+    return getattr(conversion_cli, _CONVERTERS[args.what])(args.rest)
+
+
 def _cmd_plot(args) -> int:
     from megarl.observability.plot import plot_run
 
@@ -159,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("convert", help="HF <-> Megatron distributed checkpoint conversion and verification")
+    p.add_argument("what", choices=sorted(_CONVERTERS))
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the converter (see --help)")
+    p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("plot", help="write PNG curves (reward, length, KL, phase times) of a run")
     p.add_argument("run_dir")
