@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from megarl.config.schema import MegaRLConfig
-from megarl.trainer.batch import Rollout, compute_advantages, micro_batches_for, scatter_back
+from megarl.trainer.batch import Rollout, compute_advantages
 
 
 class WeightSyncAlarm(RuntimeError):
@@ -104,4 +104,4 @@ def alarm_metrics(rollout: Rollout, train_lp: list, threshold: float) -> dict:
     return out
 
 
-__all__ = ["train", "alarm_metrics", "WeightSyncAlarm", "micro_batches_for", "scatter_back"]
+__all__ = ["train", "alarm_metrics", "WeightSyncAlarm"]
