@@ -159,6 +159,10 @@ class AlgorithmConfig:
     """DAPO dynamic sampling: generation rounds per step before training on what is there."""
     overlong_buffer: int = 0
     """DAPO overlong shaping: tokens before max_response_tokens where the soft penalty starts; 0 off."""
+    critic_lr: Optional[float] = None
+    """PPO critic learning rate (same optimizer and schedule as the policy); null: trainer.lr."""
+    value_clip: Optional[float] = 0.2
+    """PPO critic: clip range of the value loss around the rollout's values; null disables it."""
 
     def validate(self):
         _positive(self, "clip_low", "clip_high", "ppo_epochs", "mini_batches", "max_sampling_tries")
@@ -171,6 +175,10 @@ class AlgorithmConfig:
             raise ConfigValueError("gamma", self.gamma, "a number in [0, 1]")
         if not 0.0 <= self.lam <= 1.0:
             raise ConfigValueError("lam", self.lam, "a number in [0, 1]")
+        if self.critic_lr is not None and self.critic_lr <= 0:
+            raise ConfigValueError("critic_lr", self.critic_lr, "null or a number > 0")
+        if self.value_clip is not None and self.value_clip <= 0:
+            raise ConfigValueError("value_clip", self.value_clip, "null or a number > 0")
 
 
 @dataclass

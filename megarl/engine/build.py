@@ -59,6 +59,9 @@ class ModelOptions:
     """Activation recompute: none, selective or full."""
     config_overrides: dict = field(default_factory=dict)
     """Extra TransformerConfig fields (win over everything else)."""
+    value_head: bool = False
+    """Build a critic: the LM head replaced by a zero-initialised scalar value head
+    (:mod:`megarl.engine.value`)."""
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -168,6 +171,10 @@ def build_model(options: ModelOptions, groups: ParallelGroups, *, ddp: bool = Fa
     if load_weights:
         bridge.load_weights(chunks, folder)
     config = bridge.config
+    if options.value_head:
+        from megarl.engine.value import attach_value_heads
+
+        attach_value_heads(chunks, config, groups.pgs.tp)
     if ddp:
         chunks = wrap_ddp(chunks, config, distributed_optimizer)
     return BuiltModel(chunks=chunks, bridge=bridge, config=config, hf_config=hf_config, groups=groups,

@@ -44,6 +44,7 @@ from megarl.engine.export import export_hf_weights, local_shards
 from megarl.engine.logprobs import PackedMicroBatch, SequenceBatch, pack_micro_batch, response_logprobs
 from megarl.engine.moe_stats import MoEStats
 from megarl.engine.offload import Offloader
+from megarl.engine.value import response_values
 from megarl.parallel.groups import ParallelGroups
 from megarl.parallel.topology import Topology, TopologyError
 
@@ -109,6 +110,9 @@ class PolicyEngine:
     def __init__(self, model: ModelOptions, groups: ParallelGroups, optim: Optional[OptimOptions] = None,
                  trainable: bool = True):
         self.groups, self.trainable = groups, trainable
+        self.is_critic = model.value_head
+        # what a micro-batch's model output is reduced to: response log-probs, or critic values
+        self._extract = response_values if model.value_head else response_logprobs
         self.optim = optim or OptimOptions()
         check_train_layout(model.path, groups.topology) if trainable else check_layout(model.path, groups.topology)
         # megatron's distributed optimizer only wraps Adam; SGD runs the plain (replicated) one.
@@ -201,13 +205,14 @@ class PolicyEngine:
     # ---------------------------------------------------------------- public API
     @torch.no_grad()
     def forward_logprobs(self, micro_batches, with_entropy: bool = False) -> list[LogprobOutput]:
-        """Response-token log-probs (and entropy) of each micro-batch, on every rank."""
+        """Response-token log-probs (and entropy) of each micro-batch, on every rank (a critic:
+        its values, in ``logprobs_R``; see :meth:`forward_values`)."""
         micro_batches = self._check_micro_batches(micro_batches)
         for c in self.model.chunks:
             c.eval()
 
         def loss_func(mb: PackedMicroBatch, output):
-            logprobs_R, entropy_R = response_logprobs(output, mb, self.groups.pgs, with_entropy)
+            logprobs_R, entropy_R = self._extract(output, mb, self.groups.pgs, with_entropy)
             return torch.zeros(()), {"logprobs": logprobs_R, "entropy": entropy_R}
 
         self.moe.reset()
@@ -215,8 +220,16 @@ class PolicyEngine:
         outs = self._from_last_stage([(o["logprobs"], o["entropy"]) for o in outs] if outs else None)
         return [LogprobOutput(lp, ent, b.cu_seqlens_N1) for (lp, ent), b in zip(outs, micro_batches)]
 
+    @torch.no_grad()
+    def forward_values(self, micro_batches) -> list[torch.Tensor]:
+        """A critic's value of each response token (the state before it), per micro-batch ``[R]``."""
+        if not self.is_critic:
+            raise RuntimeError("forward_values on a policy engine; build it with ModelOptions(value_head=True)")
+        return [o.logprobs_R for o in self.forward_logprobs(micro_batches)]
+
     def train_step(self, micro_batches, loss_fn: Callable, with_entropy: bool = False) -> dict:
         """One optimizer step over ``micro_batches`` (gradient accumulation); see the module doc.
+        For a critic, ``loss_fn`` gets the values ``[R]`` in place of the log-probs.
 
         Returns ``loss`` (summed over micro-batches and DP), ``grad_norm`` (before clipping),
         ``lr``, ``update_successful``, token counts and the averaged ``loss_fn`` metrics, plus MoE
@@ -235,8 +248,8 @@ class PolicyEngine:
         scale = len(micro_batches) * topo.dp
 
         def loss_func(mb: PackedMicroBatch, output):
-            logprobs_R, entropy_R = response_logprobs(output, mb, g.pgs, with_entropy)
-            if with_entropy:
+            logprobs_R, entropy_R = self._extract(output, mb, g.pgs, with_entropy)
+            if with_entropy and entropy_R is not None:
                 mb.batch.extras["entropy_T"] = entropy_R
             loss, metrics = loss_fn(logprobs_R, mb.batch)
             report = {"loss": loss.detach().clone()}
@@ -277,6 +290,8 @@ class PolicyEngine:
     # ---------------------------------------------------------------- weights
     def export_hf(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors (collective; every rank gets every tensor)."""
+        if self.is_critic:
+            raise RuntimeError("export_hf on a critic: its value head has no HF counterpart")
         return export_hf_weights(self.model)
 
     def local_shards(self):

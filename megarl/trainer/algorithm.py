@@ -11,7 +11,7 @@ dapo      grpo            ppo          clip-higher + dynamic sampling + overlong
 rloo      rloo            ppo          leave-one-out baseline
 reinforce_pp  reinforce_pp  ppo        batch-normalised returns
 gspo      grpo            gspo         sequence-level ratio
-ppo       gae             ppo          needs a critic: not yet wired into the trainer
+ppo       gae             ppo          with a critic (value-head GPTModel), gamma / lam
 ========  ==============  ===========  ==============================================
 
 Legend: N sequences, T packed response tokens, N1 = N + 1.
@@ -35,9 +35,6 @@ def resolve(cfg: AlgorithmConfig):
     """(advantage fn, advantage options, policy-loss fn) for the configured algorithm."""
     from megarl.algorithms import get_advantage_estimator, get_policy_loss
 
-    if cfg.name == "ppo" and cfg.advantage is None:
-        raise ValueError("algorithm.name='ppo' needs a critic (GAE values), which the trainer does not build "
-                         "yet; use grpo, drgrpo, dapo, rloo, reinforce_pp or gspo")
     adv_name, loss_name = PRESETS[cfg.name]
     adv_fn = get_advantage_estimator(cfg.advantage or adv_name)
     adv_opts = {}
@@ -45,7 +42,29 @@ def resolve(cfg: AlgorithmConfig):
         adv_opts["norm_by_std"] = cfg.norm_adv_by_std
     if (cfg.advantage or adv_name) == "reinforce_pp":
         adv_opts["gamma"] = cfg.gamma
+    if needs_critic(cfg):
+        adv_opts.update(gamma=cfg.gamma, lam=cfg.lam)
     return adv_fn, adv_opts, get_policy_loss(cfg.policy_loss or loss_name)
+
+
+def needs_critic(cfg: AlgorithmConfig) -> bool:
+    """GAE advantages need a critic's per-token values."""
+    return (cfg.advantage or PRESETS[cfg.name][0]) == "gae"
+
+
+def make_value_loss_fn(cfg: AlgorithmConfig, max_response_tokens: int):
+    """``loss_fn(values_R, batch)`` for the critic's ``train_step``: clipped value loss towards
+    ``extras['returns_T']`` around ``extras['old_values_T']`` (the rollout's values)."""
+    from megarl.algorithms.losses import value_loss
+
+    def loss_fn(values_R, batch):
+        ex = batch.extras
+        return value_loss(values_R, ex["old_values_T"], ex["returns_T"], ex["mask_T"], batch.cu_seqlens_N1,
+                          clip_range=cfg.value_clip, agg_mode=cfg.loss_agg_mode,
+                          max_response_length=max_response_tokens, num_tokens=batch.num_global_tokens,
+                          num_seqs=batch.num_global_sequences)
+
+    return loss_fn
 
 
 def make_loss_fn(cfg: AlgorithmConfig, max_response_tokens: int, kl_coef: float = 0.0):

@@ -52,13 +52,19 @@ class Rollout:
         return [len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)]
 
 
-def compute_advantages(rollout: Rollout, adv_fn, adv_opts: dict, token_rewards_T=None) -> list[torch.Tensor]:
-    """Per sample, the advantages of its response tokens."""
+def compute_advantages(rollout: Rollout, adv_fn, adv_opts: dict, token_rewards=None, values=None):
+    """Per sample, the advantages and the returns of its response tokens.
+
+    ``token_rewards`` (e.g. a KL penalty) and ``values`` (a critic's, for GAE) are per-sample
+    lists of ``[R_i]`` tensors, or None.
+    """
     cu = rollout.cu_seqlens_N1()
+    cat = lambda xs: torch.cat([x.float() for x in xs]) if xs is not None else None   # noqa: E731
+    extra = {"values_T": cat(values)} if values is not None else {}
     result = adv_fn(rewards_N=torch.tensor(rollout.rewards, dtype=torch.float32), cu_seqlens_N1=cu,
-                    mask_T=torch.ones(int(cu[-1]), dtype=torch.bool),
-                    group_ids_N=torch.tensor(rollout.group_ids), token_rewards_T=token_rewards_T, **adv_opts)
-    return split_tokens(result.advantages_T, cu)
+                    mask_T=torch.ones(int(cu[-1]), dtype=torch.bool), group_ids_N=torch.tensor(rollout.group_ids),
+                    token_rewards_T=cat(token_rewards), **extra, **adv_opts)
+    return split_tokens(result.advantages_T, cu), split_tokens(result.returns_T, cu)
 
 
 def split_tokens(values_T: torch.Tensor, cu_seqlens_N1: torch.Tensor) -> list[torch.Tensor]:

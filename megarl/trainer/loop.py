@@ -1,7 +1,7 @@
 """The RL controller: a single driver that runs the loop over Ray HybridWorkers.
 
-    for step:  generate -> score -> old/ref log-probs -> advantages -> plan + pack -> train
-               -> weight sync -> metrics -> (eval) -> (checkpoint)
+    for step:  generate -> score -> old/ref log-probs (and critic values) -> advantages
+               -> (critic update) -> policy update -> weight sync -> metrics -> (eval) -> (checkpoint)
 
 Everything the loop calls lives elsewhere (workers, batch helpers, algorithms, rewards, data
 plane); this file only orders it. Determinism: prompts and vLLM sampling seeds are functions of
@@ -60,14 +60,23 @@ def train(cfg: MegaRLConfig, resume: bool = False) -> Path:
                 plan = group.plan(rollout)
                 old_lp, entropy = group.logprobs(rollout, plan, reference=False)
                 ref_lp = group.logprobs(rollout, plan, reference=True)[0] if group.has_reference else None
+                values = group.values(rollout, plan) if group.has_critic else None
             m.update(alarm_metrics(rollout, old_lp, cfg.trainer.logprob_diff_threshold))
-            per_sample = {"old_logprobs_T": old_lp, "advantages_T": compute_advantages(rollout, adv_fn, adv_opts)}
+            per_sample, kl_rewards = {"old_logprobs_T": old_lp}, None
             if ref_lp is not None:
                 per_sample["ref_logprobs_T"] = ref_lp
-                kl = torch.cat([a - b for a, b in zip(old_lp, ref_lp)])   # k1 of the sampled tokens
-                m["actor/kl"] = float(kl.mean())
+                kl = [a - b for a, b in zip(old_lp, ref_lp)]   # k1 of the sampled tokens
+                m["actor/kl"] = float(torch.cat(kl).mean())
+                if cfg.algorithm.kl_mode == "reward":          # -beta * KL as a per-token reward
+                    kl_rewards = [-kl_ctl.value * k for k in kl]
                 kl_ctl.update(m["actor/kl"], len(rollout))
+            per_sample["advantages_T"], returns = compute_advantages(rollout, adv_fn, adv_opts, kl_rewards, values)
             m["actor/entropy"] = float(torch.cat(entropy).mean()) if entropy else math.nan
+            if values is not None:
+                log.progress_line(step, "critic")
+                with timer("critic"):
+                    m.update(group.train_critic(rollout, plan, {"old_values_T": values, "returns_T": returns}))
+                    m.update(critic_metrics(values, returns))
             log.progress_line(step, "train")
             with timer("train"):
                 m.update(group.train(rollout, plan, per_sample, kl_ctl.value))
@@ -90,6 +99,14 @@ def train(cfg: MegaRLConfig, resume: bool = False) -> Path:
     return run_dir
 
 
+def critic_metrics(values: list, returns: list) -> dict:
+    """Mean value and return, and the explained variance 1 - Var(R - V) / Var(R) of the rollout."""
+    v, r = torch.cat(values).double(), torch.cat(returns).double()
+    var_r = float(r.var(unbiased=False))
+    return {"critic/values_mean": float(v.mean()), "critic/returns_mean": float(r.mean()),
+            "critic/explained_variance": 1.0 - float((r - v).var(unbiased=False)) / var_r if var_r > 0 else math.nan}
+
+
 def alarm_metrics(rollout: Rollout, train_lp: list, threshold: float) -> dict:
     """|vLLM sampling log-prob - Megatron log-prob| of the sampled tokens; stop when too large."""
     diff = torch.cat([(torch.tensor(v, dtype=torch.float64) - t.double()).abs()
@@ -104,4 +121,4 @@ def alarm_metrics(rollout: Rollout, train_lp: list, threshold: float) -> dict:
     return out
 
 
-__all__ = ["train", "alarm_metrics", "WeightSyncAlarm"]
+__all__ = ["train", "alarm_metrics", "critic_metrics", "WeightSyncAlarm"]

@@ -13,6 +13,7 @@ resident, and ``rollout.placement=colocated`` only means Megatron offloads nothi
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -49,6 +50,13 @@ class HybridWorker:
                              adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2)
         self.policy = PolicyEngine(opts, self.groups, optim)
         self.ref = reference_engine(opts, self.groups) if cfg.algorithm.kl_coef > 0 else None
+        from megarl.trainer.algorithm import needs_critic
+
+        self.critic = None
+        if needs_critic(cfg.algorithm):   # PPO: same architecture and checkpoint, scalar value head
+            critic_optim = dataclasses.replace(optim, lr=cfg.algorithm.critic_lr or tr.lr,
+                                               min_lr=min(tr.min_lr, cfg.algorithm.critic_lr or tr.lr))
+            self.critic = PolicyEngine(dataclasses.replace(opts, value_head=True), self.groups, critic_optim)
         self.llm = self._make_llm() if rank == 0 else None
         from megarl.bridge import SyncOptions, WeightBridge
 
@@ -94,6 +102,18 @@ class HybridWorker:
             return None
         return [(o.logprobs_R, o.entropy_R) for o in outs]
 
+    def values(self, micro_batches):
+        """The critic's values of the response tokens, per micro-batch (DP leaders; else None)."""
+        outs = self.critic.forward_values(micro_batches)
+        return outs if self.info()["dp_leader"] else None
+
+    def train_critic(self, micro_batches) -> dict:
+        from megarl.trainer.algorithm import make_value_loss_fn
+
+        out = self.critic.train_step(micro_batches, make_value_loss_fn(self.cfg.algorithm,
+                                                                       self.cfg.rollout.max_response_tokens))
+        return out
+
     def train(self, micro_batches, kl_coef: float) -> dict:
         from megarl.trainer.algorithm import make_loss_fn
 
@@ -121,12 +141,19 @@ class HybridWorker:
         return stats
 
     # ------------------------------------------------------------------ checkpoints (collective)
+    def _engines(self) -> dict:
+        """The trainable engines by checkpoint prefix ("" policy, "critic." critic)."""
+        return {"": self.policy, **({"critic.": self.critic} if self.critic is not None else {})}
+
     def _sharded_state(self, is_loading: bool) -> dict:
-        chunks = self.policy.model.modules
-        model_sd = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
-        optim_sd = self.policy.optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
-        return {**model_sd, "optimizer": optim_sd}
+        state = {}
+        for prefix, engine in self._engines().items():
+            model_sd = {f"{prefix}model{i}": chunk.sharded_state_dict(prefix=prefix)
+                        for i, chunk in enumerate(engine.model.modules)}
+            state.update(model_sd)
+            state[f"{prefix}optimizer"] = engine.optimizer.sharded_state_dict(
+                model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+        return state
 
     def save_checkpoint(self, folder: str) -> None:
         """Model + optimizer (megatron dist checkpoint) and this rank's RNG states into ``folder``."""
@@ -136,7 +163,8 @@ class HybridWorker:
         dist_checkpointing.save(self._sharded_state(is_loading=False), folder)
         torch.save({"torch": torch.get_rng_state(),
                     "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-                    "engine_step": self.policy.step_count},
+                    "engine_step": self.policy.step_count,
+                    "critic_step": self.critic.step_count if self.critic is not None else 0},
                    Path(folder) / f"rng_rank{self.rank:05d}.pt")
 
     def load_checkpoint(self, folder: str) -> None:
@@ -144,15 +172,18 @@ class HybridWorker:
         from megatron.core import dist_checkpointing, tensor_parallel
 
         state = dist_checkpointing.load(self._sharded_state(is_loading=True), folder)
-        for i, chunk in enumerate(self.policy.model.modules):
-            chunk.load_state_dict(state[f"model{i}"])
-        self.policy.optimizer.load_state_dict(state["optimizer"])
+        for prefix, engine in self._engines().items():
+            for i, chunk in enumerate(engine.model.modules):
+                chunk.load_state_dict(_strip(state[f"{prefix}model{i}"], prefix))
+            engine.optimizer.load_state_dict(state[f"{prefix}optimizer"])
         rng_file = Path(folder) / f"rng_rank{self.rank:05d}.pt"
         if rng_file.exists():
             rng = torch.load(rng_file, weights_only=False)
             torch.set_rng_state(rng["torch"])
             tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
             self.policy.step_count = rng["engine_step"]
+            if self.critic is not None:
+                self.critic.step_count = rng.get("critic_step", 0)
 
     def barrier(self) -> None:
         import torch.distributed as dist
@@ -165,3 +196,8 @@ class HybridWorker:
 
             shutdown_llm(self.llm)
             self.llm = None
+
+
+def _strip(state: dict, prefix: str) -> dict:
+    """A loaded model state dict with the checkpoint prefix taken off its keys."""
+    return {k[len(prefix):] if prefix and k.startswith(prefix) else k: v for k, v in state.items()}

@@ -79,6 +79,9 @@ class WorkerGroup:
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model.path))
         self.prompts = PromptSource(cfg.data)
         self.has_reference = cfg.algorithm.kl_coef > 0
+        from megarl.trainer.algorithm import needs_critic
+
+        self.has_critic = needs_critic(cfg.algorithm)
 
     def _all(self, method: str, *args):
         import ray
@@ -183,7 +186,21 @@ class WorkerGroup:
                    if with_entropy else None)
         return logprobs, entropy
 
+    def values(self, rollout: Rollout, plan) -> list[torch.Tensor]:
+        """The critic's value of every response token, per sample."""
+        import ray
+
+        outs = ray.get([w.values.remote(b) for w, b in zip(self.workers, self._per_rank(rollout, plan, {}))])
+        return scatter_back(rollout, plan, {i["dp_rank"]: o for i, o in zip(self.info, outs) if o is not None})
+
     def train(self, rollout: Rollout, plan, per_sample: dict, kl_coef: float) -> dict:
+        return self._optimize("train", "actor", rollout, plan, per_sample, kl_coef)
+
+    def train_critic(self, rollout: Rollout, plan, per_sample: dict) -> dict:
+        return self._optimize("train_critic", "critic", rollout, plan, per_sample)
+
+    def _optimize(self, method: str, tag: str, rollout: Rollout, plan, per_sample: dict, *args) -> dict:
+        """``ppo_epochs`` passes over ``mini_batches`` chunks of whole groups, one optimizer step each."""
         import ray
 
         a = self.cfg.algorithm
@@ -196,9 +213,11 @@ class WorkerGroup:
                 sub_samples = {k: [v[i] for i in keep] for k, v in per_sample.items()} if len(chunks) > 1 \
                     else per_sample
                 batches = self._per_rank(sub, sub_plan, sub_samples)
-                results.append(ray.get([w.train.remote(b, kl_coef) for w, b in zip(self.workers, batches)])[0])
-        out = {f"actor/{k}": v for k, v in results[-1].items() if isinstance(v, (int, float))}
-        out["actor/grad_norm"] = sum(r["grad_norm"] for r in results) / len(results)
+                results.append(ray.get([getattr(w, method).remote(b, *args)
+                                        for w, b in zip(self.workers, batches)])[0])
+        out = {f"{tag}/{k}": v for k, v in results[-1].items() if isinstance(v, (int, float))}
+        out[f"{tag}/grad_norm"] = sum(r["grad_norm"] for r in results) / len(results)
+        out[f"{tag}/optimizer_steps"] = len(results)
         return out
 
     def sync_weights(self) -> dict:

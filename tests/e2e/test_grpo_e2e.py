@@ -8,19 +8,14 @@ being trained (rollout-vs-train log-prob difference after each sync, fp32, tempe
 the metrics JSONL holds every key the run promises. A second run is SIGKILLed in the middle of
 step 3 and resumed from the step-2 checkpoint: its steps 4 and 5 repeat the first run's.
 """
-import json
 import os
 import signal
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
+from e2e_common import metrics, start
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-HERE = Path(__file__).parent
 RECIPE = """
 model:
   path: {model}
@@ -51,45 +46,10 @@ KEYS = ["reward/mean", "reward/std", "reward/accuracy", "response_length/mean", 
         "time/train_s", "time/sync_s", "rollout/logprob_diff_mean", "rollout/logprob_diff_max"]
 
 
-def tied_tiny_llama(folder: Path) -> Path:
-    """tiny-llama with tie_word_embeddings=True (the checkpoint then has no lm_head)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from megarl.models.fixtures import ensure_fixture
-
-    src = ensure_fixture("tiny-llama")
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    model.config.tie_word_embeddings = True
-    model.tie_weights()
-    model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(src).save_pretrained(folder)
-    return folder
-
-
-def start(tmp_path, name, *extra):
-    recipe = tmp_path / f"{name}.yaml"
-    model = tmp_path / "tied-llama"
-    if not model.exists():
-        tied_tiny_llama(model)
-    recipe.write_text(RECIPE.format(run_dir=tmp_path / name, model=model))
-    # Ray's socket paths must stay under 107 bytes: a short temp root, not pytest's tmp_path
-    env = dict(os.environ, PYTHONPATH=f"{HERE}:{os.environ.get('PYTHONPATH', '')}",
-               RAY_TMPDIR=tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
-    log = open(tmp_path / f"{name}.log", "a")
-    return subprocess.Popen([sys.executable, "-m", "megarl.cli", "train", str(recipe), *extra], stdout=log,
-                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def metrics(run_dir):
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("grpo")
-    proc = start(tmp, "full")
+    proc = start(tmp, "full", RECIPE)
     assert proc.wait(timeout=1500) == 0, (tmp / "full.log").read_text()[-5000:]
     return tmp, metrics(tmp / "full")
 
@@ -118,7 +78,7 @@ def test_vllm_samples_from_trained_weights(full_run):
 
 def test_resume_after_sigkill_mid_step_repeats_metrics(full_run):
     tmp, reference = full_run
-    proc = start(tmp, "killed")
+    proc = start(tmp, "killed", RECIPE)
     deadline = time.time() + 1200
     while time.time() < deadline and len(metrics(tmp / "killed")) < 2:
         time.sleep(1)
@@ -127,7 +87,7 @@ def test_resume_after_sigkill_mid_step_repeats_metrics(full_run):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert len(metrics(tmp / "killed")) == 2
-    resumed = start(tmp, "killed", "--resume")
+    resumed = start(tmp, "killed", RECIPE, "--resume")
     assert resumed.wait(timeout=1500) == 0, (tmp / "killed.log").read_text()[-5000:]
     rows = {r["step"]: r for r in metrics(tmp / "killed")}
     assert sorted(rows) == [1, 2, 3, 4, 5]

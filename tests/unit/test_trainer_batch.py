@@ -5,9 +5,9 @@ import torch
 from megarl.config.schema import AlgorithmConfig
 from megarl.data import BatchBudget, plan_batches
 from megarl.parallel import Topology
-from megarl.trainer.algorithm import make_loss_fn, resolve
+from megarl.trainer.algorithm import make_loss_fn, make_value_loss_fn, needs_critic, resolve
 from megarl.trainer.batch import Rollout, compute_advantages, micro_batches_for, scatter_back
-from megarl.trainer.loop import WeightSyncAlarm, alarm_metrics
+from megarl.trainer.loop import WeightSyncAlarm, alarm_metrics, critic_metrics
 
 
 def rollout_of(response_lengths, rewards, n=2):
@@ -31,7 +31,7 @@ def test_grpo_advantages_per_sample():
     # group 1 all equal -> 0
     r = rollout_of([2, 3, 4, 5], [0, 1, 1, 1])
     adv_fn, opts, _ = resolve(AlgorithmConfig(name="grpo"))
-    adv = compute_advantages(r, adv_fn, opts)
+    adv, _ = compute_advantages(r, adv_fn, opts)
     assert [a.shape[0] for a in adv] == [2, 3, 4, 5]
     assert torch.allclose(adv[0], torch.full((2,), -0.5 / 0.5 ** 0.5), atol=1e-4)
     assert torch.allclose(adv[1], torch.full((3,), 0.5 / 0.5 ** 0.5), atol=1e-4)
@@ -81,6 +81,44 @@ def test_loss_fn_at_ratio_one_is_minus_mean_advantage():
     assert float(metrics["clip_frac"]) == 0.0
 
 
-def test_ppo_without_critic_is_a_clear_error():
-    with pytest.raises(ValueError, match="algorithm.name='ppo' needs a critic"):
-        resolve(AlgorithmConfig(name="ppo"))
+def test_ppo_uses_gae_with_the_critic_values():
+    # rewards 1 and 0 at the last token, gamma = lam = 1: A_t = R - V_t before whitening over the
+    # batch, returns = A + V = R on every token
+    cfg = AlgorithmConfig(name="ppo", gamma=1.0, lam=1.0)
+    assert needs_critic(cfg) and not needs_critic(AlgorithmConfig(name="grpo"))
+    adv_fn, opts, _ = resolve(cfg)
+    assert opts == {"gamma": 1.0, "lam": 1.0}
+    r = rollout_of([3, 2], [1.0, 0.0])
+    values = [torch.tensor([0.5, 0.25, 0.0]), torch.tensor([0.2, 0.1])]
+    adv, returns = compute_advantages(r, adv_fn, opts, values=values)
+    assert torch.allclose(returns[0], torch.ones(3)) and torch.allclose(returns[1], torch.zeros(2))
+    raw = torch.tensor([0.5, 0.75, 1.0, -0.2, -0.1])                  # returns - values
+    expect = (raw - raw.mean()) / raw.std()
+    assert torch.allclose(torch.cat(adv), expect, atol=1e-5)
+    m = critic_metrics(values, returns)
+    assert m["critic/returns_mean"] == pytest.approx(0.6)
+    assert m["critic/explained_variance"] == pytest.approx(1 - raw.double().var(unbiased=False).item() /
+                                                           torch.tensor([1., 1, 1, 0, 0]).var(unbiased=False).item())
+
+
+def test_kl_penalty_as_token_reward_lowers_grpo_scores():
+    # kl_mode=reward: the outcome estimators add the summed token rewards to each sequence's score
+    r = rollout_of([2, 2], [1.0, 1.0])
+    adv_fn, opts, _ = resolve(AlgorithmConfig(name="grpo"))
+    adv, _ = compute_advantages(r, adv_fn, opts, token_rewards=[torch.tensor([-0.1, -0.1]), torch.zeros(2)])
+    assert (adv[0] < 0).all() and (adv[1] > 0).all()
+
+
+def test_value_loss_fn_clips_around_old_values():
+    from megarl.engine import SequenceBatch
+
+    cfg = AlgorithmConfig(name="ppo", value_clip=0.1)
+    loss_fn = make_value_loss_fn(cfg, max_response_tokens=8)
+    batch = SequenceBatch([torch.tensor([1, 2, 3])], [1],
+                          {"old_values_T": torch.tensor([0.0, 0.0]), "returns_T": torch.tensor([1.0, 1.0]),
+                           "mask_T": torch.ones(2, dtype=torch.bool)})
+    batch.num_global_tokens, batch.num_global_sequences = 2, 1
+    loss, metrics = loss_fn(torch.tensor([0.5, 0.5]), batch)
+    # unclipped (0.5-1)^2 = 0.25, clipped (0.1-1)^2 = 0.81: max -> 0.81, times 0.5
+    assert loss.item() == pytest.approx(0.405)
+    assert float(metrics["vf_clip_frac"]) == 1.0

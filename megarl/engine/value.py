@@ -1,0 +1,68 @@
+"""Critic (value model) on the same Megatron GPTModel: the LM head replaced by a scalar head.
+
+The critic of PPO is the policy's architecture, initialised from the same HF checkpoint, whose
+output layer ``[H] -> [V/tp]`` is replaced by :class:`ValueHead` ``[H] -> [1]`` (zero-initialised,
+so training starts from V = 0). Everything else (THD packing, TP/SP/CP/PP, DDP, the
+distributed optimizer, checkpoints) is the policy engine's: :class:`megarl.engine.PolicyEngine`
+built with ``ModelOptions(value_head=True)``.
+
+Parallelism of the head
+-----------------------
+The head is replicated on every TP rank. With sequence parallelism its input is this rank's
+sequence slice ``[T/tp, 1, H]``: it is all-gathered first, with a backward that *splits* the
+gradient instead of reduce-scattering it (megatron's ``tensor_parallel_output_grad=False``),
+because every TP rank computes the same loss from the same full values. Without SP the input is
+already full and identical on all TP ranks. Either way the head's gradient is the same on all TP
+ranks, so no extra reduction is needed. CP shares and the response selection are those of the
+log-probs (:func:`megarl.engine.logprobs.gather_cp`, :func:`megarl.engine.logprobs.select_response`):
+the value of response token j is read at position j - 1, the state it was sampled from.
+
+Shape legend: T packed tokens on this rank, H hidden size, R packed response tokens.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class ValueHead(torch.nn.Module):
+    """``[T, B, H] -> ([T, B, 1], None)``, called like megatron's output layer."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool, tp_group):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.sequence_parallel = sequence_parallel
+        self.tp_group = tp_group
+
+    def forward(self, hidden_TBH: torch.Tensor, weight=None, runtime_gather_output=None):
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        if self.sequence_parallel:
+            hidden_TBH = gather_from_sequence_parallel_region(hidden_TBH, tensor_parallel_output_grad=False,
+                                                              group=self.tp_group)
+        return torch.nn.functional.linear(hidden_TBH.float(), self.weight.float(), self.bias.float()), None
+
+
+def attach_value_heads(chunks: list, config, tp_group) -> None:
+    """Replace the output layer of the last-stage chunks by a :class:`ValueHead` (before DDP)."""
+    for chunk in chunks:
+        # untie: the head no longer shares the word embeddings (and megatron must not all-reduce
+        # embedding grads between the first and last pipeline stage for it)
+        chunk.share_embeddings_and_output_weights = False
+        if getattr(chunk, "post_process", False):
+            chunk.output_layer = ValueHead(config.hidden_size, config.params_dtype,
+                                           bool(config.sequence_parallel) and _size(tp_group) > 1, tp_group)
+
+
+def _size(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def response_values(values_1T1: torch.Tensor, packed, pgs, with_entropy: bool = False):
+    """Value-head output of one micro-batch -> (values of the response tokens ``[R]``, None)."""
+    from megarl.engine.logprobs import gather_cp, select_response
+
+    values_T = values_1T1[0, :, 0].float()
+    return select_response(gather_cp(values_T, packed, pgs.cp), packed), None

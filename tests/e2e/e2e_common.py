@@ -1,0 +1,52 @@
+"""Helpers of the end-to-end tests: a tied tiny model, a training subprocess, its metrics."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+def tied_tiny_llama(folder: Path) -> Path:
+    """tiny-llama with tie_word_embeddings=True (the checkpoint then has no lm_head), as SmolLM2."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megarl.models.fixtures import ensure_fixture
+
+    if folder.exists():
+        return folder
+    src = ensure_fixture("tiny-llama")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(src).save_pretrained(folder)
+    return folder
+
+
+def start(tmp_path: Path, name: str, recipe_text: str, *extra: str) -> subprocess.Popen:
+    """``megarl train`` of ``recipe_text`` ({run_dir} and {model} filled in) as a subprocess in
+    its own session (so a test can SIGKILL the whole tree); output to ``tmp_path/name.log``."""
+    recipe = tmp_path / f"{name}.yaml"
+    model = tied_tiny_llama(tmp_path / "tied-llama")
+    recipe.write_text(recipe_text.format(run_dir=tmp_path / name, model=model))
+    # Ray's socket paths must stay under 107 bytes: a short temp root, not pytest's tmp_path
+    env = dict(os.environ, PYTHONPATH=f"{HERE}:{os.environ.get('PYTHONPATH', '')}",
+               RAY_TMPDIR=tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
+    log = open(tmp_path / f"{name}.log", "a")
+    return subprocess.Popen([sys.executable, "-m", "megarl.cli", "train", str(recipe), *extra], stdout=log,
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def run(tmp_path: Path, name: str, recipe_text: str, *extra: str, timeout: int = 1500) -> list[dict]:
+    proc = start(tmp_path, name, recipe_text, *extra)
+    assert proc.wait(timeout=timeout) == 0, (tmp_path / f"{name}.log").read_text()[-5000:]
+    return metrics(tmp_path / name)
+
+
+def metrics(run_dir) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

