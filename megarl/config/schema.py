@@ -101,7 +101,11 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take when colocated with training."""
     placement: Literal["colocated", "split"] = "colocated"
-    """colocated: rollout and training take turns on the same devices; split: separate pools."""
+    """colocated: rollout and training take turns on the same devices; split: vLLM runs in a
+    Ray actor on rollout.tp devices of its own (the same loop and weight bridge)."""
+    offload_train_state: bool = False
+    """Colocated: move Megatron params, grads and optimizer state to host memory while vLLM
+    generates (frees device memory for the KV cache; on CPU it only exercises the path)."""
     enforce_eager: bool = True
     """Disable CUDA graphs / torch.compile in vLLM (faster start, required on CPU CI)."""
 

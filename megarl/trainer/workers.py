@@ -2,7 +2,9 @@
 
 One Ray actor per device (per GPU; on CPU ``topology.world_size`` gloo ranks), placed with a
 placement group (one bundle per worker, packed on as few nodes as possible). Collective phases
-call every worker at once; generation runs on rank 0, which drives the vLLM engine.
+call every worker at once; generation runs on rank 0, which drives the vLLM engine, or with
+``rollout.placement=split`` on a :class:`megarl.rollout.engine.RolloutActor` placed on
+``rollout.tp`` bundles of its own (rank 0 then drives the bridge through a proxy of it).
 """
 from __future__ import annotations
 
@@ -59,21 +61,33 @@ class WorkerGroup:
         from megarl.models.fixtures import resolve_model_path
         from megarl.trainer.worker import HybridWorker
 
-        if cfg.rollout.placement != "colocated":
-            raise ValueError(f"rollout.placement={cfg.rollout.placement!r}: the trainer supports only 'colocated' "
-                             "so far (separate rollout devices are planned through the same bridge)")
+        from megarl.rollout.engine import RolloutActor
+
         self.cfg = cfg
         world = cfg.topology.world_size
+        split = cfg.rollout.placement == "split"
+        if split and cfg.rollout.offload_train_state:
+            raise ValueError("rollout.offload_train_state=true with rollout.placement='split': training and "
+                             "rollout do not share devices, there is nothing to make room for; set it false")
+        rollout_devices = cfg.rollout.tp if split else 0
         if not ray.is_initialized():
-            ray.init(num_cpus=max(world, 1), include_dashboard=False, log_to_driver=True,
+            ray.init(num_cpus=max(world + rollout_devices, 1), include_dashboard=False, log_to_driver=True,
                      configure_logging=False)
-        self.pg = placement_group([{"CPU": 1}] * world, strategy="PACK")
+        # one bundle per training device, then (split) one holding the rollout devices
+        self.pg = placement_group([{"CPU": 1}] * world + ([{"CPU": rollout_devices}] if split else []),
+                                  strategy="PACK")
         ray.get(self.pg.ready())
+        threads = str(max(1, 2 // (world + rollout_devices)))
+        self.rollout_actor = None
+        if split:
+            self.rollout_actor = ray.remote(num_cpus=rollout_devices)(RolloutActor).options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, world),
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": threads}}).remote(cfg)
         port = _free_port()
         actor = ray.remote(num_cpus=1)(HybridWorker)
         self.workers = [actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i),
-                                      runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(1, 2 // world))}})
-                        .remote(cfg, i, world, "127.0.0.1", port) for i in range(world)]
+                                      runtime_env={"env_vars": {"OMP_NUM_THREADS": threads}})
+                        .remote(cfg, i, world, "127.0.0.1", port, self.rollout_actor) for i in range(world)]
         self.info = ray.get([w.info.remote() for w in self.workers])
         self.leaders = {i["dp_rank"]: w for w, i in zip(self.workers, self.info) if i["dp_leader"]}
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model.path))
@@ -110,7 +124,13 @@ class WorkerGroup:
         ids = self._encode(records)
         base = (self.cfg.trainer.seed * 1_000_003 + step * 1009) * 64
         seeds = [base + 64 * i for i in range(len(ids))]   # vLLM gives sample j of a request seed + j
-        gens = ray.get(self.workers[0].generate.remote(ids, seeds, greedy))
+        offload = self.cfg.rollout.offload_train_state
+        if offload:
+            self.offloaded_bytes = sum(o["offloaded_bytes"] for o in self._all("offload"))
+        engine = self.rollout_actor or self.workers[0]
+        gens = ray.get(engine.generate.remote(ids, seeds, greedy))
+        if offload:
+            self._all("onload")
         return Rollout.from_generations(ids, [r.answer for r in records], gens)
 
     def score(self, rollout: Rollout, rewards) -> dict:
@@ -154,6 +174,8 @@ class WorkerGroup:
             raise RuntimeError(f"dynamic sampling kept no group in {tries} rounds (every group's rewards were "
                                "equal); raise algorithm.max_sampling_tries or change data.difficulty")
         m.update({"time/generate_s": gen_s, "time/score_s": score_s, "rollout/num_samples": len(kept)})
+        if cfg.rollout.offload_train_state:
+            m["memory/offloaded_gb"] = self.offloaded_bytes / 1e9
         return kept, m
 
     def evaluate(self, rewards) -> dict:
@@ -240,6 +262,9 @@ class WorkerGroup:
         self._all("shutdown")
         for w in self.workers:
             ray.kill(w)
+        if self.rollout_actor is not None:
+            ray.get(self.rollout_actor.shutdown.remote())
+            ray.kill(self.rollout_actor)
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(self.pg)
