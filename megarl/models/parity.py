@@ -4,7 +4,7 @@ For fixed prompts it compares greedy continuations (token ids) and the log-probs
 tokens. transformers is the oracle: its greedy loop here is a plain argmax over full forwards (no
 KV cache, no generation heuristics). Run as a module it prints one JSON line per model::
 
-    python -m megarl.models.parity fixture:tiny-qwen2 fixture:smollm2 --one-at-a-time deepseek_v3
+    python -m megarl.models.parity fixture:tiny-qwen2 fixture:smollm2 fixture:tiny-deepseek_v3
 
 Legend: P prompt tokens, N new tokens.
 """
@@ -88,7 +88,7 @@ def main(argv=None):
     ap.add_argument("models", nargs="+", help="HF folders or fixture:<name>")
     ap.add_argument("--num-new", type=int, default=16)
     ap.add_argument("--one-at-a-time", nargs="*", default=[],
-                    help="model_type values compared one prompt per call (CPU MLA is not batch-invariant)")
+                    help="model_type values compared one prompt per call (to separate batch effects)")
     args = ap.parse_args(argv)
     from megarl.models.fixtures import resolve_model_path
 

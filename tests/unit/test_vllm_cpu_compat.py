@@ -1,0 +1,75 @@
+"""megarl.compat.vllm_cpu: the vLLM sites it patches still exist, the plugin is registered, and
+V1 rotates DeepSeek's strided MLA views exactly like vLLM's own torch implementation."""
+import importlib
+import inspect
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+
+from megarl.compat.vllm_cpu import SITES
+
+pytestmark = pytest.mark.vllm
+T, H, NOPE, ROPE, LORA = 6, 8, 32, 64, 512
+
+
+@pytest.mark.parametrize("site", SITES, ids=[s.patch for s in SITES])
+def test_patched_site_still_upstream(site):
+    cls = getattr(importlib.import_module(site.module), site.attr)
+    assert site.needle in inspect.getsource(cls.forward_cpu), (
+        f"{site.patch}: {site.module}.{site.attr}.forward_cpu no longer calls the C++ kernel; revisit "
+        "megarl/compat/vllm_cpu.py")
+
+
+def test_registered_as_vllm_general_plugin():
+    eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert eps.get("megarl_vllm_cpu") == "megarl.compat.vllm_cpu:apply"
+
+
+def reference_gptj(x, positions):
+    """GPT-J (interleaved pairs) rotation, theta 10000, written out."""
+    inv = 1.0 / 10000.0 ** (torch.arange(0, ROPE, 2, dtype=torch.float64) / ROPE)
+    ang = positions[:, None].double() * inv[None]
+    shape = [x.shape[0]] + [1] * (x.dim() - 2) + [ROPE // 2]
+    c, s = ang.cos().view(shape), ang.sin().view(shape)
+    xd = x.double()
+    out = torch.empty_like(xd)
+    out[..., 0::2] = xd[..., 0::2] * c - xd[..., 1::2] * s
+    out[..., 1::2] = xd[..., 1::2] * c + xd[..., 0::2] * s
+    return out.float()
+
+
+@pytest.fixture(scope="module")
+def rope():
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from megarl.compat import vllm_cpu
+
+    vllm_cpu.apply()
+    with set_current_vllm_config(VllmConfig()):
+        yield get_rope(ROPE, max_position=2048, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                       is_neox_style=False)
+
+
+def test_mla_strided_views_are_rotated_and_nothing_else_is_touched(rope):
+    # the exact call of vllm/model_executor/layers/mla.py: q[..., nope:] and k_pe sliced from the latent
+    g = torch.Generator().manual_seed(0)
+    q, kv = torch.randn(T, H, NOPE + ROPE, generator=g), torch.randn(T, LORA + ROPE, generator=g)
+    q0, kv0 = q.clone(), kv.clone()
+    positions = torch.arange(T)
+    k_pe = kv[:, LORA:].unsqueeze(1)
+    q[..., NOPE:], k_out = rope.forward_cpu(positions, q[..., NOPE:], k_pe)
+    assert torch.allclose(q[..., NOPE:], reference_gptj(q0[..., NOPE:], positions), atol=1e-5)
+    assert torch.allclose(k_out, reference_gptj(kv0[:, LORA:].unsqueeze(1), positions), atol=1e-5)
+    assert torch.equal(q[..., :NOPE], q0[..., :NOPE])          # the no-rope part of q
+    assert torch.equal(kv[:, :LORA], kv0[:, :LORA])            # the compressed KV latent
+
+
+def test_contiguous_2d_calls_keep_the_kernel(rope):
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(T, H * ROPE, generator=g), torch.randn(T, ROPE, generator=g)
+    positions = torch.arange(T)
+    q_out, k_out = rope.forward_cpu(positions, q.clone(), k.clone())
+    assert torch.allclose(q_out.view(T, H, ROPE), reference_gptj(q.view(T, H, ROPE), positions), atol=1e-5)
+    assert torch.allclose(k_out, reference_gptj(k.view(T, 1, ROPE), positions).view(T, ROPE), atol=1e-5)
