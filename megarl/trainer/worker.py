@@ -39,6 +39,9 @@ class HybridWorker:
         cpu = setup_cpu()
         if cpu:   # CPU: threads per rank (DESIGN.md s5: 1 thread per process was 10-20x faster than 2)
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        else:     # Ray gives each worker one GPU (CUDA_VISIBLE_DEVICES): it is device 0 here
+            os.environ["LOCAL_RANK"] = "0"
+            torch.cuda.set_device(0)
         dist.init_process_group("gloo" if cpu else "nccl", rank=rank, world_size=world_size)
         self.cfg, self.rank = cfg, rank
         self.topology = cfg.topology.to_topology()

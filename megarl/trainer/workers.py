@@ -8,6 +8,7 @@ call every worker at once; generation runs on rank 0, which drives the vLLM engi
 """
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -17,10 +18,35 @@ from megarl.config.schema import MegaRLConfig
 from megarl.trainer.batch import Rollout, micro_batches_for, scatter_back
 
 
-def _free_port() -> int:
+def _free_port(host: str = "") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _rendezvous_address() -> tuple[str, int]:
+    """(IP, free port) of the node this runs on: torch.distributed's master for rank 0."""
+    import ray
+
+    ip = ray.util.get_node_ip_address()
+    return ip, _free_port(ip)
+
+
+def _init_ray(num_devices: int) -> str:
+    """Join the cluster named by RAY_ADDRESS (multi-node, e.g. launch/slurm/megarl.sbatch), or
+    start a local one-node Ray with ``num_devices`` CPUs. Returns the bundle's device resource:
+    "GPU" when the cluster has GPUs, else "CPU"."""
+    import os
+
+    import ray
+
+    if not ray.is_initialized():
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True, configure_logging=False)
+        else:
+            ray.init(num_cpus=max(num_devices, 1), include_dashboard=False, log_to_driver=True,
+                     configure_logging=False)
+    return "GPU" if ray.cluster_resources().get("GPU", 0) > 0 else "CPU"
 
 
 class PromptSource:
@@ -70,24 +96,26 @@ class WorkerGroup:
             raise ValueError("rollout.offload_train_state=true with rollout.placement='split': training and "
                              "rollout do not share devices, there is nothing to make room for; set it false")
         rollout_devices = cfg.rollout.tp if split else 0
-        if not ray.is_initialized():
-            ray.init(num_cpus=max(world + rollout_devices, 1), include_dashboard=False, log_to_driver=True,
-                     configure_logging=False)
-        # one bundle per training device, then (split) one holding the rollout devices
-        self.pg = placement_group([{"CPU": 1}] * world + ([{"CPU": rollout_devices}] if split else []),
+        kind = _init_ray(world + rollout_devices)
+        # one bundle per training device, then (split) one holding the rollout devices; on GPU
+        # clusters a bundle is a GPU (+1 CPU), packed on as few nodes as possible
+        bundle = (lambda n: {"GPU": n, "CPU": n}) if kind == "GPU" else (lambda n: {"CPU": n})
+        self.pg = placement_group([bundle(1)] * world + ([bundle(rollout_devices)] if split else []),
                                   strategy="PACK")
         ray.get(self.pg.ready())
-        threads = str(max(1, 2 // (world + rollout_devices)))
+        on = lambda i: PlacementGroupSchedulingStrategy(self.pg, i)   # noqa: E731
+        threads = str(max(1, (os.cpu_count() or 2) // (world + rollout_devices))) if kind == "CPU" else "4"
+        env = {"env_vars": {"OMP_NUM_THREADS": threads}}
         self.rollout_actor = None
         if split:
-            self.rollout_actor = ray.remote(num_cpus=rollout_devices)(RolloutActor).options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, world),
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": threads}}).remote(cfg)
-        port = _free_port()
-        actor = ray.remote(num_cpus=1)(HybridWorker)
-        self.workers = [actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i),
-                                      runtime_env={"env_vars": {"OMP_NUM_THREADS": threads}})
-                        .remote(cfg, i, world, "127.0.0.1", port, self.rollout_actor) for i in range(world)]
+            self.rollout_actor = ray.remote(RolloutActor).options(
+                scheduling_strategy=on(world), runtime_env=env,
+                **{"num_cpus": rollout_devices, **({"num_gpus": rollout_devices} if kind == "GPU" else {})}).remote(cfg)
+        # torch.distributed rendezvous on the node of rank 0 (bundle 0), not on the driver's
+        master, port = ray.get(ray.remote(num_cpus=0)(_rendezvous_address).options(scheduling_strategy=on(0)).remote())
+        actor = ray.remote(HybridWorker).options(num_cpus=1, **({"num_gpus": 1} if kind == "GPU" else {}))
+        self.workers = [actor.options(scheduling_strategy=on(i), runtime_env=env)
+                        .remote(cfg, i, world, master, port, self.rollout_actor) for i in range(world)]
         self.info = ray.get([w.info.remote() for w in self.workers])
         self.leaders = {i["dp_rank"]: w for w, i in zip(self.workers, self.info) if i["dp_leader"]}
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model.path))
