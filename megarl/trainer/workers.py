@@ -43,6 +43,8 @@ def _init_ray(num_devices: int) -> str:
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):
             ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True, configure_logging=False)
+            print(f"megarl: joined the Ray cluster at {os.environ['RAY_ADDRESS']} "
+                  f"({len(ray.nodes())} node(s), {ray.cluster_resources()})", flush=True)
         else:
             ray.init(num_cpus=max(num_devices, 1), include_dashboard=False, log_to_driver=True,
                      configure_logging=False)
@@ -113,8 +115,9 @@ class WorkerGroup:
                 **{"num_cpus": rollout_devices, **({"num_gpus": rollout_devices} if kind == "GPU" else {})}).remote(cfg)
         # torch.distributed rendezvous on the node of rank 0 (bundle 0), not on the driver's
         master, port = ray.get(ray.remote(num_cpus=0)(_rendezvous_address).options(scheduling_strategy=on(0)).remote())
-        actor = ray.remote(HybridWorker).options(num_cpus=1, **({"num_gpus": 1} if kind == "GPU" else {}))
-        self.workers = [actor.options(scheduling_strategy=on(i), runtime_env=env)
+        actor = ray.remote(HybridWorker)
+        per_worker = {"num_cpus": 1, **({"num_gpus": 1} if kind == "GPU" else {})}
+        self.workers = [actor.options(scheduling_strategy=on(i), runtime_env=env, **per_worker)
                         .remote(cfg, i, world, master, port, self.rollout_actor) for i in range(world)]
         self.info = ray.get([w.info.remote() for w in self.workers])
         self.leaders = {i["dp_rank"]: w for w, i in zip(self.workers, self.info) if i["dp_leader"]}
