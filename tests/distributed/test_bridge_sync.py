@@ -5,7 +5,8 @@ oracles for the two perturbed checkpoints (see workers/bridge_sync.py). Checked 
 the bridge's logical tensors equal the real megatron-core parameters; verification mode passes;
 vLLM's greedy tokens equal the fresh engine's and its prompt log-probs are within 1e-5; vLLM's
 prompt log-probs equal the Megatron engine's ``forward_logprobs`` within 1e-4 (DeepSeek-V3 too,
-since megarl.compat.vllm_cpu V1 restored the rotary embedding of vLLM's CPU MLA).
+since megarl.compat.vllm_cpu V1 restored the rotary embedding of vLLM's CPU MLA). Transports:
+shared memory everywhere, and gloo point-to-point for qwen2 pp2 (stage 2's layers sent to rank 0).
 """
 import os
 import tempfile
@@ -15,7 +16,8 @@ import pytest
 from launch import run_workers
 
 CASES = {
-    "qwen2-vtp1": ("qwen2", 1, "tp1,tp2,pp2"),
+    # LAYOUT@gloo: that layout with point-to-point gloo sends instead of shared-memory writes
+    "qwen2-vtp1": ("qwen2", 1, "tp1,tp2,pp2,pp2@gloo"),
     "qwen2-vtp2": ("qwen2", 2, "tp2,pp2"),
     "qwen3_moe-vtp1": ("qwen3_moe", 1, "tp1,tp2.ep2.etp1,pp2"),
     "qwen3_moe-vtp2": ("qwen3_moe", 2, "tp2.ep2.etp1"),

@@ -112,7 +112,8 @@ def main():
     for k, spec in enumerate(layouts):
         ckpt = ckpts[k % 2]
         t = time.time()
-        groups = groups_for(spec, world)
+        layout, _, transport = spec.partition("@")   # e.g. pp2@gloo: that layout over the gloo transport
+        groups = groups_for(layout, world)
         engine = reference_engine(ModelOptions(path=ckpt), groups)
         build_s = time.time() - t
         # the mapping's logical tensors are exactly the real megatron-core parameters
@@ -124,7 +125,8 @@ def main():
         real = set().union(*map(set, names))
         planned = {t.name for t in mapping.megatron_tensors()}
         bridge = WeightBridge(engine.local_shards, AutoConfig.from_pretrained(ckpt), groups.topology, vtp,
-                              llm=llm, options=SyncOptions(verify=True, bucket_bytes=8 << 20))
+                              llm=llm, options=SyncOptions(verify=True, bucket_bytes=8 << 20,
+                                                                   transport=transport or "shm"))
         stats = bridge.sync()
         out = {"build_s": build_s, "names_equal": real == planned,
                "names_only_real": sorted(real - planned)[:5], "names_only_planned": sorted(planned - real)[:5],
