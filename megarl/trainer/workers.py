@@ -204,6 +204,9 @@ class WorkerGroup:
         if len(kept) == 0:
             raise RuntimeError(f"dynamic sampling kept no group in {tries} rounds (every group's rewards were "
                                "equal); raise algorithm.max_sampling_tries or change data.difficulty")
+        import ray
+
+        ray.get(self.workers[0].sleep_rollout.remote())   # GPU colocated: free vLLM's memory for training
         m.update({"time/generate_s": gen_s, "time/score_s": score_s, "rollout/num_samples": len(kept)})
         if cfg.rollout.offload_train_state:
             m["memory/offloaded_gb"] = self.offloaded_bytes / 1e9
@@ -274,6 +277,9 @@ class WorkerGroup:
         return out
 
     def sync_weights(self) -> dict:
+        import ray
+
+        ray.get(self.workers[0].wake_rollout.remote())
         stats = self._all("sync_weights")[0]
         return {f"sync/{k}": v for k, v in stats.items() if isinstance(v, (int, float))}
 
