@@ -124,6 +124,9 @@ class RolloutConfig:
             raise ConfigValueError("gpu_memory_utilization", self.gpu_memory_utilization, "a number in (0, 1]")
         if self.sleep_level not in (0, 1, 2):
             raise ConfigValueError("sleep_level", self.sleep_level, "0 (off), 1 or 2")
+        if self.offload_train_state and self.placement == "split":
+            raise ConfigValueError("offload_train_state", True, "false with placement='split' (training and "
+                                   "rollout do not share devices: nothing to make room for)")
 
 
 @dataclass

@@ -94,9 +94,6 @@ class WorkerGroup:
         self.cfg = cfg
         world = cfg.topology.world_size
         split = cfg.rollout.placement == "split"
-        if split and cfg.rollout.offload_train_state:
-            raise ValueError("rollout.offload_train_state=true with rollout.placement='split': training and "
-                             "rollout do not share devices, there is nothing to make room for; set it false")
         rollout_devices = cfg.rollout.tp if split else 0
         kind = _init_ray(world + rollout_devices)
         # one bundle per training device, then (split) one holding the rollout devices; on GPU

@@ -4,11 +4,11 @@
   mini-batches): 3 steps. The critic starts at V = 0 (zero head) and learns; each step makes
   4 optimizer steps on each model; vLLM samples from the synced policy. Resuming from the
   step-2 checkpoint (policy + critic + both optimizers) repeats step 3 exactly.
-- DAPO (dynamic sampling, overlong shaping, clip-higher), GSPO with the RLOO baseline, and
-  REINFORCE++ with Dr.GRPO's constant-normalised aggregation: 2 steps each; weights change
-  and vLLM samples from the synced policy.
-- GRPO with rollout.placement=split (vLLM in a separate Ray actor) and with the Megatron state
-  offloaded during generation: 2 steps each, same checks.
+- DAPO (dynamic sampling, overlong shaping, clip-higher), GSPO with the RLOO baseline under
+  rollout.placement=split (vLLM in a separate Ray actor fed by the bridge through a proxy), and
+  REINFORCE++ with Dr.GRPO's constant-normalised aggregation and the Megatron state (policy,
+  reference, grads, Adam) offloaded while vLLM generates: 2 steps each; weights change and vLLM
+  samples from the synced policy.
 """
 import shutil
 
@@ -49,25 +49,20 @@ PPO = """  name: ppo
   ppo_epochs: 2
   mini_batches: 2
   critic_lr: 1.0e-3"""
+# name -> (algorithm section, rollout extras): the placement variants ride along with two of them
 OTHERS = {
-    "dapo": """  name: dapo
+    "dapo": ("""  name: dapo
   clip_high: 0.28
   dynamic_sampling: true
   max_sampling_tries: 3
-  overlong_buffer: 4""",
-    "gspo_rloo": """  name: gspo
-  advantage: rloo""",
-    "reinforce_pp_drgrpo_agg": """  name: reinforce_pp
+  overlong_buffer: 4""", ""),
+    "gspo_rloo_split": ("""  name: gspo
+  advantage: rloo""", "  placement: split"),
+    "reinforce_pp_drgrpo_agg_offload": ("""  name: reinforce_pp
   gamma: 0.99
-  loss_agg_mode: seq-mean-token-sum-norm""",
+  kl_coef: 0.01
+  loss_agg_mode: seq-mean-token-sum-norm""", "  offload_train_state: true"),
 }
-
-
-PLACEMENT = {
-    "split": "  placement: split",
-    "offload_train_state": "  offload_train_state: true",
-}
-KL = """  kl_coef: 0.01"""
 
 
 def recipe(algorithm: str, steps: int, save_every: int = 0, rollout_extra: str = "") -> str:
@@ -116,23 +111,16 @@ def test_ppo_resume_repeats_step_3(ppo):
 
 @pytest.mark.parametrize("name", sorted(OTHERS))
 def test_algorithm_runs_two_steps(tmp_path, name):
-    rows = run(tmp_path, name, recipe(OTHERS[name], steps=2))
+    algorithm, rollout_extra = OTHERS[name]
+    rows = run(tmp_path, name, recipe(algorithm, steps=2, rollout_extra=rollout_extra))
     check_trains_and_syncs(rows, 2)
+    assert rows[-1]["sync/version"] == 2
     if name == "dapo":
         for r in rows:
             assert r["rollout/num_samples"] % 4 == 0 and r["rollout/num_samples"] > 0
             if r["response_length/max"] > 8:             # overlong shaping took reward off
                 assert r["reward/mean"] < r["reward/accuracy"]
-
-
-@pytest.mark.parametrize("name", sorted(PLACEMENT))
-def test_placement_runs_two_steps(tmp_path, name):
-    """split: vLLM in its own Ray actor, the bridge drives it through a proxy; offload: the
-    policy and reference state leave the device while vLLM generates."""
-    rows = run(tmp_path, name, recipe(KL, steps=2, rollout_extra=PLACEMENT[name]))
-    check_trains_and_syncs(rows, 2)
-    assert rows[-1]["sync/version"] == 2
-    if name == "offload_train_state":
+    if "offload" in name:
         # tiny llama has ~13.8M params (55 MB fp32): step 1 moves policy params + grads + reference
         # params (measured 0.165 GB), step 2 also the Adam moments made by step 1 (0.275 GB)
         gb = [r["memory/offloaded_gb"] for r in rows]

@@ -73,6 +73,13 @@ def test_section_rules():
         "invalid value for config key 'rollout.top_p': got 1.5, expected a number in (0, 1]"
     assert error_of(["trainer.lr=1e-6", "trainer.min_lr=1e-5"]) == \
         "invalid value for config key 'trainer.min_lr': got 1e-05, expected a value <= lr (1e-06)"
+    assert error_of(["rollout.sleep_level=3"]) == \
+        "invalid value for config key 'rollout.sleep_level': got 3, expected 0 (off), 1 or 2"
+    assert error_of(["rollout.placement=split", "rollout.offload_train_state=true"]) == (
+        "invalid value for config key 'rollout.offload_train_state': got True, expected false with "
+        "placement='split' (training and rollout do not share devices: nothing to make room for)")
+    assert error_of(["algorithm.value_clip=0"]) == \
+        "invalid value for config key 'algorithm.value_clip': got 0.0, expected null or a number > 0"
 
 
 def test_bad_override_and_missing_file(tmp_path):
