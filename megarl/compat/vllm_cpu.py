@@ -18,18 +18,9 @@ V1  ``RotaryEmbedding.forward_cpu`` (vllm/model_executor/layers/rotary_embedding
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from megarl.compat.megatron_cpu import Site
 
 _APPLIED = False
-
-
-@dataclass(frozen=True)
-class Site:
-    patch: str
-    module: str
-    attr: str
-    needle: str
-
 
 SITES = [Site("V1", "vllm.model_executor.layers.rotary_embedding.base", "RotaryEmbedding", "ops.rotary_embedding(")]
 

@@ -50,14 +50,8 @@ def attach_value_heads(chunks: list, config, tp_group) -> None:
         # embedding grads between the first and last pipeline stage for it)
         chunk.share_embeddings_and_output_weights = False
         if getattr(chunk, "post_process", False):
-            chunk.output_layer = ValueHead(config.hidden_size, config.params_dtype,
-                                           bool(config.sequence_parallel) and _size(tp_group) > 1, tp_group)
-
-
-def _size(group) -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size(group) if group is not None else 1
+            sp = bool(config.sequence_parallel) and config.tensor_model_parallel_size > 1
+            chunk.output_layer = ValueHead(config.hidden_size, config.params_dtype, sp, tp_group)
 
 
 def response_values(values_1T1: torch.Tensor, packed, pgs, with_entropy: bool = False):

@@ -10,9 +10,10 @@ vLLM TP rank, the Ray executor is refused on CPU). So rank 0 drives one vLLM eng
 workers are separate processes on the same host, and the weight bridge hands them the bytes
 through shared memory (``megarl.bridge``). On GPU, colocated, vLLM sleeps after generating
 (``rollout.sleep_level``) and wakes up for the weight sync (written to vLLM's API, not run here:
-no GPU in CI). vLLM's sleep mode does not exist on CPU: both stay resident. ``rollout.offload_train_state`` moves the Megatron state (policy, reference, critic:
-params, grads, optimizer) to host memory while vLLM generates; on CPU the host is the device, so
-it frees and restores the same memory (the path is exercised, nothing is gained).
+no GPU in CI). vLLM's sleep mode does not exist on CPU: both stay resident.
+``rollout.offload_train_state`` moves the Megatron state (policy, reference, critic: params,
+grads, optimizer) to host memory while vLLM generates; on CPU the host is the device, so it
+frees and restores the same memory (the path is exercised, nothing is gained).
 With ``rollout.placement=split`` the engine lives in a separate Ray actor
 (:class:`megarl.rollout.engine.RolloutActor`) and rank 0 holds a proxy of it.
 """
