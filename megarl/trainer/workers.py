@@ -36,8 +36,6 @@ def _init_ray(num_devices: int) -> str:
     """Join the cluster named by RAY_ADDRESS (multi-node, e.g. launch/slurm/megarl.sbatch), or
     start a local one-node Ray with ``num_devices`` CPUs. Returns the bundle's device resource:
     "GPU" when the cluster has GPUs, else "CPU"."""
-    import os
-
     import ray
 
     if not ray.is_initialized():
@@ -87,9 +85,8 @@ class WorkerGroup:
         from transformers import AutoTokenizer
 
         from megarl.models.fixtures import resolve_model_path
-        from megarl.trainer.worker import HybridWorker
-
         from megarl.rollout.engine import RolloutActor
+        from megarl.trainer.worker import HybridWorker
 
         self.cfg = cfg
         world = cfg.topology.world_size
@@ -227,13 +224,18 @@ class WorkerGroup:
     def _per_rank(self, rollout, plan, per_sample) -> list:
         return [micro_batches_for(rollout, plan, i["dp_rank"], per_sample) for i in self.info]
 
-    def logprobs(self, rollout: Rollout, plan, reference: bool):
+    def _forward(self, method: str, rollout: Rollout, plan, *args) -> dict:
+        """A forward-only worker method on every rank's micro-batches: the DP leaders' outputs
+        (one per micro-batch) by DP rank."""
         import ray
 
         batches = self._per_rank(rollout, plan, {})
+        outs = ray.get([getattr(w, method).remote(b, *args) for w, b in zip(self.workers, batches)])
+        return {i["dp_rank"]: o for i, o in zip(self.info, outs) if o is not None}
+
+    def logprobs(self, rollout: Rollout, plan, reference: bool):
         with_entropy = not reference
-        outs = ray.get([w.logprobs.remote(b, reference, with_entropy) for w, b in zip(self.workers, batches)])
-        by_rank = {i["dp_rank"]: o for i, o in zip(self.info, outs) if o is not None}
+        by_rank = self._forward("logprobs", rollout, plan, reference, with_entropy)
         logprobs = scatter_back(rollout, plan, {r: [lp for lp, _ in o] for r, o in by_rank.items()})
         entropy = (scatter_back(rollout, plan, {r: [e for _, e in o] for r, o in by_rank.items()})
                    if with_entropy else None)
@@ -241,10 +243,7 @@ class WorkerGroup:
 
     def values(self, rollout: Rollout, plan) -> list[torch.Tensor]:
         """The critic's value of every response token, per sample."""
-        import ray
-
-        outs = ray.get([w.values.remote(b) for w, b in zip(self.workers, self._per_rank(rollout, plan, {}))])
-        return scatter_back(rollout, plan, {i["dp_rank"]: o for i, o in zip(self.info, outs) if o is not None})
+        return scatter_back(rollout, plan, self._forward("values", rollout, plan))
 
     def train(self, rollout: Rollout, plan, per_sample: dict, kl_coef: float) -> dict:
         return self._optimize("train", "actor", rollout, plan, per_sample, kl_coef)
