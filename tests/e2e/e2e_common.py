@@ -7,6 +7,41 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent
+RECIPE = """
+model:
+  path: {{model}}
+rollout:
+  n: 4
+  max_prompt_tokens: 128
+  max_response_tokens: 12
+{rollout_extra}
+algorithm:
+{algorithm}
+data:
+  prompts_per_step: 4
+  reward: rewards_for_tests:token_parity_reward
+  max_tokens_per_micro_batch: 256
+trainer:
+  steps: {steps}
+  lr: 2.0e-3
+  run_dir: {{run_dir}}
+  logprob_diff_threshold: 0.01
+checkpoint:
+  save_every: {save_every}
+  keep_last: 2
+logging:
+  progress: false
+  tensorboard: {tensorboard}
+"""
+
+
+def recipe(algorithm: str, steps: int, save_every: int = 0, rollout_extra: str = "",
+           tensorboard: bool = False) -> str:
+    """The e2e recipe (tied tiny llama, token-parity reward, 4 prompts x 4 samples, fp32 alarm at
+    0.01) with an ``algorithm:`` section body and extra ``rollout:`` lines; {model} and {run_dir}
+    stay for :func:`start` to fill in."""
+    return RECIPE.format(algorithm=algorithm, steps=steps, save_every=save_every, rollout_extra=rollout_extra,
+                         tensorboard=str(tensorboard).lower())
 
 
 def tied_tiny_llama(folder: Path) -> Path:

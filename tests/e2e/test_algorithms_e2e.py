@@ -13,35 +13,9 @@
 import shutil
 
 import pytest
-from e2e_common import run
+from e2e_common import recipe, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-RECIPE = """
-model:
-  path: {{model}}
-rollout:
-  n: 4
-  max_prompt_tokens: 128
-  max_response_tokens: 12
-{rollout_extra}
-algorithm:
-{algorithm}
-data:
-  prompts_per_step: 4
-  reward: rewards_for_tests:token_parity_reward
-  max_tokens_per_micro_batch: 256
-trainer:
-  steps: {steps}
-  lr: 2.0e-3
-  run_dir: {{run_dir}}
-  logprob_diff_threshold: 0.01
-checkpoint:
-  save_every: {save_every}
-  keep_last: 2
-logging:
-  progress: false
-  tensorboard: false
-"""
 PPO = """  name: ppo
   kl_coef: 0.01
   kl_mode: reward
@@ -63,10 +37,6 @@ OTHERS = {
   kl_coef: 0.01
   loss_agg_mode: seq-mean-token-sum-norm""", "  offload_train_state: true"),
 }
-
-
-def recipe(algorithm: str, steps: int, save_every: int = 0, rollout_extra: str = "") -> str:
-    return RECIPE.format(algorithm=algorithm, steps=steps, save_every=save_every, rollout_extra=rollout_extra)
 
 
 def check_trains_and_syncs(rows, steps):

@@ -13,33 +13,10 @@ import signal
 import time
 
 import pytest
-from e2e_common import metrics, start
+from e2e_common import metrics, recipe, start
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-RECIPE = """
-model:
-  path: {model}
-rollout:
-  n: 4
-  max_prompt_tokens: 128
-  max_response_tokens: 12
-algorithm:
-  kl_coef: 0.01
-data:
-  prompts_per_step: 4
-  reward: rewards_for_tests:token_parity_reward
-  max_tokens_per_micro_batch: 256
-trainer:
-  steps: 5
-  lr: 2.0e-3
-  run_dir: {run_dir}
-  logprob_diff_threshold: 0.01
-checkpoint:
-  save_every: 1
-  keep_last: 2
-logging:
-  progress: false
-"""
+RECIPE = recipe("  kl_coef: 0.01", steps=5, save_every=1, tensorboard=True)
 KEYS = ["reward/mean", "reward/std", "reward/accuracy", "response_length/mean", "response_length/max",
         "response_length/clip_ratio", "actor/kl", "actor/entropy", "actor/clip_frac", "actor/grad_norm",
         "actor/lr", "throughput/tokens_per_s", "time/generate_s", "time/score_s", "time/logprobs_s",

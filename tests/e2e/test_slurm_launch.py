@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from e2e_common import HERE, metrics, tied_tiny_llama
+from e2e_common import HERE, metrics, recipe, tied_tiny_llama
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 REPO = HERE.parents[1]
@@ -29,25 +29,6 @@ while [[ $# -gt 0 && "$1" == -* ]]; do
     if [[ "$1" == "-w" ]]; then shift 2; else shift; fi
 done
 exec "$@"
-"""
-RECIPE = """
-model:
-  path: {model}
-rollout:
-  n: 4
-  max_prompt_tokens: 128
-  max_response_tokens: 12
-data:
-  prompts_per_step: 4
-  reward: rewards_for_tests:token_parity_reward
-  max_tokens_per_micro_batch: 256
-trainer:
-  steps: 2
-  lr: 2.0e-3
-  run_dir: {run_dir}
-logging:
-  progress: false
-  tensorboard: false
 """
 
 
@@ -63,14 +44,15 @@ def test_sbatch_script_on_one_node(tmp_path):
     for name, text in (("scontrol", SCONTROL), ("srun", SRUN)):
         (shims / name).write_text(text)
         (shims / name).chmod(0o755)
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(RECIPE.format(model=tied_tiny_llama(tmp_path / "tied-llama"), run_dir=tmp_path / "run"))
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(recipe("  name: grpo", steps=2).format(model=tied_tiny_llama(tmp_path / "tied-llama"),
+                                                                 run_dir=tmp_path / "run"))
     env = dict(os.environ, PATH=f"{shims}:{os.environ['PATH']}", SLURM_JOB_NODELIST="localhost",
                SLURM_JOB_ID=str(os.getpid()), SLURM_CPUS_ON_NODE="2", MEGARL_VENV=sys.prefix,
                MEGARL_RAY_PORT=str(free_port()), MEGARL_RAY_TMPDIR=tempfile.mkdtemp(prefix="rs-", dir="/tmp"),
                PYTHONPATH=f"{HERE}:{os.environ.get('PYTHONPATH', '')}")
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run(["bash", str(REPO / "launch/slurm/megarl.sbatch"), str(recipe)], cwd=tmp_path, env=env,
+    proc = subprocess.run(["bash", str(REPO / "launch/slurm/megarl.sbatch"), str(recipe_file)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=1200)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
