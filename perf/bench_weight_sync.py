@@ -40,6 +40,7 @@ LAYOUTS_671B = {
 def plan_671b() -> list[str]:
     from megarl.bridge.mapping import get_mapping
     from megarl.bridge.plan import MegatronLayout, VllmLayout, baseline_bytes_per_device, bytes_per_device
+    from megarl.parallel import Topology
 
     mapping = get_mapping(DEEPSEEK_V3_671B)
     total = sum(_numel(t.shape) for t in mapping.megatron_tensors()) * 2
@@ -49,11 +50,12 @@ def plan_671b() -> list[str]:
              "| ratio baseline/plan (network) | plan time |", "|---|---|---|---|---|---|"]
     for name, kw in LAYOUTS_671B.items():
         t = time.time()
-        src = MegatronLayout(**kw)
-        b = bytes_per_device(mapping, src, VllmLayout.colocated(32, src.world_size), itemsize=2)
+        sizes = {k: v for k, v in kw.items() if k != "layers_per_stage"}
+        src = MegatronLayout(Topology(**sizes), layers_per_stage=kw["layers_per_stage"])
+        b = bytes_per_device(mapping, src, VllmLayout.colocated(32, src.topology.world_size), itemsize=2)
         base = baseline_bytes_per_device(mapping, src, itemsize=2)
         recv = max(b["recv"].values())
-        both = max(b["recv"].get(d, 0) + b["local"].get(d, 0) for d in range(src.world_size))
+        both = max(b["recv"].get(d, 0) + b["local"].get(d, 0) for d in range(src.topology.world_size))
         lines.append(f"| {name} | {recv / 1e9:.2f} GB | {both / 1e9:.2f} GB | {max(base.values()) / 1e9:.1f} GB "
                      f"| {max(base.values()) / recv:.0f}x | {time.time() - t:.0f} s |")
     return lines
@@ -77,7 +79,7 @@ def bench(args) -> list[str]:
     rank, world = init()
     from transformers import AutoConfig
 
-    from megarl.bridge import SyncOptions, WeightBridge
+    from megarl.bridge import SyncOptions, WeightBridge, rpc
     from megarl.engine import reference_engine
     from megarl.models.fixtures import resolve_model_path
 
@@ -109,7 +111,7 @@ def bench(args) -> list[str]:
 
             blob = save(full)
             t1 = time.perf_counter()
-            llm.collective_rpc("megarl_reload_bytes", args=(blob,))
+            llm.collective_rpc(rpc.RELOAD_BYTES, args=(blob,))
             llm.reset_prefix_cache()
             res["baseline_vllm_load"].append(time.perf_counter() - t1)
         del full

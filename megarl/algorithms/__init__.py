@@ -14,7 +14,6 @@ from megarl.algorithms.registry import (
     POLICY_LOSSES,
     get_advantage_estimator,
     get_policy_loss,
-    load_function,
 )
 
 __all__ = [
@@ -29,6 +28,5 @@ __all__ = [
     "kl_estimate",
     "kl_loss",
     "kl_reward_penalty",
-    "load_function",
     "value_loss",
 ]

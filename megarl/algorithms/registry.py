@@ -1,9 +1,9 @@
-"""Registries of advantage estimators and policy losses, and loading user functions by dotted path.
+"""Registries of advantage estimators and policy losses (user functions by dotted path).
 
 Names map to functions in plain dicts; an unknown name raises ValueError listing the known ones.
 Anything that is not a registered name but contains ``:`` or ``.`` is imported as a dotted path,
 ``package.module:function`` or ``package.module.function`` (the function must be importable in
-every process that uses it, i.e. defined at module level).
+every process that uses it, i.e. defined at module level; the loader is :mod:`megarl.plugins`).
 
 Contracts for user functions (the tests in tests/unit/test_advantages.py and test_losses.py check
 the built-ins against them):
@@ -33,16 +33,11 @@ from megarl.algorithms.advantages import (
     rloo_advantages,
 )
 from megarl.algorithms.losses import gspo_policy_loss, ppo_policy_loss
-
-# One dotted-path loader for the project; it lives with the rewards because reward workers must
-# not import torch.
-from megarl.rewards.registry import load_function, resolve
+from megarl.plugins import resolve
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "POLICY_LOSSES",
-    "load_function",
-    "resolve",
     "get_advantage_estimator",
     "get_policy_loss",
 ]

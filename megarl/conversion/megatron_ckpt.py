@@ -1,19 +1,9 @@
-"""HF safetensors -> this rank's Megatron shards (streaming), and the Megatron distributed checkpoint.
+"""HF checkpoint checks and the Megatron distributed checkpoint.
 
-Filling a model built with ``load_weights=False`` (:func:`fill_from_hf`):
-
-1. Every local parameter (and MoE ``expert_bias`` buffer) gets its *global* Megatron name
-   (global layer number; expert weights ``...linear_fcK.weight<j>`` with local id j -> global
-   id ``ep_rank * E/ep + j``) and its logical tensor from the family mapping
-   (:mod:`megarl.bridge.mapping`: QKV interleaved per query group, ``[gate; up]`` rows, stacked
-   experts, MLA projections).
-2. :func:`~megarl.bridge.mapping.shard_segments` gives the boxes of the logical tensor this rank
-   holds (TP split, fused gate/up as two segments, the expert's row of the stack).
-3. Each segment is intersected with the mapping's pieces (logical box -> HF tensor box); only those
-   HF boxes are read (:class:`~megarl.conversion.safetensors_io.HFCheckpoint`).
-
-A process therefore reads about its shard's bytes (column-split tensors cost one full row range
-as a temporary). Every element of a shard must be written by some piece (checked with a NaN fill).
+Filling a model from HF safetensors is the engine's own loader
+(:func:`megarl.engine.export.fill_from_hf`, through the family mapping: each process reads only the
+boxes of its shards); this module checks an HF folder against the mapping before that
+(:func:`check_hf_tensors`: missing tensors, shapes, unused tensors, DeepSeek MTP layers).
 
 The checkpoint folder (:func:`save_checkpoint`) is megatron-core ``dist_checkpointing``
 (torch_dist) of ``{"model<i>": chunk_i.sharded_state_dict()}`` plus, beside it, the source HF
@@ -32,16 +22,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megarl.bridge.mapping import (MegatronTensor, intersect, local_shape, shard_segments, slices,
-                                   translate)
-from megarl.conversion.safetensors_io import DTYPE_NAMES, HFCheckpoint
-from megarl.engine.export import named_tensors
+from megarl.models.safetensors_io import DTYPE_NAMES, HFCheckpoint
 
 META_NAME = "megarl_conversion.json"
 # HF files copied into the Megatron checkpoint folder (and back out): everything small that is
 # not a weight file.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
 _MODEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
@@ -73,49 +59,7 @@ def model_dtype_for(reader: HFCheckpoint, hf_config: dict) -> str:
     return _MODEL_DTYPES[dtype]
 
 
-# ----------------------------------------------------------------------------- name resolution
-
-
-def local_targets(model, mapping) -> list[tuple[str, torch.Tensor, MegatronTensor, list]]:
-    """``(global name, local tensor, logical tensor, [(local box, logical box)])`` for this rank.
-
-    Expert parameters get 3-D boxes (a leading expert dim of size 1 on the local side)."""
-    groups, topo = model.groups, model.groups.topology
-    logical = {t.name: t for t in mapping.megatron_tensors()}
-    embedding = logical["embedding.word_embeddings.weight"]
-    num_experts = mapping.cfg.num_experts
-    out = []
-    for module in model.modules:
-        names = model.bridge._weight_name_mapping_mcore_local_to_global(module, consider_ep=False)
-        for local_name, tensor in named_tensors(module):
-            gname = names[local_name]
-            m = _EXPERT_RE.match(gname)
-            if m:
-                t = logical.get(m.group(1))
-                if t is None:
-                    raise ValueError(f"no logical tensor for expert parameter {gname!r}")
-                gid = groups.ep_rank * (num_experts // topo.ep) + int(m.group(2))
-                gname = f"{m.group(1)}{gid}"
-                segs = [(((0, 1),) + lb[1:], ((gid, gid + 1),) + fb[1:])
-                        for lb, fb in shard_segments(t, topo.expert_tp, groups.etp_rank)]
-                want = (1,) + local_shape(t, topo.expert_tp)[1:]
-            else:
-                t = logical.get(gname)
-                if t is None and gname == "output_layer.weight":   # tied, last stage at pp > 1
-                    t = embedding
-                if t is None:
-                    raise ValueError(f"Megatron parameter {gname!r} has no HF mapping for "
-                                     f"{mapping.model_type}")
-                segs = shard_segments(t, topo.tp, groups.tp_rank)
-                want = local_shape(t, topo.tp)
-            got = (1,) + tuple(tensor.shape) if m else tuple(tensor.shape)
-            if got != tuple(want):
-                raise ValueError(f"Megatron parameter {gname!r} has local shape {got}, the mapping expects "
-                                 f"{tuple(want)} (family mapping and model disagree)")
-            out.append((gname, tensor, t, segs))
-    return out
-
-
+# ----------------------------------------------------------------------------- HF checks
 def expected_hf_shapes(mapping) -> dict[str, tuple]:
     """HF tensor name -> shape for every tensor the Megatron model reads (experts unstacked)."""
     out = {}
@@ -145,7 +89,7 @@ def check_hf_tensors(reader: HFCheckpoint, mapping, keep_mtp: bool = False) -> l
                          f"{mtp[0]!r}); convert without --keep-mtp to drop them")
     other = [n for n in unused if n not in set(mtp)]
     if other:
-        raise ValueError(f"{len(other)} tensor(s) of {reader.folder} are not used by the {mapping.model_type} "
+        raise ValueError(f"{len(other)} tensor(s) of {reader.folder} are not used by the {mapping.cfg.model_type} "
                          f"mapping, e.g. {other[:3]} (config.json and weights disagree)")
     return mtp
 
@@ -158,38 +102,6 @@ def mtp_tensor_names(names, num_layers: int) -> list[str]:
         if m and int(m.group(1)) >= num_layers:
             out.append(n)
     return out
-
-
-# ----------------------------------------------------------------------------- HF -> shards
-def _read_hf_box(reader: HFCheckpoint, name: str, box) -> torch.Tensor:
-    if "*" not in name:
-        return reader.read(name, box)
-    (e0, e1), rest = box[0], box[1:]
-    return torch.stack([reader.read(name.replace("*", str(e)), rest) for e in range(e0, e1)])
-
-
-def fill_from_hf(model, reader: HFCheckpoint, mapping) -> int:
-    """Copy this rank's shards from the HF checkpoint into the model; returns bytes read."""
-    nbytes = 0
-    with torch.no_grad():
-        for gname, tensor, t, segs in local_targets(model, mapping):
-            dst = tensor.data
-            view = dst.unsqueeze(0) if len(segs[0][0]) == dst.dim() + 1 else dst
-            view.fill_(float("nan"))
-            pieces = mapping.to_hf(t)
-            for local_box, full_b in segs:
-                for p in pieces:
-                    mid = intersect(full_b, p.src_box)
-                    if mid is None:
-                        continue
-                    part = _read_hf_box(reader, p.dst_name, translate(mid, p.src_box, p.dst_box))
-                    nbytes += part.numel() * part.element_size()
-                    view[slices(translate(mid, full_b, local_box))] = part.to(dst.dtype)
-                    del part
-            if torch.isnan(view).any():
-                # vocabulary padding rows (none with mbridge's default) would land here
-                raise AssertionError(f"{gname}: parts of the shard were not covered by the HF mapping")
-    return nbytes
 
 
 # ----------------------------------------------------------------------------- dist checkpoint
@@ -265,6 +177,5 @@ def build_model_from_checkpoint(path: str, groups, dtype: Optional[str] = None):
     return model
 
 
-__all__ = ["META_NAME", "build_model_from_checkpoint", "check_hf_tensors", "expected_hf_shapes", "fill_from_hf",
-           "hf_side_files", "load_megatron_checkpoint", "local_targets", "model_dtype_for", "read_meta",
-           "save_checkpoint", "DTYPE_NAMES"]
+__all__ = ["META_NAME", "build_model_from_checkpoint", "check_hf_tensors", "expected_hf_shapes", "hf_side_files",
+           "load_megatron_checkpoint", "model_dtype_for", "read_meta", "save_checkpoint", "DTYPE_NAMES"]

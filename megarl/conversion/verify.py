@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.conversion.megatron_ckpt import build_model_from_checkpoint, load_megatron_checkpoint, read_meta
-from megarl.conversion.safetensors_io import HFCheckpoint
+from megarl.models.safetensors_io import HFCheckpoint
 
 DEFAULT_PROMPTS = ("The capital of France is", "def fibonacci(n):\n    return",
                    "Question: what is 12 times 7? Answer:")

@@ -6,7 +6,8 @@
    ``padded_length(len, tp, cp) / cp`` (:mod:`megarl.data.packing`); the budget's
    ``max_tokens_per_micro_batch`` bounds the sum of these per micro-batch (i.e. the length of the
    packed row one device receives), so alignment padding counts against the budget.
-2. Cost per sequence: tokens, or FLOPs ``a*len + b*len**2`` (:mod:`megarl.data.balance`).
+2. Cost per sequence: tokens, or FLOPs ``a*len + b*len**2`` (:mod:`megarl.data.balance`; the
+   trainer's coefficients come from the model's config.json: :func:`flops_coefficients`).
 3. Balance sequences (or prompt groups) across ``dp`` ranks by cost: KK + local search.
 4. Micro-batches per rank: the same count on every rank (MAX over ranks, rounded up to ``pp``
    under VPP), each within the token budget, balanced by cost, cheapest at the pipeline ends
@@ -25,14 +26,15 @@ from __future__ import annotations
 import numbers
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from megarl.data.balance import balance_partitions, sequence_costs
 from megarl.data.microbatch import (min_num_micro_batches, round_num_micro_batches,
                                     split_micro_batches)
 from megarl.data.packing import packed_tokens, sequence_alignment
 
-__all__ = ["BatchBudget", "BatchPlan", "plan_batches", "restore_order"]
+__all__ = ["BatchBudget", "BatchPlan", "budget_from_config", "flops_coefficients", "plan_batches",
+           "restore_order"]
 
 _COSTS = ("tokens", "flops")
 
@@ -113,6 +115,42 @@ class BatchPlan:
 
     def micro_batch_tokens(self) -> list[list[int]]:
         return [[sum(self.tokens_N[i] for i in mb) for mb in mbs] for mbs in self.micro_batches]
+
+
+def flops_coefficients(hf_config: Mapping[str, Any]) -> tuple[float, float]:
+    """``(a, b)`` of the forward-FLOPs cost ``a*len + b*len**2`` for the model of an HF
+    config.json (:func:`megarl.data.balance.flops_cost_coefficients`).
+
+    Read through :class:`megarl.models.dims.ModelDims`; every supported family has a gated (SwiGLU)
+    MLP. MoE: ``num_experts_per_tok`` experts of ``moe_intermediate_size`` plus the shared ones
+    on every layer (dense first layers counted as MoE: a few percent of ``a``). MLA (DeepSeek):
+    approximated as full attention with head width ``qk_nope_head_dim + qk_rope_head_dim``.
+    """
+    from megarl.data.balance import flops_cost_coefficients
+    from megarl.models.dims import ModelDims
+
+    dims = ModelDims.from_hf(dict(hf_config))
+    head_dim = dims.head_dim or (dims.qk_nope_head_dim + dims.qk_rope_head_dim)
+    return flops_cost_coefficients(
+        hidden_size=dims.hidden_size, num_layers=dims.num_layers,
+        ffn_hidden_size=dims.intermediate_size or 4 * dims.hidden_size,
+        num_attention_heads=dims.num_attention_heads, num_query_groups=dims.num_kv_heads,
+        kv_channels=head_dim or None, gated_linear_unit=True, vocab_size=dims.vocab_size,
+        num_moe_experts=dims.num_experts or None, moe_router_topk=int(hf_config.get("num_experts_per_tok") or 1),
+        moe_ffn_hidden_size=dims.moe_intermediate_size or None,
+        moe_shared_expert_intermediate_size=dims.shared_expert_intermediate_size or None)
+
+
+def budget_from_config(trainer_cfg: Any, hf_config: Optional[Mapping[str, Any]] = None) -> BatchBudget:
+    """The :class:`BatchBudget` of the ``trainer`` config section: ``max_tokens_per_micro_batch``
+    and ``balance_cost``; with "flops" the coefficients come from ``hf_config`` (the model's
+    config.json, required then)."""
+    cost = trainer_cfg.balance_cost
+    if cost == "flops" and hf_config is None:
+        raise ValueError("trainer.balance_cost='flops' needs the model's config.json (hf_config) to derive "
+                         "the FLOPs coefficients")
+    return BatchBudget(max_tokens_per_micro_batch=trainer_cfg.max_tokens_per_micro_batch, cost=cost,
+                       flops_coefficients=flops_coefficients(hf_config) if cost == "flops" else None)
 
 
 def restore_order(items_in_plan_order: Sequence[Any], plan: BatchPlan) -> list[Any]:

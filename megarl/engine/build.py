@@ -3,10 +3,13 @@
 Steps of :func:`build_model`:
 
 1. Validate the layout against the model (``Topology.check_model``), before any group or model.
-2. Family bridge from the registry (mbridge + :mod:`megarl.models.mbridge_fixes`): HF config ->
-   ``TransformerConfig`` / ``MLATransformerConfig`` and the TE decoder-block spec.
-3. Model chunks (one per virtual pipeline stage) on this rank, HF safetensors -> this rank's
-   shards (mbridge's loader: TP rank 0 reads and scatters; expert shards over the expert-TP group).
+2. The family from the registry (:mod:`megarl.models.registry`): its mbridge bridge (with
+   :mod:`megarl.models.mbridge_fixes`) turns the HF config into a ``TransformerConfig`` /
+   ``MLATransformerConfig`` and the TE decoder-block spec; its weight mapping places every
+   parameter.
+3. Model chunks (one per virtual pipeline stage) on this rank; HF safetensors -> this rank's
+   shards through the mapping (:func:`megarl.engine.export.fill_from_hf`: every rank reads only
+   the boxes of its own shards, no scatter).
 4. Optionally wrap each chunk in megatron-core DDP (grads in a contiguous fp32 buffer, reduced
    for the distributed optimizer).
 
@@ -24,8 +27,9 @@ from typing import Any
 
 import torch
 
+from megarl.models.dims import ModelDims
 from megarl.parallel.groups import ParallelGroups
-from megarl.parallel.topology import ModelDims, Topology
+from megarl.parallel.topology import Topology
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # megatron's LanguageModule writes the attention backend into these env vars and asserts they
@@ -79,8 +83,8 @@ class BuiltModel:
 
     chunks: list
     """One GPTModel per virtual pipeline stage (DDP-wrapped when built with ``ddp=True``)."""
-    bridge: Any
-    """The family's mbridge bridge (name mapping, HF config)."""
+    mapping: Any
+    """The family's weight mapping (:class:`megarl.bridge.mapping.FamilyMapping`)."""
     config: Any
     """The megatron TransformerConfig shared by the chunks."""
     hf_config: Any
@@ -118,7 +122,7 @@ def check_layout(path: str, topology: Topology) -> None:
 
     cfg = read_hf_config(path)
     get_family(cfg.get("model_type", "<missing>"))
-    topology.check_model(ModelDims.from_hf_config(cfg))
+    topology.check_model(ModelDims.from_hf(cfg))
 
 
 def _config_overrides(options: ModelOptions, topology: Topology) -> dict:
@@ -153,9 +157,12 @@ def build_model(options: ModelOptions, groups: ParallelGroups, *, ddp: bool = Fa
     ``ddp`` wraps the chunks in megatron-core DDP; ``distributed_optimizer`` picks its grad
     layout (reduce-scatter for the distributed optimizer, else all-reduce).
     """
+    from megarl.bridge.mapping import get_mapping
     from megarl.compat import setup_cpu
+    from megarl.engine.export import fill_from_hf
     from megarl.models.fixtures import resolve_model_path
     from megarl.models.registry import make_bridge
+    from megarl.models.safetensors_io import HFCheckpoint
     from transformers import AutoConfig
 
     setup_cpu()
@@ -168,17 +175,17 @@ def build_model(options: ModelOptions, groups: ParallelGroups, *, ddp: bool = Fa
     _restore_attention_env()
     chunks = bridge.get_model(wrap_with_ddp=False, bf16=dtype == torch.bfloat16, fp16=False,
                               use_cpu_initialization=True)
+    model = BuiltModel(chunks=chunks, mapping=get_mapping(hf_config), config=bridge.config, hf_config=hf_config,
+                       groups=groups, path=folder)
     if load_weights:
-        bridge.load_weights(chunks, folder)
-    config = bridge.config
+        fill_from_hf(model, HFCheckpoint(folder))
     if options.value_head:
         from megarl.engine.value import attach_value_heads
 
-        attach_value_heads(chunks, config, groups.pgs.tp)
+        attach_value_heads(model.chunks, model.config, groups.pgs.tp)
     if ddp:
-        chunks = wrap_ddp(chunks, config, distributed_optimizer)
-    return BuiltModel(chunks=chunks, bridge=bridge, config=config, hf_config=hf_config, groups=groups,
-                      path=folder)
+        model.chunks = wrap_ddp(model.chunks, model.config, distributed_optimizer)
+    return model
 
 
 def wrap_ddp(chunks: list, config, distributed_optimizer: bool = True) -> list:

@@ -1,30 +1,39 @@
-"""Weights out of the engine: full HF-named tensors, and raw local shards with partition metadata.
+"""Weights in and out of the engine, through the family mapping (:mod:`megarl.bridge.mapping`).
+
+Every local parameter (and MoE ``expert_bias`` buffer) is placed in the mapping once, by
+:func:`local_targets`: its *global* Megatron name (layer number offset by megatron-core's own
+``get_transformer_layer_offset`` for this pipeline rank and virtual stage; a routed expert's
+local id j on EP rank k is global id ``k * E/ep + j``, megatron's ``local_expert_indices``), its
+logical tensor, and a check that its local shape is the mapping's shard shape. Then:
+
+:func:`fill_from_hf` (engine build, HF -> Megatron conversion): each rank reads from the HF
+safetensors only the boxes of its own shards (:func:`~megarl.bridge.mapping.shard_segments`
+intersected with the mapping's pieces); every element of a shard must be written (NaN check).
 
 :func:`export_hf_weights` (collective over all ranks; every rank yields every tensor, in the same
 order):
 
-1. Each pipeline stage lists its parameters (and MoE ``expert_bias`` buffers) under their
-   *global* megatron names (layer numbers across PP/VPP; expert ids local), all-gathered over PP.
-2. For each entry, the owning stage merges the TP shards (expert weights over the expert-TP
-   group) into the full megatron tensor, then broadcasts it over PP.
-3. Expert weights are all-gathered over EP and renamed to global expert ids.
-4. The family bridge maps megatron names/layouts to HF (QKV split, gate/up split, ...).
-
-Deviation from mbridge's ``export_weights``: mbridge gathers expert weights over the *dense* TP
-group when ep == 1 (wrong for tp=2, etp=1) and asserts on etp > 1 with tp == 1; it also yields
-the tied ``output_layer`` a second time under the embedding's name. The TP merge here is keyed on
-the parameter's own group and partition attributes, and tied outputs are skipped.
+1. Each pipeline stage lists its parameters under their global names, all-gathered over PP.
+2. For each entry, the owning stage gathers the TP shards (expert weights over the expert-TP
+   group) and merges them with the mapping (:func:`~megarl.bridge.mapping.merge_shards`: fused
+   gate/up shards are ``[gate_r; up_r]``), then broadcasts the full tensor over PP.
+3. Expert weights are all-gathered over EP (one tensor per expert id).
+4. The mapping turns the Megatron tensor into HF tensors (QKV split, gate/up split, ...). The last
+   stage's copy of tied embeddings is not exported (the HF checkpoint has no ``lm_head``).
 
 :func:`local_shards` exposes this rank's raw parameters for the weight bridge, without any
 communication.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
+
+from megarl.bridge.mapping import (MegatronTensor, expert_param_name, intersect, local_shape, megatron_to_hf,
+                                   merge_shards, shard_segments, slices, translate)
 
 
 @dataclass
@@ -48,12 +57,28 @@ class LocalShard:
     ep_size: int
 
 
-def _is_expert(name: str) -> bool:
-    return ".mlp.experts." in name
+@dataclass(frozen=True)
+class LocalTarget:
+    """One local parameter placed in the family mapping."""
+
+    name: str
+    """Global Megatron name (see the module docstring)."""
+    tensor: torch.Tensor
+    logical: MegatronTensor
+    """The parameter's logical tensor; a routed expert's is a stack of one expert ``[1, ...]``
+    (Megatron's per-expert parameter with a leading dim of 1: see :meth:`view`)."""
+    expert: Optional[int] = None
+    """Global expert id of a routed expert's parameter."""
+    tied_output: bool = False
+    """The last pipeline stage's copy of tied embeddings (``output_layer.weight`` at pp > 1)."""
+
+    def view(self, tensor: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``tensor`` (default: the parameter) in the logical tensor's dims."""
+        tensor = self.tensor if tensor is None else tensor
+        return tensor.unsqueeze(0) if self.expert is not None else tensor
 
 
-def _is_gated_fc1(name: str, config) -> bool:
-    return bool(config.gated_linear_unit) and ("linear_fc1.weight" in name or "linear_fc1.bias" in name)
+_EXPERT_STACKS = (".mlp.experts.linear_fc1.weight", ".mlp.experts.linear_fc2.weight")
 
 
 def named_tensors(module) -> list[tuple[str, torch.Tensor]]:
@@ -66,46 +91,117 @@ def named_tensors(module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _merge_tp(name: str, shards: list[torch.Tensor], dim: int, config) -> torch.Tensor:
-    if _is_gated_fc1(name, config):
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(shards, dim=dim)
+def _layer_offset(module, pp_rank: int) -> int:
+    """Global number of the chunk's first decoder layer (megatron-core's own offset)."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return get_transformer_layer_offset(module.config, module.vp_stage, pp_rank)
 
 
-def _full_megatron_tensor(name: str, t: torch.Tensor, groups, config) -> torch.Tensor:
-    """All-gather the TP shards of one local parameter (collective over its TP group)."""
-    if not getattr(t, "tensor_model_parallel", False):
-        return t.detach()
-    group = groups.pgs.expt_tp if _is_expert(name) else groups.pgs.tp
-    size = dist.get_world_size(group)
-    if size == 1:
-        return t.detach()
-    parts = [torch.empty_like(t) for _ in range(size)]
-    dist.all_gather(parts, t.detach().contiguous(), group=group)
-    return _merge_tp(name, parts, t.partition_dim, config)
+def _global_name(local_name: str, layer_offset: int) -> str:
+    """``decoder.layers.<i>.x`` -> ``decoder.layers.<i + layer_offset>.x`` (other names unchanged)."""
+    head, sep, rest = local_name.partition("decoder.layers.")
+    if not sep:
+        return local_name
+    index, _, leaf = rest.partition(".")
+    return f"{head}decoder.layers.{int(index) + layer_offset}.{leaf}"
 
 
-def _global_names(model) -> list[dict]:
-    """Per chunk: local name -> global name (layers global, expert ids local)."""
-    return [model.bridge._weight_name_mapping_mcore_local_to_global(m, consider_ep=False)
-            for m in model.modules]
+def _split_expert(name: str) -> tuple[str, Optional[int]]:
+    """``...mlp.experts.linear_fc1.weight<j>`` -> (the stack's name, j); others (name, None)."""
+    for stack in _EXPERT_STACKS:
+        head, sep, index = name.rpartition(stack)
+        if sep and index.isdigit():
+            return head + stack, int(index)
+    return name, None
+
+
+def local_targets(model) -> list[LocalTarget]:
+    """This rank's parameters in the family mapping ``model.mapping``, in module order."""
+    groups, topo, mapping = model.groups, model.groups.topology, model.mapping
+    logical = {t.name: t for t in mapping.megatron_tensors()}
+    per_rank = mapping.cfg.num_experts // topo.ep if mapping.cfg.num_experts else 0
+    out = []
+    for module in model.modules:
+        offset = _layer_offset(module, groups.pp_rank)
+        for local_name, tensor in named_tensors(module):
+            stack, local_id = _split_expert(_global_name(local_name, offset))
+            expert = None if local_id is None else groups.ep_rank * per_rank + local_id
+            tied = stack == "output_layer.weight" and stack not in logical
+            t = logical.get("embedding.word_embeddings.weight" if tied else stack)
+            if t is None:
+                raise ValueError(f"Megatron parameter {_global_name(local_name, offset)!r} has no HF mapping for "
+                                 f"{mapping.cfg.model_type}")
+            tp = topo.expert_tp if expert is not None else topo.tp
+            if expert is not None:
+                t = replace(t, shape=(1,) + tuple(t.shape[1:]))
+                name = expert_param_name(stack, expert)
+            else:
+                name = stack
+            target = LocalTarget(name, tensor, t, expert, tied)
+            want = local_shape(t, tp)
+            if tuple(target.view().shape) != want:
+                raise ValueError(f"Megatron parameter {name!r} has local shape {tuple(target.view().shape)}, the "
+                                 f"mapping expects {want} (family mapping and model disagree)")
+            out.append(target)
+    return out
+
+
+def _tp_of(target: LocalTarget, groups) -> tuple[int, int, object]:
+    """(size, rank, group) of the TP group ``target`` is split over (expert-TP for experts)."""
+    if target.expert is not None:
+        return groups.topology.expert_tp, groups.etp_rank, groups.pgs.expt_tp
+    return groups.topology.tp, groups.tp_rank, groups.pgs.tp
+
+
+# ----------------------------------------------------------------------------- HF -> shards
+def fill_from_hf(model, reader) -> int:
+    """Copy this rank's shards from an HF checkpoint (an ``HFCheckpoint``) into the model;
+    returns the bytes read."""
+    mapping, nbytes = model.mapping, 0
+    with torch.no_grad():
+        for target in local_targets(model):
+            view = target.view(target.tensor.data)
+            view.fill_(float("nan"))
+            size, rank, _ = _tp_of(target, model.groups)
+            pieces = mapping.to_hf(target.logical)
+            for local_box, logical_box in shard_segments(target.logical, size, rank):
+                for p in pieces:
+                    mid = intersect(logical_box, p.src_box)
+                    if mid is None:
+                        continue
+                    hf_box = translate(mid, p.src_box, p.dst_box)
+                    if target.expert is None:
+                        part = reader.read(p.dst_name, hf_box)
+                    else:   # one expert of a '*' stack
+                        part = reader.read(p.dst_name.replace("*", str(target.expert)), hf_box[1:])[None]
+                    nbytes += part.numel() * part.element_size()
+                    view[slices(translate(mid, logical_box, local_box))] = part.to(view.dtype)
+                    del part
+            if torch.isnan(view).any():
+                # Megatron vocabulary padding rows (none: megarl builds without padding) would land here
+                raise AssertionError(f"{target.name}: parts of the shard were not covered by the HF mapping")
+    return nbytes
+
+
+# ----------------------------------------------------------------------------- shards -> HF
+def _full_tensor(target: LocalTarget, groups) -> torch.Tensor:
+    """All-gather and merge the TP shards of one local parameter (collective over its TP group),
+    in the logical tensor's dims."""
+    size, _, group = _tp_of(target, groups)
+    if target.logical.tp_dim is None or size == 1:
+        return target.view().detach()
+    parts = [torch.empty_like(target.tensor) for _ in range(size)]
+    dist.all_gather(parts, target.tensor.detach().contiguous(), group=group)
+    return merge_shards(target.logical, {(r, 0): target.view(p) for r, p in enumerate(parts)}, size)
 
 
 def export_hf_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for the whole model on every rank (collective)."""
-    groups, config, bridge = model.groups, model.config, model.bridge
+    groups = model.groups
     pgs, topo = groups.pgs, groups.topology
-    tied = bool(getattr(model.hf_config, "tie_word_embeddings", False))
-    names = _global_names(model)
-    local = []   # (global name, tensor, shape, dtype) of this stage, in a fixed order
-    for module, mapping in zip(model.modules, names):
-        for name, t in named_tensors(module):
-            gname = mapping[name]
-            if tied and gname == "output_layer.weight":
-                continue
-            local.append((gname, t))
-    meta = [(n, None) for n, _ in local]
+    local = [t for t in local_targets(model) if not t.tied_output]
+    meta = [(t.logical, t.expert, t.tensor.dtype) for t in local]
     if topo.pp > 1:
         all_meta = [None] * topo.pp
         dist.all_gather_object(all_meta, meta, group=pgs.pp)
@@ -113,54 +209,43 @@ def export_hf_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
         all_meta = [meta]
     local_iter = iter(local)
     for src_stage, entries in enumerate(all_meta):
-        for gname, _ in entries:
+        for logical, expert, dtype in entries:
             if src_stage == groups.pp_rank:
-                _, t = next(local_iter)
-                full = _full_megatron_tensor(gname, t, groups, config)
-                desc = (tuple(full.shape), full.dtype)
+                full = _full_tensor(next(local_iter), groups)
             else:
-                full, desc = None, None
+                full = torch.empty(logical.shape, dtype=dtype)
             if topo.pp > 1:
-                box = [desc]
-                src = dist.get_global_rank(pgs.pp, src_stage)
-                dist.broadcast_object_list(box, src=src, group=pgs.pp)
-                if full is None:
-                    full = torch.empty(box[0][0], dtype=box[0][1])
-                dist.broadcast(full, src=src, group=pgs.pp)
-            yield from _to_hf(gname, full, groups, config, bridge)
+                dist.broadcast(full, src=dist.get_global_rank(pgs.pp, src_stage), group=pgs.pp)
+            yield from _to_hf(model, logical, expert, full)
 
 
-def _to_hf(gname: str, full: torch.Tensor, groups, config, bridge):
-    topo = groups.topology
-    if _is_expert(gname) and topo.ep > 1:
-        parts = [torch.empty_like(full) for _ in range(topo.ep)]
-        dist.all_gather(parts, full.contiguous(), group=groups.pgs.ep)
-        prefix, local_id = gname.rsplit(".weight", 1)
-        per_rank = config.num_moe_experts // topo.ep
-        for ep_rank, part in enumerate(parts):
-            name = f"{prefix}.weight{ep_rank * per_rank + int(local_id)}"
-            yield from zip(*bridge._weight_to_hf_format(name, part))
+def _to_hf(model, logical: MegatronTensor, expert: Optional[int], full: torch.Tensor):
+    if expert is None:
+        yield from megatron_to_hf(model.mapping, logical, full).items()
         return
-    yield from zip(*bridge._weight_to_hf_format(gname, full))
+    topo = model.groups.topology
+    per_rank = model.mapping.cfg.num_experts // topo.ep
+    parts = [full]
+    if topo.ep > 1:   # the same local expert index on every EP rank
+        parts = [torch.empty_like(full) for _ in range(topo.ep)]
+        dist.all_gather(parts, full.contiguous(), group=model.groups.pgs.ep)
+    for ep_rank, part in enumerate(parts):
+        expert_id = ep_rank * per_rank + expert % per_rank
+        for name, tensor in megatron_to_hf(model.mapping, logical, part).items():
+            yield name.replace("*", str(expert_id)), tensor[0]
 
 
 def local_shards(model) -> list[LocalShard]:
     """This rank's parameters with their partition metadata (no communication)."""
-    groups, config = model.groups, model.config
-    topo = groups.topology
-    per_rank = (config.num_moe_experts or 0) // topo.ep
+    groups = model.groups
     out = []
-    for module, mapping in zip(model.modules, _global_names(model)):
-        for name, t in named_tensors(module):
-            gname, expert = mapping[name], _is_expert(name)
-            if expert and topo.ep > 1:
-                prefix, local_id = gname.rsplit(".weight", 1)
-                gname = f"{prefix}.weight{groups.ep_rank * per_rank + int(local_id)}"
-            split = bool(getattr(t, "tensor_model_parallel", False))
-            size = topo.expert_tp if expert else topo.tp
-            out.append(LocalShard(
-                name=gname, tensor=t.detach(), partition_dim=t.partition_dim if split and size > 1 else None,
-                tp_size=size if split else 1, tp_rank=(groups.etp_rank if expert else groups.tp_rank) if split else 0,
-                gated_halves=split and size > 1 and _is_gated_fc1(name, config), is_expert=expert,
-                ep_rank=groups.ep_rank if expert else 0, ep_size=topo.ep if expert else 1))
+    for target in local_targets(model):
+        size, rank, _ = _tp_of(target, groups)
+        split, expert = target.logical.tp_dim is not None, target.expert is not None
+        param_dim = target.logical.tp_dim - 1 if expert and split else target.logical.tp_dim   # no stack dim
+        out.append(LocalShard(
+            name=target.name, tensor=target.tensor.detach(), partition_dim=param_dim if split and size > 1 else None,
+            tp_size=size if split else 1, tp_rank=rank if split else 0,
+            gated_halves=split and size > 1 and target.logical.gated, is_expert=expert,
+            ep_rank=groups.ep_rank if expert else 0, ep_size=groups.topology.ep if expert else 1))
     return out

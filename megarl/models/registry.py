@@ -1,8 +1,19 @@
-"""Model families keyed by HF ``model_type``: HF config -> mbridge bridge (Megatron config, TE spec,
-HF <-> Megatron weight mapping).
+"""The model-family registry: the one place a supported HF ``model_type`` is listed.
 
-``FAMILIES`` is the registry; :func:`get_family` raises a ValueError listing the known types.
-The bridge classes are mbridge's, with the fixes of :mod:`megarl.models.mbridge_fixes`.
+Each :class:`Family` names everything megarl needs for one architecture:
+
+* its weight mapping class in :mod:`megarl.bridge.mapping.families`: Megatron <-> HF <-> vLLM
+  layouts, used by the engine (HF weights in and out), the conversion and the weight bridge
+  (:func:`megarl.bridge.mapping.get_mapping` looks the family up here);
+* its mbridge bridge class, which builds the Megatron ``TransformerConfig`` and TE layer spec from
+  the HF config (mbridge's own, or a subclass from :mod:`megarl.models.mbridge_fixes`). mbridge
+  is used for nothing else, and is imported only when a model is built.
+
+Both classes are named, not imported, so that this module imports neither the bridge package
+(which imports it: no package cycle) nor mbridge. Adding a family is one entry in
+:data:`FAMILIES` plus its mapping class (and a tiny config in :mod:`megarl.models.fixtures` to test
+it); ``tests/unit/test_engine_registry.py`` checks that every name resolves. :func:`get_family`
+raises a ValueError listing the known types.
 """
 from __future__ import annotations
 
@@ -10,22 +21,36 @@ from dataclasses import dataclass
 from typing import Any
 
 
+
 @dataclass(frozen=True)
 class Family:
     """One supported architecture."""
 
     model_type: str
+    """HF ``config.model_type``."""
     is_moe: bool
     description: str
+    mapping: str
+    """Name of the weight mapping class in :mod:`megarl.bridge.mapping.families`."""
+    bridge: str
+    """Name of the mbridge bridge class in :func:`megarl.models.mbridge_fixes.bridge_classes`."""
+
+    def bridge_class(self) -> type:
+        """The mbridge bridge class (imports mbridge and megatron-core)."""
+        from megarl.models.mbridge_fixes import bridge_classes
+
+        return bridge_classes()[self.bridge]
 
 
 FAMILIES: dict[str, Family] = {
     f.model_type: f for f in (
-        Family("llama", False, "Llama / SmolLM2 (GQA, optional tied embeddings)"),
-        Family("qwen2", False, "Qwen2 / Qwen2.5 (QKV bias)"),
-        Family("qwen3", False, "Qwen3 dense (QK RMSNorm)"),
-        Family("qwen3_moe", True, "Qwen3-MoE (softmax top-k router, grouped experts)"),
-        Family("deepseek_v3", True, "DeepSeek-V3 (MLA, sigmoid group-limited router, shared expert)"),
+        Family("llama", False, "Llama / SmolLM2 (GQA, optional tied embeddings)", "LlamaMapping", "LLaMABridge"),
+        Family("qwen2", False, "Qwen2 / Qwen2.5 (QKV bias)", "Qwen2Mapping", "Qwen2Bridge"),
+        Family("qwen3", False, "Qwen3 dense (QK RMSNorm)", "Qwen3Mapping", "Qwen3Bridge"),
+        Family("qwen3_moe", True, "Qwen3-MoE (softmax top-k router, grouped experts)", "Qwen3MoeMapping",
+               "Qwen3MoeBridge"),
+        Family("deepseek_v3", True, "DeepSeek-V3 (MLA, sigmoid group-limited router, shared expert)",
+               "DeepseekV3Mapping", "DeepseekV3FixedBridge"),
     )
 }
 
@@ -39,16 +64,16 @@ def get_family(model_type: str) -> Family:
 
 
 def make_bridge(hf_config: Any, dtype, extra_args: dict | None = None):
-    """An mbridge bridge (fixed for transformers 5 / megatron-core 0.16) for ``hf_config``.
+    """The family's mbridge bridge for ``hf_config``: its ``config`` is the megatron
+    TransformerConfig and ``get_model`` builds the TE-spec model chunks (weights are loaded by
+    :func:`megarl.engine.export.fill_from_hf`, not by mbridge).
 
     Megatron's parallel state must be initialised (mbridge reads the layout from it).
     ``extra_args`` are TransformerConfig fields that override the family defaults.
     """
-    from megarl.models.mbridge_fixes import _bridge_classes, hf_config_for_mbridge
+    from megarl.models.mbridge_fixes import hf_config_for_mbridge
 
-    get_family(hf_config.model_type)
-    bridge_cls = _bridge_classes()[hf_config.model_type]
-    bridge = bridge_cls(hf_config_for_mbridge(hf_config), dtype=dtype)
+    bridge = get_family(hf_config.model_type).bridge_class()(hf_config_for_mbridge(hf_config), dtype=dtype)
     if extra_args:
         bridge.set_extra_args(**extra_args)
     return bridge

@@ -2,11 +2,16 @@
 
 One :class:`MetricsLogger` per run (on the controller). ``log(step, metrics)`` writes every sink;
 values must be plain numbers. JSONL lines are flushed per step so a killed run keeps every
-completed step; on resume the logger drops lines of steps at or after the resumed step, so the
-file never holds a step twice.
+completed step, and a step that raises under ``with logger.step(s) as m:`` still writes the
+metrics it reached (how a failed run shows what failed); on resume the logger drops lines of steps
+at or after the resumed step, so the file never holds a step twice.
+
+The terminal table groups keys by their prefix (``reward/mean`` -> ``reward``), several per line:
+one step fits in about a dozen lines; the JSONL file has every key under its full name.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -38,6 +43,10 @@ class _Phase:
 
     def __exit__(self, *exc):
         self.timer.seconds[self.phase] = self.timer.seconds.get(self.phase, 0.0) + time.perf_counter() - self.t0
+
+
+TABLE_WIDTH = 110
+"""Characters per line of the terminal table."""
 
 
 def _fmt(value) -> str:
@@ -93,12 +102,37 @@ class MetricsLogger:
         if self.stdout:
             self._print_table(step, clean)
 
+    @contextlib.contextmanager
+    def step(self, step: int):
+        """``with logger.step(s) as m:`` fill ``m``; it is logged when the block ends, also when
+        it raises (with the exception's ``metrics`` attribute when it has one)."""
+        metrics: dict = {}
+        try:
+            yield metrics
+        except BaseException as err:
+            metrics.update(getattr(err, "metrics", None) or {})
+            if metrics:
+                self.log(step, metrics)
+            raise
+        self.log(step, metrics)
+
     def _print_table(self, step: int, metrics: dict):
         total = f"/{self.total_steps}" if self.total_steps else ""
         lines = [f"step {step}{total}  ({time.time() - self._t0:.0f}s elapsed)"]
-        width = max((len(k) for k in metrics), default=0)
+        groups: dict[str, list[str]] = {}
         for key in sorted(metrics):
-            lines.append(f"  {key:<{width}}  {_fmt(metrics[key])}")
+            group, _, name = key.rpartition("/")
+            groups.setdefault(group, []).append(f"{name}={_fmt(metrics[key])}")
+        width = max((len(g) for g in groups), default=0)
+        for group, cells in groups.items():
+            rows, row = [], []
+            for cell in cells:   # as many cells per line as fit in TABLE_WIDTH
+                if row and width + 4 + len("  ".join(row + [cell])) > TABLE_WIDTH:
+                    rows.append(row)
+                    row = []
+                row.append(cell)
+            rows.append(row)
+            lines.extend(f"  {group if i == 0 else '':<{width}}  " + "  ".join(r) for i, r in enumerate(rows))
         print("\n".join(lines), file=self.stream, flush=True)
 
     def progress_line(self, step: int, phase: str, **fields):
@@ -113,6 +147,13 @@ class MetricsLogger:
     def close(self):
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

@@ -1,6 +1,6 @@
 """Parallel layout: :class:`Topology` (validated sizes) and process-group construction."""
 from megarl.parallel.groups import ParallelGroups, build_process_groups, destroy_process_groups
-from megarl.parallel.topology import ModelDims, Topology, TopologyError
+from megarl.parallel.topology import Topology, TopologyError
 
-__all__ = ["ModelDims", "ParallelGroups", "Topology", "TopologyError", "build_process_groups",
+__all__ = ["ParallelGroups", "Topology", "TopologyError", "build_process_groups",
            "destroy_process_groups"]

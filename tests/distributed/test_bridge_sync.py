@@ -5,10 +5,13 @@ oracles for the two perturbed checkpoints (see workers/bridge_sync.py). Checked 
 the bridge's logical tensors equal the real megatron-core parameters; verification mode passes;
 vLLM's greedy tokens equal the fresh engine's and its prompt log-probs are within 1e-5; vLLM's
 prompt log-probs equal the Megatron engine's ``forward_logprobs`` within 1e-4 (DeepSeek-V3 too,
-since megarl.compat.vllm_cpu V1 restored the rotary embedding of vLLM's CPU MLA). Transports:
-shared memory everywhere, and gloo point-to-point for qwen2 pp2 (stage 2's layers sent to rank 0).
+since megarl.compat.vllm_cpu V1 restored the rotary embedding of vLLM's CPU MLA); after one norm
+is changed in Megatron, verification raises WeightSyncError naming the vLLM parameter. Options come
+from the ``bridge:`` config section (bridge.verify=true). Transports: shared memory everywhere (no
+message), and bridge.transport=gloo for qwen2 pp2 (stage 2's layers sent to rank 0 as messages).
 """
 import os
+import re
 import tempfile
 
 import pytest
@@ -33,7 +36,12 @@ def test_bridge_sync(case):
                           timeout=1200, env={"TMPDIR": tmp})
     for spec, out in res["layouts"].items():
         assert out["names_equal"], (spec, out["names_only_real"], out["names_only_planned"])
-        assert out["sync"]["verified"], spec
+        assert out["sync"]["verified_params"] > 0, spec
+        assert out["sync"]["transport"] == (spec.partition("@")[2] or "shm"), spec
+        assert (out["p2p_messages_all_ranks"] > 0) == spec.endswith("@gloo"), (spec, out["p2p_messages_all_ranks"])
+        assert re.match(r"weight sync verification failed: vLLM rank \d+ parameter model\.\S*norm\.weight: "
+                        r"expected checksum", out["verify_after_change"] or ""), (spec, out["changed_megatron_param"],
+                                                                                 out["verify_after_change"])
         assert out["changed_vs_before"] or spec != layouts.split(",")[0], spec
         assert all(v == out["sync"]["version"] for v in out["vllm_version"]), (spec, out["vllm_version"])
         assert out["tokens_equal"], (spec, out)

@@ -4,10 +4,10 @@ Three packed sequences of different lengths (13/21/9 tokens, THD, split in 2 mic
 per family and layout the max |engine - HF| over the response tokens must be < 1e-4, and packed
 (one row) must equal unpacked (one sequence per micro-batch) within 1e-5. The VPP layout runs on
 a 4-layer variant of each tiny family built on the fly in a temp dir (the fixtures have 2
-layers; pp=2 x vpp=2 needs 4). mbridge fixes exercised here (see megarl.models.mbridge_fixes):
-F1 rope_theta from rope_parameters (every family), F2 tied embeddings (SmolLM2), F3-F7 DeepSeek
-(MLA config rename, SafeTensorIO, group-limited routing, no MTP, rope_interleave), F8 Qwen3-MoE
-router normalisation. Measured: HF diffs 2e-6..1e-5 (SmolLM2 1.4e-5); packed vs unpacked <= 6.7e-6 (SmolLM2 2.5e-5).
+layers; pp=2 x vpp=2 needs 4). The weights are loaded through megarl's family mapping
+(megarl.engine.export.fill_from_hf; tied embeddings: SmolLM2). mbridge fixes exercised here (see
+megarl.models.mbridge_fixes): F1 rope_theta from rope_parameters (every family), F2-F5 DeepSeek (MLA
+config rename, group-limited routing, no MTP, rope_interleave), F6 Qwen3-MoE router normalisation. Measured: HF diffs 2e-6..1e-5 (SmolLM2 1.4e-5); packed vs unpacked <= 6.7e-6 (SmolLM2 2.5e-5).
 """
 import pytest
 

@@ -20,28 +20,36 @@ algorithm:
 data:
   prompts_per_step: 4
   reward: rewards_for_tests:token_parity_reward
-  max_tokens_per_micro_batch: 256
+{data_extra}
 trainer:
   steps: {steps}
   lr: 2.0e-3
   run_dir: {{run_dir}}
   logprob_diff_threshold: 0.01
+  max_tokens_per_micro_batch: 256
+{trainer_extra}
 checkpoint:
   save_every: {save_every}
   keep_last: 2
+{checkpoint_extra}
 logging:
   progress: false
   tensorboard: {tensorboard}
+bridge:
+  verify: true
 """
 
 
 def recipe(algorithm: str, steps: int, save_every: int = 0, rollout_extra: str = "",
-           tensorboard: bool = False) -> str:
+           tensorboard: bool = False, data_extra: str = "", trainer_extra: str = "",
+           checkpoint_extra: str = "") -> str:
     """The e2e recipe (tied tiny llama, token-parity reward, 4 prompts x 4 samples, fp32 alarm at
-    0.01) with an ``algorithm:`` section body and extra ``rollout:`` lines; {model} and {run_dir}
-    stay for :func:`start` to fill in."""
+    0.01) with an ``algorithm:`` section body and extra ``rollout:`` / ``data:`` / ``trainer:`` /
+    ``checkpoint:`` lines; {model} and {run_dir} (also inside the extras) stay for :func:`start`
+    to fill in."""
     return RECIPE.format(algorithm=algorithm, steps=steps, save_every=save_every, rollout_extra=rollout_extra,
-                         tensorboard=str(tensorboard).lower())
+                         tensorboard=str(tensorboard).lower(), data_extra=data_extra, trainer_extra=trainer_extra,
+                         checkpoint_extra=checkpoint_extra)
 
 
 def tied_tiny_llama(folder: Path) -> Path:
@@ -62,15 +70,24 @@ def tied_tiny_llama(folder: Path) -> Path:
     return folder
 
 
-def start(tmp_path: Path, name: str, recipe_text: str, *extra: str) -> subprocess.Popen:
-    """``megarl train`` of ``recipe_text`` ({run_dir} and {model} filled in) as a subprocess in
-    its own session (so a test can SIGKILL the whole tree); output to ``tmp_path/name.log``."""
+def write_recipe(tmp_path: Path, name: str, recipe_text: str) -> Path:
+    """``tmp_path/name.yaml``: ``recipe_text`` with {run_dir} (``tmp_path/name``) and {model} filled in."""
     recipe = tmp_path / f"{name}.yaml"
     model = tied_tiny_llama(tmp_path / "tied-llama")
     recipe.write_text(recipe_text.format(run_dir=tmp_path / name, model=model))
-    # Ray's socket paths must stay under 107 bytes: a short temp root, not pytest's tmp_path
-    env = dict(os.environ, PYTHONPATH=f"{HERE}:{os.environ.get('PYTHONPATH', '')}",
-               RAY_TMPDIR=tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
+    return recipe
+
+
+def ray_tmpdir() -> str:
+    """Ray's socket paths must stay under 107 bytes: a short temp root, not pytest's tmp_path."""
+    return tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+
+
+def start(tmp_path: Path, name: str, recipe_text: str, *extra: str) -> subprocess.Popen:
+    """``megarl train`` of ``recipe_text`` ({run_dir} and {model} filled in) as a subprocess in
+    its own session (so a test can SIGKILL the whole tree); output to ``tmp_path/name.log``."""
+    recipe = write_recipe(tmp_path, name, recipe_text)
+    env = dict(os.environ, PYTHONPATH=f"{HERE}:{os.environ.get('PYTHONPATH', '')}", RAY_TMPDIR=ray_tmpdir())
     log = open(tmp_path / f"{name}.log", "a")
     return subprocess.Popen([sys.executable, "-m", "megarl.cli", "train", str(recipe), *extra], stdout=log,
                             stderr=subprocess.STDOUT, env=env, start_new_session=True)

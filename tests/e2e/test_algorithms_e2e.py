@@ -3,16 +3,20 @@
 - PPO with a critic (value-head GPTModel, GAE, KL as a per-token reward, 2 epochs x 2
   mini-batches): 3 steps. The critic starts at V = 0 (zero head) and learns; each step makes
   4 optimizer steps on each model; vLLM samples from the synced policy. Resuming from the
-  step-2 checkpoint (policy + critic + both optimizers) repeats step 3 exactly.
-- DAPO (dynamic sampling, overlong shaping, clip-higher), GSPO with the RLOO baseline under
+  step-2 checkpoint (policy + critic + both optimizers; ``checkpoint.resume=true``, the recipe
+  form of ``--resume``) repeats step 3 exactly.
+- DAPO from the ``algorithm.name=dapo`` preset alone (dynamic sampling, clip-higher, token-mean;
+  the overlong buffer set explicitly, which wins over the preset), with an evaluation and a
+  checkpoint in a ``checkpoint.dir`` of its own at step 2, GSPO with the RLOO baseline under
   rollout.placement=split (vLLM in a separate Ray actor fed by the bridge through a proxy), and
   REINFORCE++ with Dr.GRPO's constant-normalised aggregation and the Megatron state (policy,
-  reference, grads, Adam) offloaded while vLLM generates: 2 steps each; weights change and vLLM
-  samples from the synced policy.
+  reference, grads, Adam) offloaded while vLLM generates (``trainer.offload_train_state``): 2 steps
+  each; weights change and vLLM samples from the synced policy.
 """
 import shutil
 
 import pytest
+import yaml
 from e2e_common import recipe, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -23,19 +27,18 @@ PPO = """  name: ppo
   ppo_epochs: 2
   mini_batches: 2
   critic_lr: 1.0e-3"""
-# name -> (algorithm section, rollout extras): the placement variants ride along with two of them
+# name -> (algorithm section, recipe() extras): the placement variants ride along with two of them
 OTHERS = {
     "dapo": ("""  name: dapo
-  clip_high: 0.28
-  dynamic_sampling: true
   max_sampling_tries: 3
-  overlong_buffer: 4""", ""),
+  overlong_buffer: 4""", dict(save_every=2, data_extra="  eval_prompts: 4", trainer_extra="  eval_every: 2",
+                              checkpoint_extra="  dir: {run_dir}/dapo_checkpoints")),
     "gspo_rloo_split": ("""  name: gspo
-  advantage: rloo""", "  placement: split"),
+  advantage: rloo""", dict(rollout_extra="  placement: split")),
     "reinforce_pp_drgrpo_agg_offload": ("""  name: reinforce_pp
   gamma: 0.99
   kl_coef: 0.01
-  loss_agg_mode: seq-mean-token-sum-norm""", "  offload_train_state: true"),
+  loss_agg_mode: seq-mean-token-sum-norm""", dict(trainer_extra="  offload_train_state: true")),
 }
 
 
@@ -71,7 +74,7 @@ def test_ppo_resume_repeats_step_3(ppo):
     ckpt = tmp / "full" / "checkpoints" / "step_00000002"
     assert ckpt.is_dir()
     shutil.copytree(ckpt, tmp / "resumed" / "checkpoints" / ckpt.name)
-    rows = run(tmp, "resumed", recipe(PPO, steps=3), "--resume")
+    rows = run(tmp, "resumed", recipe(PPO, steps=3), "checkpoint.resume=true")
     assert [r["step"] for r in rows] == [3]
     for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/weight_checksum", "critic/vf_loss",
                 "critic/grad_norm", "critic/values_mean", "actor/kl"):
@@ -81,15 +84,24 @@ def test_ppo_resume_repeats_step_3(ppo):
 
 @pytest.mark.parametrize("name", sorted(OTHERS))
 def test_algorithm_runs_two_steps(tmp_path, name):
-    algorithm, rollout_extra = OTHERS[name]
-    rows = run(tmp_path, name, recipe(algorithm, steps=2, rollout_extra=rollout_extra))
+    algorithm, extras = OTHERS[name]
+    rows = run(tmp_path, name, recipe(algorithm, steps=2, **extras))
     check_trains_and_syncs(rows, 2)
     assert rows[-1]["sync/version"] == 2
     if name == "dapo":
+        # the preset turned DAPO's parts on; the recipe's overlong_buffer won over the preset's
+        resolved = yaml.safe_load((tmp_path / name / "config.yaml").read_text())["algorithm"]
+        assert {k: resolved[k] for k in ("clip_high", "dynamic_sampling", "overlong_buffer", "loss_agg_mode",
+                                         "kl_coef")} == dict(clip_high=0.28, dynamic_sampling=True,
+                                                             overlong_buffer=4, loss_agg_mode="token-mean",
+                                                             kl_coef=0.0)
         for r in rows:
             assert r["rollout/num_samples"] % 4 == 0 and r["rollout/num_samples"] > 0
             if r["response_length/max"] > 8:             # overlong shaping took reward off
                 assert r["reward/mean"] < r["reward/accuracy"]
+        assert "eval/accuracy" not in rows[0] and "eval/accuracy" in rows[1]   # trainer.eval_every: 2
+        assert (tmp_path / name / "dapo_checkpoints" / "step_00000002").is_dir()
+        assert not (tmp_path / name / "checkpoints").exists()
     if "offload" in name:
         # tiny llama has ~13.8M params (55 MB fp32): step 1 moves policy params + grads + reference
         # params (measured 0.165 GB), step 2 also the Adam moments made by step 1 (0.275 GB)

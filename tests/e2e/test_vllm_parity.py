@@ -2,7 +2,7 @@
 
 Greedy continuations (16 tokens) of 4 fixed prompts must be identical and the prompt-token
 log-probs agree within a tolerance. vLLM runs its own processes, so the check runs in a
-subprocess (``python -m megarl.models.parity``) that reports one JSON line per model.
+subprocess (``python -m megarl.rollout.parity``) that reports one JSON line per model.
 """
 import json
 import subprocess
@@ -21,7 +21,7 @@ LOGPROB_TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def parity():
-    cmd = [sys.executable, "-m", "megarl.models.parity", *[f"fixture:{m}" for m in MODELS]]
+    cmd = [sys.executable, "-m", "megarl.rollout.parity", *[f"fixture:{m}" for m in MODELS]]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     rows = [json.loads(line[len("PARITY "):]) for line in proc.stdout.splitlines() if line.startswith("PARITY ")]
     assert proc.returncode == 0 and len(rows) == len(MODELS), proc.stderr[-5000:]

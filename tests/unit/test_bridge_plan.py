@@ -8,6 +8,7 @@ import torch
 from megarl.bridge.mapping import (get_mapping, hf_to_megatron, hf_to_vllm_shard, slices, split_shard)
 from megarl.bridge.plan import (MegatronLayout, Planner, VllmLayout, baseline_bytes_per_device, build_plan,
                                 bytes_per_device)
+from megarl.parallel import Topology
 
 QWEN2 = dict(model_type="qwen2", num_hidden_layers=4, hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
              head_dim=4, intermediate_size=24, vocab_size=128, tie_word_embeddings=False)
@@ -36,8 +37,8 @@ def _coverage(mapping, src, dst):
 @pytest.mark.parametrize("vtp,fmt", [(1, "vllm_shard"), (2, "vllm_shard"), (2, "hf_full")])
 def test_every_destination_element_written_once(cfg, layout, vtp, fmt):
     mapping = get_mapping(cfg)
-    src = MegatronLayout(**layout)
-    planner, cov = _coverage(mapping, src, VllmLayout.colocated(vtp, src.world_size, fmt))
+    src = MegatronLayout(Topology(**layout))
+    planner, cov = _coverage(mapping, src, VllmLayout.colocated(vtp, src.topology.world_size, fmt))
     for device in planner.dst.devices:
         vr = planner.dst.devices.index(device) % vtp
         for name, shape in planner.dst_shapes(vr).items():
@@ -45,39 +46,60 @@ def test_every_destination_element_written_once(cfg, layout, vtp, fmt):
             assert (cov[(device, name)] == 1).all(), (device, name)
 
 
+@pytest.mark.parametrize("sizes", [dict(world_size=8, tp=2, pp=2), dict(world_size=8, tp=2, cp=2),
+                                   dict(world_size=16, tp=2, pp=2, ep=4, etp=1), dict(world_size=8, pp=2, ep=2, etp=2),
+                                   dict(world_size=8, tp=2, cp=2, pp=2, ep=2, etp=1)])
+def test_topology_coords_match_megatron_rank_generator(sizes):
+    """The plan's rank coordinates (Topology.coords) are megatron-core's own rank groups."""
+    from megatron.core.parallel_state import RankGenerator
+
+    topo = Topology(**sizes)
+    order = "tp-cp-ep-dp-pp"   # initialize_model_parallel's default
+    dense = RankGenerator(tp=topo.tp, ep=1, dp=topo.dp, pp=topo.pp, cp=topo.cp, order=order)
+    expert = RankGenerator(tp=topo.expert_tp, ep=topo.ep, dp=topo.expert_dp, pp=topo.pp, cp=1, order=order)
+    for gen, axes in ((dense, {"tp": "tp", "cp": "cp", "dp": "dp", "pp": "pp"}),
+                      (expert, {"etp": "tp", "ep": "ep", "edp": "dp", "pp": "pp"})):
+        for coord, token in axes.items():
+            for group in gen.get_ranks(token):
+                coords = [topo.coords(r) for r in group]
+                assert [c[coord] for c in coords] == list(range(len(group))), (coord, group)
+                others = {tuple(c[k] for k in axes if k != coord) for c in coords}
+                assert len(others) == 1, (coord, group)
+
+
 def test_rank_to_rank_local_copies_when_tp_matches():
     for cfg in (QWEN2, DSV3, MOE):
-        plan = build_plan(get_mapping(cfg), MegatronLayout(2, tp=2), VllmLayout.colocated(2, 2))
+        plan = build_plan(get_mapping(cfg), MegatronLayout(Topology(2, tp=2)), VllmLayout.colocated(2, 2))
         assert plan and all(tr.local for tr in plan)
     # with vLLM TP 1 on device 0, device 1 only sends its own TP shards
-    plan = build_plan(get_mapping(QWEN2), MegatronLayout(2, tp=2), VllmLayout(1, (0,)))
+    plan = build_plan(get_mapping(QWEN2), MegatronLayout(Topology(2, tp=2)), VllmLayout(1, (0,)))
     assert {tr.dst_rank for tr in plan} == {0}
 
 
 def test_pp_stages_send_only_their_layers():
     mapping = get_mapping(MOE)
-    src = MegatronLayout(4, tp=2, pp=2)
+    src = MegatronLayout(Topology(4, tp=2, pp=2))
     for tr in build_plan(mapping, src, VllmLayout.colocated(2, 4)):
         t = next(t for t in mapping.megatron_tensors() if t.name == tr.tensor)
-        assert src.coords(tr.src_rank)["pp"] == src.stage_of(t, 4)
+        assert src.topology.coords(tr.src_rank)["pp"] == src.stage_of(t, 4)
         if t.layer is not None:
-            assert src.coords(tr.src_rank)["pp"] == t.layer // 2
+            assert src.topology.coords(tr.src_rank)["pp"] == t.layer // 2
 
 
 def test_ep_ranks_send_only_their_experts():
     mapping = get_mapping(MOE)
-    src = MegatronLayout(4, ep=4, etp=1)
+    src = MegatronLayout(Topology(4, ep=4, etp=1))
     for tr in build_plan(mapping, src, VllmLayout.colocated(2, 4)):
         if ".experts." in tr.tensor:
             e0, e1 = tr.src_box[0]
             assert e1 <= 2     # local expert ids: 8 experts / ep 4
-            assert src.coords(tr.src_rank)["ep"] in range(4)
+            assert src.topology.coords(tr.src_rank)["ep"] in range(4)
 
 
 def test_no_rank_receives_more_than_its_shard():
     """vLLM TP 2 colocated with Megatron PP 2: each device receives exactly its vLLM shard."""
     mapping = get_mapping(QWEN2)
-    src, dst = MegatronLayout(2, pp=2), VllmLayout.colocated(2, 2)
+    src, dst = MegatronLayout(Topology(2, pp=2)), VllmLayout.colocated(2, 2)
     shard_bytes = sum(torch.Size(s).numel() for s in mapping.vllm_shapes(2).values()) * 2
     b = bytes_per_device(mapping, src, dst)
     for d in range(2):
@@ -90,7 +112,7 @@ def test_executing_plan_on_synthetic_shards_gives_vllm_shards(cfg):
     mapping = get_mapping(cfg)
     g = torch.Generator().manual_seed(0)
     hf = {n: torch.randn(s, generator=g) for n, s in mapping.hf_shapes().items()}
-    src = MegatronLayout(4, tp=2, pp=2, ep=2, etp=1)
+    src = MegatronLayout(Topology(4, tp=2, pp=2, ep=2, etp=1))
     dst = VllmLayout.colocated(2, 4)
     planner = Planner(mapping, src, dst)
     shards = {}
@@ -114,7 +136,7 @@ def test_executing_plan_on_synthetic_shards_gives_vllm_shards(cfg):
 
 def test_buckets_respect_load_groups_and_budget():
     mapping = get_mapping(MOE)
-    planner = Planner(mapping, MegatronLayout(2, tp=2), VllmLayout.colocated(2, 2, "hf_full"))
+    planner = Planner(mapping, MegatronLayout(Topology(2, tp=2)), VllmLayout.colocated(2, 2, "hf_full"))
     buckets = planner.buckets(bucket_bytes=1)   # every group alone
     assert [b.groups for b in buckets] == [["embedding"], ["layer0"], ["layer1"], ["layer2"], ["layer3"], ["head"]]
     assert len(planner.buckets(bucket_bytes=1 << 30)) == 1
@@ -130,7 +152,7 @@ def test_deepseek_v3_671b_plan_from_shapes_only():
     mapping = get_mapping(DSV3_671B)
     params = sum(torch.Size(t.shape).numel() for t in mapping.megatron_tensors())
     assert 670e9 < params < 672e9     # 671B without the MTP layer
-    src = MegatronLayout(256, pp=16, ep=16, etp=1, layers_per_stage=(4,) * 13 + (3,) * 3)
+    src = MegatronLayout(Topology(256, pp=16, ep=16, etp=1), layers_per_stage=(4,) * 13 + (3,) * 3)
     dst = VllmLayout.colocated(32, 256)
     plan = bytes_per_device(mapping, src, dst, itemsize=2)
     base = baseline_bytes_per_device(mapping, src, itemsize=2)

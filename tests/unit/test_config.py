@@ -75,9 +75,9 @@ def test_section_rules():
         "invalid value for config key 'trainer.min_lr': got 1e-05, expected a value <= lr (1e-06)"
     assert error_of(["rollout.sleep_level=3"]) == \
         "invalid value for config key 'rollout.sleep_level': got 3, expected 0 (off), 1 or 2"
-    assert error_of(["rollout.placement=split", "rollout.offload_train_state=true"]) == (
-        "invalid value for config key 'rollout.offload_train_state': got True, expected false with "
-        "placement='split' (training and rollout do not share devices: nothing to make room for)")
+    assert error_of(["rollout.placement=split", "trainer.offload_train_state=true"]) == (
+        "invalid value for config key 'trainer.offload_train_state': got True, expected false with "
+        "rollout.placement='split' (training and rollout do not share devices: nothing to make room for)")
     assert error_of(["algorithm.value_clip=0"]) == \
         "invalid value for config key 'algorithm.value_clip': got 0.0, expected null or a number > 0"
 
@@ -122,3 +122,187 @@ def test_every_field_has_a_docstring():
         docs = field_docs(cls)
         missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
         assert not missing, (section.name, missing)
+
+
+@pytest.mark.parametrize("old, new, value", [
+    ("rollout.offload_train_state", "trainer.offload_train_state", "true"),
+    ("data.max_tokens_per_micro_batch", "trainer.max_tokens_per_micro_batch", "1024"),
+    ("data.balance_cost", "trainer.balance_cost", "flops"),
+])
+def test_moved_keys_name_their_new_key(tmp_path, old, new, value):
+    message = f"config key '{old}' moved to '{new}'"
+    assert error_of([f"{old}={value}"]) == message
+    section, field = old.split(".")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"{section}:\n  {field}: {value}\n")
+    assert error_of([], recipe=recipe) == message
+    assert load_config(None, [f"{new}={value}"]) is not None
+
+
+def test_dtype_float16_is_refused_and_every_allowed_dtype_builds():
+    import typing
+
+    from megarl.config.schema import ModelConfig
+    from megarl.engine.build import ModelOptions
+
+    assert error_of(["model.dtype=float16"]) == (
+        "invalid value for config key 'model.dtype': got 'float16', expected one of 'float32', 'bfloat16'")
+    for dtype in typing.get_args(typing.get_type_hints(ModelConfig)["dtype"]):
+        cfg = load_config(None, [f"model.dtype={dtype}"])
+        assert ModelOptions(path=cfg.model.path, dtype=cfg.model.dtype).dtype == dtype   # the engine takes it
+
+
+def test_logging_level_is_validated():
+    assert load_config(None, ["logging.level=debug"]).logging.level == "debug"
+    assert error_of(["logging.level=verbose"]) == (
+        "invalid value for config key 'logging.level': got 'verbose', expected one of 'debug', 'info', "
+        "'warning', 'error'")
+
+
+def test_dapo_preset_turns_on_its_parts_and_each_stays_overridable(tmp_path):
+    a = load_config(None, ["algorithm.name=dapo", "rollout.max_response_tokens=100"]).algorithm
+    assert (a.advantage, a.policy_loss, a.clip_low, a.clip_high, a.loss_agg_mode, a.norm_adv_by_std,
+            a.dynamic_sampling, a.overlong_buffer, a.kl_coef) == \
+        ("grpo", "ppo", 0.2, 0.28, "token-mean", True, True, 20, 0.0)
+    # overlong buffer: a fifth of the response limit, at least one token
+    assert load_config(None, ["algorithm.name=dapo", "rollout.max_response_tokens=3"]).algorithm.overlong_buffer == 1
+    # an explicit value wins over the preset, for each of DAPO's parts
+    a = load_config(None, ["algorithm.name=dapo", "algorithm.clip_high=0.3", "algorithm.dynamic_sampling=false",
+                           "algorithm.overlong_buffer=0", "algorithm.loss_agg_mode=seq-mean-token-mean",
+                           "algorithm.kl_coef=0.01"]).algorithm
+    assert (a.clip_high, a.dynamic_sampling, a.overlong_buffer, a.loss_agg_mode, a.kl_coef) == \
+        (0.3, False, 0, "seq-mean-token-mean", 0.01)
+    # the written config shows the effective values and loads back to the same config
+    cfg = load_config(None, ["algorithm.name=dapo", f"trainer.run_dir={tmp_path}"])
+    written = yaml.safe_load(save_resolved(cfg, tmp_path).read_text())["algorithm"]
+    assert (written["clip_high"], written["dynamic_sampling"], written["overlong_buffer"]) == (0.28, True, 25)
+    assert load_config(tmp_path / "config.yaml") == cfg
+
+
+# name -> (advantage, policy_loss, norm_adv_by_std, loss_agg_mode, clip_low, clip_high, dynamic_sampling,
+# overlong_buffer) at rollout.max_response_tokens=128; every name but drgrpo and dapo as before presets
+PRESETS = {
+    "grpo": ("grpo", "ppo", True, "token-mean", 0.2, 0.2, False, 0),
+    "drgrpo": ("drgrpo", "ppo", False, "seq-mean-token-sum-norm", 0.2, 0.2, False, 0),
+    "dapo": ("grpo", "ppo", True, "token-mean", 0.2, 0.28, True, 25),
+    "rloo": ("rloo", "ppo", None, "token-mean", 0.2, 0.2, False, 0),
+    "reinforce_pp": ("reinforce_pp", "ppo", None, "token-mean", 0.2, 0.2, False, 0),
+    "gspo": ("grpo", "gspo", True, "token-mean", 3e-4, 4e-4, False, 0),
+    "ppo": ("gae", "ppo", None, "token-mean", 0.2, 0.2, False, 0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_algorithm_presets(name):
+    a = load_config(None, [f"algorithm.name={name}"]).algorithm
+    assert (a.advantage, a.policy_loss, a.norm_adv_by_std, a.loss_agg_mode, a.clip_low, a.clip_high,
+            a.dynamic_sampling, a.overlong_buffer) == PRESETS[name]
+
+
+def test_preset_follows_overridden_policy_loss_and_advantage():
+    a = load_config(None, ["algorithm.name=grpo", "algorithm.policy_loss=gspo"]).algorithm
+    assert (a.clip_low, a.clip_high) == (3e-4, 4e-4)            # the clip range of the gspo loss
+    a = load_config(None, ["algorithm.name=dapo", "algorithm.policy_loss=gspo"]).algorithm
+    assert (a.clip_low, a.clip_high) == (3e-4, 4e-4)            # dapo's 0.28 is for token ratios
+    a = load_config(None, ["algorithm.name=gspo", "algorithm.advantage=rloo"]).algorithm
+    assert a.norm_adv_by_std is None                            # no std division in rloo
+    a = load_config(None, ["algorithm.name=drgrpo", "algorithm.norm_adv_by_std=true"]).algorithm
+    assert (a.advantage, a.norm_adv_by_std) == ("drgrpo", True)
+
+
+def test_algorithm_combinations_that_would_do_nothing_fail_at_load():
+    assert error_of(["algorithm.name=rloo", "algorithm.norm_adv_by_std=false"]) == (
+        "invalid value for config key 'algorithm.norm_adv_by_std': got False, expected null with "
+        "algorithm.advantage='rloo' (only the grpo and drgrpo advantages divide by the group std)")
+    assert error_of(["algorithm.name=gspo", "algorithm.dual_clip_c=3"]) == (
+        "invalid value for config key 'algorithm.dual_clip_c': got 3.0, expected null with "
+        "algorithm.policy_loss='gspo' (dual-clip applies to token ratios: ppo)")
+    assert error_of(["algorithm.critic_lr=1e-5"]) == (
+        "invalid value for config key 'algorithm.critic_lr': got 1e-05, expected null with "
+        "algorithm.advantage='grpo' (only the gae advantage trains a critic)")
+    assert error_of(["algorithm.dual_clip_c=1"]) == \
+        "invalid value for config key 'algorithm.dual_clip_c': got 1.0, expected null or a number > 1"
+    assert error_of(["algorithm.kl_target=0.1"]) == (
+        "invalid value for config key 'algorithm.kl_target': got 0.1, expected null while kl_coef is 0 "
+        "(the adaptive controller scales kl_coef: set an initial kl_coef > 0)")
+    assert load_config(None, ["algorithm.kl_target=0.1", "algorithm.kl_coef=0.01"]).algorithm.kl_target == 0.1
+    assert error_of(["algorithm.name=dapo", "algorithm.overlong_buffer=200"]) == (
+        "invalid value for config key 'algorithm.overlong_buffer': got 200, expected at most "
+        "rollout.max_response_tokens=128 (the soft penalty starts this many tokens before the limit)")
+    assert error_of(["algorithm.clip_low=1.5"]) == \
+        "invalid value for config key 'algorithm.clip_low': got 1.5, expected a number in (0, 1)"
+    assert error_of(["algorithm.clip_high=-0.1"]) == \
+        "invalid value for config key 'algorithm.clip_high': got -0.1, expected a positive number"
+
+
+def test_function_names_are_resolved_at_load():
+    assert error_of(["algorithm.policy_loss=ppo2"]) == (
+        "invalid value for config key 'algorithm.policy_loss': unknown policy loss 'ppo2'; known: "
+        "['gspo', 'ppo'] (or a dotted path 'package.module:function')")
+    assert error_of(["algorithm.advantage=grpoo"]).startswith(
+        "invalid value for config key 'algorithm.advantage': unknown advantage estimator 'grpoo'; known: ")
+    assert error_of(["data.reward=nope"]).startswith(
+        "invalid value for config key 'data.reward': unknown reward function 'nope'; known: ")
+    assert error_of(["data.reward=no_such_module:fn"]).startswith(
+        "invalid value for config key 'data.reward': cannot import module 'no_such_module'")
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("rollout.top_k=0", "got 0, expected -1 (disabled) or a positive integer"),
+    ("rollout.kv_cache_gib=0", "got 0.0, expected a positive number"),
+    ("rollout.gpu_memory_utilization=1.5", "got 1.5, expected a number in (0, 1]"),
+    ("rollout.tp=0", "got 0, expected a positive number"),
+    ("rollout.enforce_eager=3", None),
+    ("model.recompute=layer", "got 'layer', expected one of 'none', 'selective', 'full'"),
+    ("model.moe_aux_loss_coeff=-1", "got -1.0, expected a non-negative number"),
+    ("model.moe_z_loss_coeff=-1", "got -1.0, expected a non-negative number"),
+    ("algorithm.kl_estimator=k4", "got 'k4', expected one of 'k1', 'k2', 'k3'"),
+    ("algorithm.loss_agg_mode=mean", "got 'mean', expected one of 'token-mean', 'seq-mean-token-sum', "
+                                     "'seq-mean-token-mean', 'seq-mean-token-sum-norm'"),
+    ("algorithm.dynamic_sampling=3", None),
+    ("algorithm.entropy_coef=-0.1", "got -0.1, expected a non-negative number"),
+    ("data.task=prompts.csv", "got 'prompts.csv', expected 'arithmetic' or a path ending in .parquet or .jsonl"),
+    ("data.difficulty=0", "got 0, expected a positive number"),
+    ("data.reward_timeout_s=0", "got 0.0, expected a positive number"),
+    ("data.use_chat_template=maybe", None),
+    ("data.seed=1.5", None),
+    ("trainer.warmup_steps=-1", "got -1, expected a non-negative number"),
+    ("trainer.weight_decay=-0.1", "got -0.1, expected a non-negative number"),
+    ("trainer.grad_clip=-1", "got -1.0, expected a non-negative number"),
+    ("trainer.optimizer=lion", "got 'lion', expected one of 'adam', 'sgd'"),
+    ("trainer.adam_beta1=1.0", "got 1.0, expected a number in (0, 1)"),
+    ("trainer.adam_beta2=0", "got 0.0, expected a positive number"),
+    ("trainer.seed=1.5", None),
+    ("trainer.balance_cost=time", "got 'time', expected one of 'tokens', 'flops'"),
+    ("trainer.max_tokens_per_micro_batch=0", "got 0, expected a positive number"),
+    ("checkpoint.keep_last=0", "got 0, expected a positive number"),
+    ("checkpoint.resume=2", None),
+    ("logging.stdout=2", None),
+    ("logging.jsonl=2", None),
+    ("topology.etp=0", "got 0, expected null or an integer >= 1"),
+])
+def test_invalid_values_name_the_key(override, expected):
+    key, _, value = override.partition("=")
+    message = error_of([override])
+    if expected is None:   # a type error: the message names the key, the value and the type
+        assert message.startswith(f"wrong type for config key '{key}': got "), message
+    else:
+        assert message == f"invalid value for config key '{key}': {expected}"
+
+
+def test_micro_batch_budget_must_hold_one_sequence():
+    assert error_of(["rollout.max_prompt_tokens=200", "rollout.max_response_tokens=100",
+                     "trainer.max_tokens_per_micro_batch=256"]) == (
+        "invalid value for config key 'trainer.max_tokens_per_micro_batch': got 256, expected at least "
+        "rollout.max_prompt_tokens + rollout.max_response_tokens = 300 (one whole sequence must fit a "
+        "micro-batch)")
+
+
+def test_expert_tensor_parallel_size_reaches_the_topology():
+    base = ["model.path=fixture:tiny-qwen3_moe", "topology.world_size=4", "topology.tp=2", "topology.ep=2"]
+    assert load_config(None, base).topology.to_topology().expert_tp == 2          # null: etp = tp
+    topo = load_config(None, base + ["topology.etp=1"]).topology.to_topology()
+    assert (topo.expert_tp, topo.expert_dp) == (1, 2)
+    assert error_of(["topology.etp=2"]) == (
+        "invalid value for config key 'topology.ep': got 1, expected a size for which world_size=1 is a "
+        "multiple of etp*ep*pp = 2*1*1 = 2")

@@ -5,8 +5,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megarl.conversion.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
-from megarl.conversion.safetensors_io import HFCheckpoint
+from megarl.models.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
+from megarl.models.safetensors_io import HFCheckpoint
 
 
 def test_dequant_matches_reference_loop():

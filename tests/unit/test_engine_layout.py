@@ -1,16 +1,16 @@
-"""Engine layout checks, family registry and mbridge fixes, without any process group.
+"""Engine layout checks and option validation, without any process group (the family registry and
+the mbridge fixes: ``test_engine_registry.py``).
 
 Bad layouts raise the documented errors from the public build API before any process starts
 (``check_layout`` / ``check_train_layout`` read only config.json)."""
 import json
-import types
 
 import pytest
 
 from megarl.engine.build import ModelOptions, check_layout
 from megarl.engine.policy import OptimOptions, check_train_layout
 from megarl.models.fixtures import ensure_fixture
-from megarl.models.registry import FAMILIES, get_family
+from megarl.models.registry import get_family
 from megarl.parallel import Topology, TopologyError
 
 
@@ -60,40 +60,6 @@ def test_unknown_model_type(tmp_path):
         get_family("mistral")
     with pytest.raises(ValueError, match="has no config.json"):
         check_layout(str(tmp_path / "nowhere"), Topology())
-
-
-def test_registry_families():
-    assert set(FAMILIES) == {"llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"}
-    assert FAMILIES["qwen3_moe"].is_moe and not FAMILIES["llama"].is_moe
-
-
-def test_fix_f1_rope_theta_from_rope_parameters():
-    """transformers 5 has no config.rope_theta; mbridge reads it."""
-    from transformers import AutoConfig
-
-    from megarl.models.mbridge_fixes import hf_config_for_mbridge
-
-    cfg = AutoConfig.from_pretrained(ensure_fixture("smollm2"))
-    assert getattr(cfg, "rope_theta", None) is None
-    fixed = hf_config_for_mbridge(cfg)
-    assert fixed.rope_theta == 100000.0 and getattr(cfg, "rope_theta", None) is None   # a copy
-    cfg.rope_parameters = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
-    with pytest.raises(ValueError, match="rope_type='yarn' is not supported"):
-        hf_config_for_mbridge(cfg)
-
-
-def test_fix_f2_tied_mapping_is_per_instance():
-    """mbridge's Qwen2Bridge mutates the class-level mapping for tied models; ours copies it."""
-    from megarl.models.mbridge_fixes import _per_instance_tied_mapping
-
-    class Bridge:
-        _DIRECT_MAPPING = {"output_layer.weight": "lm_head.weight"}
-
-    tied = Bridge()
-    tied.hf_config = types.SimpleNamespace(tie_word_embeddings=True)
-    _per_instance_tied_mapping(tied)
-    assert tied._DIRECT_MAPPING["output_layer.weight"] == "model.embed_tokens.weight"
-    assert Bridge._DIRECT_MAPPING["output_layer.weight"] == "lm_head.weight"
 
 
 def test_options_validation():

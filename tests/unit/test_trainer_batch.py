@@ -2,12 +2,18 @@
 import pytest
 import torch
 
+from megarl.config.presets import resolve_algorithm
 from megarl.config.schema import AlgorithmConfig
 from megarl.data import BatchBudget, plan_batches
 from megarl.parallel import Topology
 from megarl.trainer.algorithm import make_loss_fn, make_value_loss_fn, needs_critic, resolve
 from megarl.trainer.batch import Rollout, compute_advantages, micro_batches_for, scatter_back
 from megarl.trainer.loop import WeightSyncAlarm, alarm_metrics, critic_metrics
+
+
+def algorithm(**fields) -> AlgorithmConfig:
+    """An algorithm section with its preset resolved, as load_config gives it."""
+    return resolve_algorithm(AlgorithmConfig(**fields), max_response_tokens=8)
 
 
 def rollout_of(response_lengths, rewards, n=2):
@@ -30,7 +36,7 @@ def test_grpo_advantages_per_sample():
     # group 0 rewards (0, 1): mean 0.5, sample std sqrt(0.5) = 0.7071 -> (-0.7071, +0.7071);
     # group 1 all equal -> 0
     r = rollout_of([2, 3, 4, 5], [0, 1, 1, 1])
-    adv_fn, opts, _ = resolve(AlgorithmConfig(name="grpo"))
+    adv_fn, opts, _ = resolve(algorithm(name="grpo"))
     adv, _ = compute_advantages(r, adv_fn, opts)
     assert [a.shape[0] for a in adv] == [2, 3, 4, 5]
     assert torch.allclose(adv[0], torch.full((2,), -0.5 / 0.5 ** 0.5), atol=1e-4)
@@ -69,7 +75,7 @@ def test_alarm_reports_and_stops():
 def test_loss_fn_at_ratio_one_is_minus_mean_advantage():
     from megarl.engine import SequenceBatch
 
-    cfg = AlgorithmConfig(name="grpo", kl_coef=0.0)
+    cfg = algorithm(name="grpo", kl_coef=0.0)
     loss_fn = make_loss_fn(cfg, max_response_tokens=8)
     lp = torch.tensor([-1.0, -2.0, -0.5])
     batch = SequenceBatch([torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6, 7])], [1, 3],
@@ -84,8 +90,8 @@ def test_loss_fn_at_ratio_one_is_minus_mean_advantage():
 def test_ppo_uses_gae_with_the_critic_values():
     # rewards 1 and 0 at the last token, gamma = lam = 1: A_t = R - V_t before whitening over the
     # batch, returns = A + V = R on every token
-    cfg = AlgorithmConfig(name="ppo", gamma=1.0, lam=1.0)
-    assert needs_critic(cfg) and not needs_critic(AlgorithmConfig(name="grpo"))
+    cfg = algorithm(name="ppo", gamma=1.0, lam=1.0)
+    assert needs_critic(cfg) and not needs_critic(algorithm(name="grpo"))
     adv_fn, opts, _ = resolve(cfg)
     assert opts == {"gamma": 1.0, "lam": 1.0}
     r = rollout_of([3, 2], [1.0, 0.0])
@@ -104,7 +110,7 @@ def test_ppo_uses_gae_with_the_critic_values():
 def test_kl_penalty_as_token_reward_lowers_grpo_scores():
     # kl_mode=reward: the outcome estimators add the summed token rewards to each sequence's score
     r = rollout_of([2, 2], [1.0, 1.0])
-    adv_fn, opts, _ = resolve(AlgorithmConfig(name="grpo"))
+    adv_fn, opts, _ = resolve(algorithm(name="grpo"))
     adv, _ = compute_advantages(r, adv_fn, opts, token_rewards=[torch.tensor([-0.1, -0.1]), torch.zeros(2)])
     assert (adv[0] < 0).all() and (adv[1] > 0).all()
 
@@ -112,7 +118,7 @@ def test_kl_penalty_as_token_reward_lowers_grpo_scores():
 def test_value_loss_fn_clips_around_old_values():
     from megarl.engine import SequenceBatch
 
-    cfg = AlgorithmConfig(name="ppo", value_clip=0.1)
+    cfg = algorithm(name="ppo", value_clip=0.1)
     loss_fn = make_value_loss_fn(cfg, max_response_tokens=8)
     batch = SequenceBatch([torch.tensor([1, 2, 3])], [1],
                           {"old_values_T": torch.tensor([0.0, 0.0]), "returns_T": torch.tensor([1.0, 1.0]),

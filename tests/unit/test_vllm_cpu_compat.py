@@ -1,5 +1,6 @@
-"""megarl.compat.vllm_cpu: the vLLM sites it patches still exist, the plugin is registered, and
-V1 rotates DeepSeek's strided MLA views exactly like vLLM's own torch implementation."""
+"""megarl.compat.vllm_cpu: the vLLM sites its fixes depend on still exist, the plugin is
+registered, V1 rotates DeepSeek's strided MLA views exactly like vLLM's own torch implementation,
+and the V2/V3 repairs touch only what they should."""
 import importlib
 import inspect
 from importlib.metadata import entry_points
@@ -13,12 +14,15 @@ pytestmark = pytest.mark.vllm
 T, H, NOPE, ROPE, LORA = 6, 8, 32, 64, 512
 
 
-@pytest.mark.parametrize("site", SITES, ids=[s.patch for s in SITES])
+@pytest.mark.parametrize("site", SITES, ids=[f"{s.patch}:{s.attr}" for s in SITES])
 def test_patched_site_still_upstream(site):
-    cls = getattr(importlib.import_module(site.module), site.attr)
-    assert site.needle in inspect.getsource(cls.forward_cpu), (
-        f"{site.patch}: {site.module}.{site.attr}.forward_cpu no longer calls the C++ kernel; revisit "
-        "megarl/compat/vllm_cpu.py")
+    obj = importlib.import_module(site.module)
+    for part in site.attr.split("."):
+        assert hasattr(obj, part), f"{site.patch}: {site.module}.{site.attr} is gone; revisit megarl/compat/vllm_cpu.py"
+        obj = getattr(obj, part)
+    assert site.needle in inspect.getsource(obj), (
+        f"{site.patch}: {site.module}.{site.attr} no longer contains {site.needle!r}: the upstream bug may be "
+        "fixed or moved; revisit megarl/compat/vllm_cpu.py")
 
 
 def test_registered_as_vllm_general_plugin():
@@ -73,3 +77,55 @@ def test_contiguous_2d_calls_keep_the_kernel(rope):
     q_out, k_out = rope.forward_cpu(positions, q.clone(), k.clone())
     assert torch.allclose(q_out.view(T, H, ROPE), reference_gptj(q.view(T, H, ROPE), positions), atol=1e-5)
     assert torch.allclose(k_out, reference_gptj(k.view(T, 1, ROPE), positions).view(T, ROPE), atol=1e-5)
+
+
+class _Module(torch.nn.Module):
+    pass
+
+
+def test_refresh_tied_lm_head_only_when_tied():
+    from megarl.compat.vllm_cpu import refresh_tied_lm_head
+
+    calls = []
+
+    class Method:
+        def process_weights_after_loading(self, layer):
+            calls.append(layer)
+
+    model, model.model, model.lm_head = _Module(), _Module(), _Module()
+    model.model.embed_tokens = _Module()
+    model.model.embed_tokens.weight = torch.nn.Parameter(torch.ones(4, 2))
+    model.lm_head.quant_method = Method()
+    model.lm_head.weight = torch.nn.Parameter(torch.ones(4, 2))      # untied: a weight of its own
+    assert refresh_tied_lm_head(model) is False and not calls
+    model.lm_head.weight = model.model.embed_tokens.weight            # tied
+    assert refresh_tied_lm_head(model) is True and calls == [model.lm_head]
+
+
+def test_repack_cpu_moe_packs_only_the_layers_loaded():
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    from megarl.compat.vllm_cpu import repack_cpu_moe
+
+    def moe_layer(seed):
+        layer, experts = _Module(), _Module()
+        experts.quant_method, experts.quant_method.moe_kernel = _Module(), _Module()
+        experts.quant_method.moe_kernel.fused_experts = object.__new__(CPUUnquantizedExperts)   # isa "vec"
+        g = torch.Generator().manual_seed(seed)
+        experts.w13_weight = torch.nn.Parameter(torch.randn(4, 64, 32, generator=g), requires_grad=False)
+        experts.w2_weight = torch.nn.Parameter(torch.randn(4, 32, 32, generator=g), requires_grad=False)
+        layer.mlp = _Module()
+        layer.mlp.experts = experts
+        return layer
+
+    model = _Module()
+    model.model = _Module()
+    model.model.layers = torch.nn.ModuleList([moe_layer(0), moe_layer(1)])
+    before = [{n: getattr(layer.mlp.experts, n).clone() for n in ("w13_weight", "w2_weight")}
+              for layer in model.model.layers]
+    assert repack_cpu_moe(model, {1}) == 1
+    for n, w in before[0].items():          # layer 0 was not loaded: untouched (else packed twice)
+        assert torch.equal(getattr(model.model.layers[0].mlp.experts, n), w)
+    for n, w in before[1].items():
+        assert torch.equal(getattr(model.model.layers[1].mlp.experts, n), ops.cpu_prepack_moe_weight(w, "vec"))

@@ -1,41 +1,37 @@
 """Pure per-family weight mappings: Megatron shards <-> HF tensors <-> vLLM fused TP parameters.
 
-``get_mapping(hf_config)`` picks the family by HF ``model_type`` from :data:`MAPPINGS` (a
-ValueError lists the supported types). Tensor helpers (used by tests, the baseline and the
-vLLM-side loader) apply the same pieces the plan uses, so layout knowledge lives in one place.
+This is the only Megatron <-> HF weight map of megarl: the engine (loading HF weights, exporting
+HF tensors), the conversion and the weight bridge all go through it. ``get_mapping(hf_config)``
+builds the mapping class that the family registry (:mod:`megarl.models.registry`, the list of
+supported HF ``model_type`` values) names for the model. The tensor helpers below apply the same
+pieces the plan uses, so layout knowledge lives in one place.
 """
 from __future__ import annotations
 
-from megarl.bridge.mapping.base import (Box, FamilyMapping, MegatronTensor, ModelConfig, Piece, box_numel,
-                                        box_shape, compose, full_box, intersect, local_shape, shard_segments,
-                                        slices, translate, unstack_hf)
-from megarl.bridge.mapping.families import DeepseekV3Mapping, DenseGQAMapping, Qwen3MoeMapping
+import dataclasses
+
+from megarl.bridge.mapping import families
+from megarl.bridge.mapping.base import (Box, FamilyMapping, MegatronTensor, Piece, box_numel, box_shape, compose,
+                                        expert_param_name, full_box, intersect, local_shape, piece_extents,
+                                        shard_segments, slices, translate, unstack_hf)
+from megarl.models.dims import ModelDims
+from megarl.models.registry import get_family
 
 
-def _named(cls, model_type):
-    return type(f"{model_type.title().replace('_', '')}Mapping", (cls,), {"model_type": model_type})
-
-
-MAPPINGS: dict[str, type] = {
-    "llama": _named(DenseGQAMapping, "llama"),
-    "qwen2": _named(DenseGQAMapping, "qwen2"),
-    "qwen3": _named(DenseGQAMapping, "qwen3"),
-    "qwen3_moe": Qwen3MoeMapping,
-    "deepseek_v3": DeepseekV3Mapping,
-}
+def mapping_class(model_type: str) -> type:
+    """The mapping class the family registry names for ``model_type`` (ValueError listing the
+    supported types when there is none)."""
+    return getattr(families, get_family(model_type).mapping)
 
 
 def get_mapping(hf_config, padded_vocab: int = 0) -> FamilyMapping:
-    """The family mapping for an HF config (dict or transformers config object)."""
-    cfg = ModelConfig.from_hf(hf_config)
-    if cfg.model_type not in MAPPINGS:
-        raise ValueError(f"unsupported model_type {cfg.model_type!r} for the weight bridge; supported: "
-                         f"{', '.join(sorted(MAPPINGS))}")
+    """The family mapping for an HF config (dict or transformers config object); ``padded_vocab``:
+    Megatron's vocabulary rows when it pads the vocabulary (0: not padded)."""
+    dims = ModelDims.from_hf(hf_config)
+    cls = mapping_class(dims.model_type)
     if padded_vocab:
-        import dataclasses
-
-        cfg = dataclasses.replace(cfg, padded_vocab=padded_vocab)
-    return MAPPINGS[cfg.model_type](cfg)
+        dims = dataclasses.replace(dims, padded_vocab_size=padded_vocab)
+    return cls(dims)
 
 
 # ----------------------------------------------------------------------------- tensor helpers
@@ -43,19 +39,11 @@ def megatron_to_hf(mapping: FamilyMapping, t: MegatronTensor, full) -> dict:
     """Full logical Megatron tensor -> {HF name: tensor} (stacked experts keep the ``*`` name)."""
     import torch
 
-    out = {}
-    for p in mapping.to_hf(t):
-        if p.dst_name not in out:
-            out[p.dst_name] = torch.empty(_hf_shape(mapping, p.dst_name), dtype=full.dtype)
+    pieces = mapping.to_hf(t)
+    out = {name: torch.empty(shape, dtype=full.dtype) for name, shape in piece_extents(pieces).items()}
+    for p in pieces:
         out[p.dst_name][slices(p.dst_box)] = full[slices(p.src_box)]
     return out
-
-
-def _hf_shape(mapping, name):
-    cache = getattr(mapping, "_hf_shape_cache", None)
-    if cache is None:
-        cache = mapping._hf_shape_cache = mapping.hf_shapes()
-    return cache[name]
 
 
 def hf_to_megatron(mapping: FamilyMapping, t: MegatronTensor, hf: dict):
@@ -109,6 +97,7 @@ def hf_to_vllm_shard(mapping: FamilyMapping, hf: dict, tp: int, rank: int) -> di
     return out
 
 
-__all__ = ["MAPPINGS", "Box", "FamilyMapping", "MegatronTensor", "ModelConfig", "Piece", "box_numel", "box_shape",
-           "compose", "full_box", "get_mapping", "hf_to_megatron", "hf_to_vllm_shard", "intersect", "local_shape",
-           "megatron_to_hf", "merge_shards", "shard_segments", "slices", "split_shard", "translate", "unstack_hf"]
+__all__ = ["Box", "FamilyMapping", "MegatronTensor", "Piece", "box_numel", "box_shape", "compose",
+           "expert_param_name", "full_box", "get_mapping", "hf_to_megatron", "hf_to_vllm_shard", "intersect",
+           "local_shape", "mapping_class", "megatron_to_hf", "merge_shards", "piece_extents", "shard_segments", "slices", "split_shard",
+           "translate", "unstack_hf"]

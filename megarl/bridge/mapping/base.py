@@ -29,6 +29,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from megarl.models.dims import ModelDims
+
 Box = tuple  # tuple[tuple[int, int], ...]: one (start, stop) per dim
 
 
@@ -70,6 +72,15 @@ class Piece:
     src_box: Box
     dst_name: str
     dst_box: Box
+
+
+def piece_extents(pieces: Iterable[Piece], out: Optional[dict] = None) -> dict[str, tuple]:
+    """Destination name -> the smallest shape that holds every piece's box (``out`` grown in place)."""
+    out = {} if out is None else out
+    for p in pieces:
+        ends = tuple(e for _, e in p.dst_box)
+        out[p.dst_name] = tuple(max(a, b) for a, b in zip(out.get(p.dst_name, ends), ends))
+    return out
 
 
 def compose(first: Iterable[Piece], second: dict) -> list[tuple[Box, str, Box]]:
@@ -151,75 +162,15 @@ def unstack_hf(name: str, tensor) -> list[tuple[str, object]]:
     return [(name.replace("*", str(e)), tensor[e]) for e in range(tensor.shape[0])]
 
 
-# ----------------------------------------------------------------------------- model dims
-@dataclass(frozen=True)
-class ModelConfig:
-    """The sizes a mapping needs, read from an HF config (dict or object)."""
-
-    model_type: str
-    num_layers: int
-    hidden: int
-    vocab: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    tied: bool = False
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    num_experts: int = 0
-    moe_intermediate: int = 0
-    first_dense: int = 0
-    shared_intermediate: int = 0
-    q_lora: int = 0
-    kv_lora: int = 0
-    rope_dim: int = 0
-    nope_dim: int = 0
-    v_dim: int = 0
-    padded_vocab: int = 0
-    """Megatron's (padded) vocabulary rows; 0 = vocab (mbridge pads nothing by default)."""
-
-    @classmethod
-    def from_hf(cls, cfg) -> "ModelConfig":
-        get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
-        mt = get("model_type")
-        heads = int(get("num_attention_heads"))
-        hidden = int(get("hidden_size"))
-        experts = get("num_experts") or get("n_routed_experts") or get("num_local_experts") or 0
-        mla = bool(get("kv_lora_rank"))
-        shared = 0
-        if get("n_shared_experts"):
-            shared = int(get("n_shared_experts")) * int(get("moe_intermediate_size"))
-        return cls(
-            model_type=mt, num_layers=int(get("num_hidden_layers")), hidden=hidden, vocab=int(get("vocab_size")),
-            heads=heads, kv_heads=heads if mla else int(get("num_key_value_heads") or heads),
-            head_dim=int(get("head_dim") or hidden // heads) if not mla else 0,
-            intermediate=int(get("intermediate_size")), tied=bool(get("tie_word_embeddings", False)),
-            qkv_bias=mt == "qwen2" or bool(get("attention_bias", False)) and not mla,
-            qk_norm=mt in ("qwen3", "qwen3_moe"),
-            num_experts=int(experts), moe_intermediate=int(get("moe_intermediate_size") or 0),
-            first_dense=int(get("first_k_dense_replace") or 0), shared_intermediate=shared,
-            q_lora=int(get("q_lora_rank") or 0), kv_lora=int(get("kv_lora_rank") or 0),
-            rope_dim=int(get("qk_rope_head_dim") or 0), nope_dim=int(get("qk_nope_head_dim") or 0),
-            v_dim=int(get("v_head_dim") or 0))
-
-    @property
-    def megatron_vocab(self) -> int:
-        return self.padded_vocab or self.vocab
-
-    def is_moe_layer(self, layer: int) -> bool:
-        return self.num_experts > 0 and layer >= self.first_dense
-
-
 VLLM_VOCAB_PADDING = 64   # vllm DEFAULT_VOCAB_PADDING_SIZE
 
 
 class FamilyMapping:
-    """Megatron <-> HF <-> vLLM layouts of one family. Subclasses list the per-layer tensors."""
+    """Megatron <-> HF <-> vLLM layouts of one family. Subclasses list the per-layer tensors.
 
-    model_type = ""
+    A family is registered once, with its mapping class, in :mod:`megarl.models.registry`."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelDims):
         self.cfg = cfg
 
     # -- Megatron side -------------------------------------------------------------------
@@ -229,12 +180,13 @@ class FamilyMapping:
     def megatron_tensors(self) -> list[MegatronTensor]:
         """Every logical Megatron tensor of the model, in Megatron's order."""
         c = self.cfg
-        out = [MegatronTensor("embedding.word_embeddings.weight", (c.megatron_vocab, c.hidden), None, tp_dim=0)]
+        vocab = (c.megatron_vocab_size, c.hidden_size)
+        out = [MegatronTensor("embedding.word_embeddings.weight", vocab, None, tp_dim=0)]
         for i in range(c.num_layers):
             out += self.layer_tensors(i)
-        out.append(MegatronTensor("decoder.final_layernorm.weight", (c.hidden,), None))
-        if not c.tied:
-            out.append(MegatronTensor("output_layer.weight", (c.megatron_vocab, c.hidden), None, tp_dim=0))
+        out.append(MegatronTensor("decoder.final_layernorm.weight", (c.hidden_size,), None))
+        if not c.tie_word_embeddings:
+            out.append(MegatronTensor("output_layer.weight", vocab, None, tp_dim=0))
         return out
 
     # -- Megatron -> HF ------------------------------------------------------------------
@@ -243,25 +195,23 @@ class FamilyMapping:
         raise NotImplementedError
 
     def to_hf(self, t: MegatronTensor) -> list[Piece]:
-        c = self.cfg
+        hf_vocab = full_box((self.cfg.vocab_size, self.cfg.hidden_size))   # Megatron's padding rows dropped
         if t.name == "embedding.word_embeddings.weight":
-            return [Piece(((0, c.vocab), (0, c.hidden)), "model.embed_tokens.weight", full_box((c.vocab, c.hidden)))]
+            return [Piece(hf_vocab, "model.embed_tokens.weight", hf_vocab)]
         if t.name == "output_layer.weight":
-            return [Piece(((0, c.vocab), (0, c.hidden)), "lm_head.weight", full_box((c.vocab, c.hidden)))]
+            return [Piece(hf_vocab, "lm_head.weight", hf_vocab)]
         if t.name == "decoder.final_layernorm.weight":
             return [Piece(full_box(t.shape), "model.norm.weight", full_box(t.shape))]
         pieces = self.hf_rules(t)
         if not pieces:
-            raise ValueError(f"{self.model_type}: no HF mapping for megatron tensor {t.name!r}")
+            raise ValueError(f"{self.cfg.model_type}: no HF mapping for megatron tensor {t.name!r}")
         return pieces
 
     def hf_shapes(self) -> dict[str, tuple]:
         """HF tensor name -> shape (stacked experts with ``*``), in Megatron order."""
-        out = {}
+        out: dict[str, tuple] = {}
         for t in self.megatron_tensors():
-            for p in self.to_hf(t):
-                shape = tuple(e for _, e in p.dst_box)
-                out[p.dst_name] = tuple(max(a, b) for a, b in zip(out.get(p.dst_name, shape), shape))
+            piece_extents(self.to_hf(t), out)
         return out
 
     # -- HF -> vLLM ----------------------------------------------------------------------
@@ -279,9 +229,9 @@ class FamilyMapping:
         module = prefix.rpartition(".")[2]
         parent = prefix.rpartition(".")[0]
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            padded = -(-c.vocab // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+            padded = -(-c.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
             per = padded // tp
-            start, stop = rank * per, min((rank + 1) * per, c.vocab)
+            start, stop = rank * per, min((rank + 1) * per, c.vocab_size)
             if start >= stop:
                 return []
             return [Piece(((start, stop), (0, shape[1])), name, ((0, stop - start), (0, shape[1])))]
@@ -298,15 +248,15 @@ class FamilyMapping:
             return [Piece(replace_dim(full_box(shape), 1, rank * cols, (rank + 1) * cols), name, full_box(dst_shape))]
         if len(shape) == 1 or module in ("gate",):      # norms, router, routing bias: replicated
             return [Piece(full_box(shape), name, full_box(shape))]
-        raise ValueError(f"{self.model_type}: no vLLM layout for HF tensor {name!r}")
+        raise ValueError(f"{self.cfg.model_type}: no vLLM layout for HF tensor {name!r}")
 
     def _qkv_piece(self, parent, module, leaf, shape, tp, rank) -> Piece:
         c = self.cfg
-        q_rows = c.heads * c.head_dim // tp
-        if c.kv_heads >= tp:
-            kv_rows, kv_start = c.kv_heads * c.head_dim // tp, rank * (c.kv_heads * c.head_dim // tp)
+        q_rows = c.num_attention_heads * c.head_dim // tp
+        if c.num_kv_heads >= tp:
+            kv_rows, kv_start = c.num_kv_heads * c.head_dim // tp, rank * (c.num_kv_heads * c.head_dim // tp)
         else:   # vLLM replicates KV heads: rank r holds head r // (tp / kv_heads)
-            kv_rows, kv_start = c.head_dim, (rank // (tp // c.kv_heads)) * c.head_dim
+            kv_rows, kv_start = c.head_dim, (rank // (tp // c.num_kv_heads)) * c.head_dim
         if module == "q_proj":
             src, off, rows = rank * q_rows, 0, q_rows
         elif module == "k_proj":
@@ -320,11 +270,9 @@ class FamilyMapping:
         """vLLM parameter name -> per-rank (checkpoint-format) shape at TP size ``tp``."""
         out: dict[str, tuple] = {}
         for name, shape in self.hf_shapes().items():
-            for p in self.vllm_pieces(name, shape, tp, 0):
-                ends = tuple(e for _, e in p.dst_box)
-                out[p.dst_name] = tuple(max(a, b) for a, b in zip(out.get(p.dst_name, ends), ends))
-        if self.cfg.vocab:   # padded vocabulary rows exist in vLLM even where nothing lands
-            padded = -(-self.cfg.vocab // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+            piece_extents(self.vllm_pieces(name, shape, tp, 0), out)
+        if self.cfg.vocab_size:   # padded vocabulary rows exist in vLLM even where nothing lands
+            padded = -(-self.cfg.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
             for n in ("model.embed_tokens.weight", "lm_head.weight"):
                 if n in out:
                     out[n] = (padded // tp, out[n][1])

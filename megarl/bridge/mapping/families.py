@@ -1,8 +1,9 @@
-"""Per-family tensor lists and name rules: llama / qwen2 / qwen3 (dense GQA), qwen3_moe, deepseek_v3.
+"""Per-family tensor lists and name rules: dense GQA families, Qwen3-MoE and DeepSeek-V3 (MLA).
 
 Megatron names are the TE-spec names of megatron-core 0.16 as built by mbridge (checked against
 real models in ``tests/distributed/workers/bridge_sync.py``); HF names are those of the
-transformers checkpoints (and mbridge's export). Layouts:
+transformers checkpoints (``tests/unit/test_bridge_mapping.py`` compares the layouts with mbridge's
+own conversion functions). Layouts:
 
 * ``linear_qkv`` rows are grouped per query group g (``num_key_value_heads`` groups):
   ``[q_g (heads/kv_heads * head_dim rows); k_g (head_dim); v_g (head_dim)]``; TP splits whole groups.
@@ -38,42 +39,45 @@ def _gated(t: T, gate: str, up: str, dim: int) -> list[Piece]:
 
 
 class DenseGQAMapping(FamilyMapping):
-    """llama, qwen2, qwen3 (and the attention/MLP shared by qwen3_moe)."""
+    """GQA attention with fused QKV, gated MLP, optional routed experts (llama and the qwen families)."""
 
-    model_type = "llama"
+    qkv_bias: Optional[bool] = None
+    """Biases on q/k/v: True for every model of the family, None: from HF ``attention_bias``."""
+    qk_norm = False
+    """Per-head RMSNorm of queries and keys (``q_layernorm`` / ``k_layernorm``)."""
 
     # -- Megatron tensors ----------------------------------------------------------------
     def attention_tensors(self, i: int) -> list[T]:
         c, p = self.cfg, f"decoder.layers.{i}.self_attention."
-        rows = (c.heads + 2 * c.kv_heads) * c.head_dim
-        out = [T(p + "linear_qkv.layer_norm_weight", (c.hidden,), i),
-               T(p + "linear_qkv.weight", (rows, c.hidden), i, tp_dim=0)]
-        if c.qkv_bias:
+        rows = (c.num_attention_heads + 2 * c.num_kv_heads) * c.head_dim
+        out = [T(p + "linear_qkv.layer_norm_weight", (c.hidden_size,), i),
+               T(p + "linear_qkv.weight", (rows, c.hidden_size), i, tp_dim=0)]
+        if self.qkv_bias or c.attention_bias:
             out.append(T(p + "linear_qkv.bias", (rows,), i, tp_dim=0))
-        if c.qk_norm:
+        if self.qk_norm:
             out += [T(p + "q_layernorm.weight", (c.head_dim,), i), T(p + "k_layernorm.weight", (c.head_dim,), i)]
-        out.append(T(p + "linear_proj.weight", (c.hidden, c.heads * c.head_dim), i, tp_dim=1))
+        out.append(T(p + "linear_proj.weight", (c.hidden_size, c.num_attention_heads * c.head_dim), i, tp_dim=1))
         return out
 
     def dense_mlp_tensors(self, i: int) -> list[T]:
         c, p = self.cfg, f"decoder.layers.{i}.mlp."
-        return [T(p + "linear_fc1.layer_norm_weight", (c.hidden,), i),
-                T(p + "linear_fc1.weight", (2 * c.intermediate, c.hidden), i, tp_dim=0, gated=True),
-                T(p + "linear_fc2.weight", (c.hidden, c.intermediate), i, tp_dim=1)]
+        return [T(p + "linear_fc1.layer_norm_weight", (c.hidden_size,), i),
+                T(p + "linear_fc1.weight", (2 * c.intermediate_size, c.hidden_size), i, tp_dim=0, gated=True),
+                T(p + "linear_fc2.weight", (c.hidden_size, c.intermediate_size), i, tp_dim=1)]
 
     def moe_tensors(self, i: int) -> list[T]:
         c, p = self.cfg, f"decoder.layers.{i}."
-        e, m = c.num_experts, c.moe_intermediate
-        out = [T(p + "pre_mlp_layernorm.weight", (c.hidden,), i),
-               T(p + "mlp.router.weight", (e, c.hidden), i)]
+        e, m = c.num_experts, c.moe_intermediate_size
+        out = [T(p + "pre_mlp_layernorm.weight", (c.hidden_size,), i),
+               T(p + "mlp.router.weight", (e, c.hidden_size), i)]
         if self.has_expert_bias:
             out.append(T(p + "mlp.router.expert_bias", (e,), i))
-        out += [T(p + "mlp.experts.linear_fc1.weight", (e, 2 * m, c.hidden), i, tp_dim=1, gated=True, expert=True),
-                T(p + "mlp.experts.linear_fc2.weight", (e, c.hidden, m), i, tp_dim=2, expert=True)]
-        if c.shared_intermediate:
-            s = c.shared_intermediate
-            out += [T(p + "mlp.shared_experts.linear_fc1.weight", (2 * s, c.hidden), i, tp_dim=0, gated=True),
-                    T(p + "mlp.shared_experts.linear_fc2.weight", (c.hidden, s), i, tp_dim=1)]
+        out += [T(p + "mlp.experts.linear_fc1.weight", (e, 2 * m, c.hidden_size), i, tp_dim=1, gated=True, expert=True),
+                T(p + "mlp.experts.linear_fc2.weight", (e, c.hidden_size, m), i, tp_dim=2, expert=True)]
+        if c.shared_expert_intermediate_size:
+            s = c.shared_expert_intermediate_size
+            out += [T(p + "mlp.shared_experts.linear_fc1.weight", (2 * s, c.hidden_size), i, tp_dim=0, gated=True),
+                    T(p + "mlp.shared_experts.linear_fc2.weight", (c.hidden_size, s), i, tp_dim=1)]
         return out
 
     has_expert_bias = False
@@ -85,11 +89,11 @@ class DenseGQAMapping(FamilyMapping):
     # -- Megatron -> HF ------------------------------------------------------------------
     def qkv_pieces(self, t: T, hf: str) -> list[Piece]:
         c = self.cfg
-        q_per_group = c.heads // c.kv_heads * c.head_dim
+        q_per_group = c.num_attention_heads // c.num_kv_heads * c.head_dim
         group = q_per_group + 2 * c.head_dim
         cols = t.shape[1:]
         out = []
-        for g in range(c.kv_heads):
+        for g in range(c.num_kv_heads):
             base = g * group
             for proj, off, rows, dst_start in (("q_proj", 0, q_per_group, g * q_per_group),
                                                ("k_proj", q_per_group, c.head_dim, g * c.head_dim),
@@ -151,34 +155,55 @@ class DenseGQAMapping(FamilyMapping):
                       f"{layer_prefix}.experts.routed_experts.w13_weight", replace_dim(box, 1, off, off + per))]
 
 
-class Qwen3MoeMapping(DenseGQAMapping):
-    model_type = "qwen3_moe"
+class LlamaMapping(DenseGQAMapping):
+    """Llama / SmolLM2: the plain dense GQA layout."""
+
+
+class Qwen2Mapping(DenseGQAMapping):
+    """Qwen2 / Qwen2.5: biases on q/k/v always (its HF config has no ``attention_bias``)."""
+
+    qkv_bias = True
+
+
+class Qwen3Mapping(DenseGQAMapping):
+    """Qwen3 dense: QK RMSNorm."""
+
+    qk_norm = True
+
+
+class Qwen3MoeMapping(Qwen3Mapping):
+    """Qwen3-MoE: Qwen3 attention, every layer's MLP routed experts."""
 
 
 class DeepseekV3Mapping(DenseGQAMapping):
-    model_type = "deepseek_v3"
+    """MLA attention (below), routed experts with a routing bias and shared experts."""
+
     has_expert_bias = True
 
     def attention_tensors(self, i: int) -> list[T]:
         c, p = self.cfg, f"decoder.layers.{i}."
         a = p + "self_attention."
-        return [T(p + "input_layernorm.weight", (c.hidden,), i),
-                T(a + "linear_q_down_proj.weight", (c.q_lora, c.hidden), i),
-                T(a + "linear_q_up_proj.layer_norm_weight", (c.q_lora,), i),
-                T(a + "linear_q_up_proj.weight", (c.heads * (c.nope_dim + c.rope_dim), c.q_lora), i, tp_dim=0),
-                T(a + "linear_kv_down_proj.weight", (c.kv_lora + c.rope_dim, c.hidden), i),
-                T(a + "linear_kv_up_proj.layer_norm_weight", (c.kv_lora,), i),
-                T(a + "linear_kv_up_proj.weight", (c.heads * (c.nope_dim + c.v_dim), c.kv_lora), i, tp_dim=0),
-                T(a + "linear_proj.weight", (c.hidden, c.heads * c.v_dim), i, tp_dim=1)]
+        heads = c.num_attention_heads
+        return [T(p + "input_layernorm.weight", (c.hidden_size,), i),
+                T(a + "linear_q_down_proj.weight", (c.q_lora_rank, c.hidden_size), i),
+                T(a + "linear_q_up_proj.layer_norm_weight", (c.q_lora_rank,), i),
+                T(a + "linear_q_up_proj.weight", (heads * (c.qk_nope_head_dim + c.qk_rope_head_dim), c.q_lora_rank), i,
+                  tp_dim=0),
+                T(a + "linear_kv_down_proj.weight", (c.kv_lora_rank + c.qk_rope_head_dim, c.hidden_size), i),
+                T(a + "linear_kv_up_proj.layer_norm_weight", (c.kv_lora_rank,), i),
+                T(a + "linear_kv_up_proj.weight", (heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank), i,
+                  tp_dim=0),
+                T(a + "linear_proj.weight", (c.hidden_size, heads * c.v_head_dim), i, tp_dim=1)]
 
     def vllm_rules(self, name: str, shape: tuple, tp: int, rank: int) -> Optional[list[Piece]]:
         c = self.cfg
         parent = name.rpartition(".")[0].rpartition(".")[0]
         if name.endswith("q_a_proj.weight"):
-            return [Piece(full_box(shape), f"{parent}.fused_qkv_a_proj.weight", replace_dim(full_box(shape), 0, 0, c.q_lora))]
+            return [Piece(full_box(shape), f"{parent}.fused_qkv_a_proj.weight",
+                          replace_dim(full_box(shape), 0, 0, c.q_lora_rank))]
         if name.endswith("kv_a_proj_with_mqa.weight"):
             return [Piece(full_box(shape), f"{parent}.fused_qkv_a_proj.weight",
-                          replace_dim(full_box(shape), 0, c.q_lora, c.q_lora + shape[0]))]
+                          replace_dim(full_box(shape), 0, c.q_lora_rank, c.q_lora_rank + shape[0]))]
         if name.endswith("q_b_proj.weight") or name.endswith("kv_b_proj.weight"):
             per = shape[0] // tp
             return [Piece(replace_dim(full_box(shape), 0, rank * per, (rank + 1) * per), name,

@@ -1,28 +1,33 @@
 """Transports: they only move bytes of one plan bucket into destination buffers.
 
-A destination buffer (:class:`~megarl.bridge.transport.shm.DestBuffer`) holds the destination
-tensors of one bucket on one device; every transport fills boxes of it from source shards:
+A destination buffer (:class:`megarl.bridge.buffer.DestBuffer`) holds the destination tensors of
+one bucket on one device; every transport fills boxes of it from source shards. Transfers with
+``src_rank == dst_rank`` are a ``copy_`` into the buffer in process. The others:
 
-* ``inproc``: source and destination are the same process (a ``copy_`` into the buffer);
 * ``shm``: same host; every source maps the destination's shared-memory file and writes its
   boxes directly (no message, one barrier per bucket) -- the CPU default;
 * ``gloo`` / ``nccl``: point-to-point ``send``/``recv`` of one contiguous slice at a time, in the
   plan's global order (which cannot deadlock: the first unfinished transfer always has both ends
-  waiting on it), so a rank holds at most one slice in flight;
-* ``cuda_ipc`` (:mod:`.cuda_ipc`): hands a device buffer to the colocated vLLM worker process.
+  waiting on it), so a rank holds at most one slice in flight; NCCL needs CUDA;
+* ``cuda_ipc``: NCCL into buffers in device memory, handed to the colocated vLLM worker as CUDA
+  IPC handles (needs CUDA).
 
-Transfers with ``src_rank == dst_rank`` always use ``inproc``.
+A transport class is built once per bridge as ``cls(rank, group)`` (collective: it may create a
+process group); its ``storage`` says where destination buffers live; ``run(transfers, source,
+buffers, open_remote)`` returns (largest temporary slice in bytes, messages sent or received).
 """
-from megarl.bridge.transport.p2p import P2PTransport
-from megarl.bridge.transport.shm import DestBuffer, ShmTransport
+from megarl.bridge.transport.cuda_ipc import CudaIpcTransport
+from megarl.bridge.transport.p2p import GlooTransport, NcclTransport, P2PTransport
+from megarl.bridge.transport.shm import ShmTransport
 
-TRANSPORTS = {"shm": ShmTransport, "gloo": P2PTransport, "nccl": P2PTransport}
+TRANSPORTS = {"shm": ShmTransport, "gloo": GlooTransport, "nccl": NcclTransport, "cuda_ipc": CudaIpcTransport}
 
 
 def get_transport(name: str):
     if name not in TRANSPORTS:
-        raise ValueError(f"unknown transport {name!r}; known: {', '.join(sorted(TRANSPORTS))}")
+        raise ValueError(f"unknown transport {name!r}; known: {', '.join(TRANSPORTS)}")
     return TRANSPORTS[name]
 
 
-__all__ = ["TRANSPORTS", "DestBuffer", "P2PTransport", "ShmTransport", "get_transport"]
+__all__ = ["TRANSPORTS", "CudaIpcTransport", "GlooTransport", "NcclTransport", "P2PTransport",
+           "ShmTransport", "get_transport"]

@@ -1,20 +1,17 @@
-"""GPU hand-off to a colocated vLLM worker: CUDA IPC handles of a device buffer.
+"""GPU hand-off to the colocated vLLM worker: destination buffers in device memory.
 
-Untested here (no GPU). The producer shares a CUDA tensor with ``torch.multiprocessing``'s
-reduction (an IPC handle + offsets, picklable); the vLLM worker on the same device rebuilds it
-without a copy. The producer must keep the tensor alive until the worker has loaded it."""
+Each destination device allocates its bucket buffer on its GPU (:class:`megarl.bridge.buffer.DestBuffer`
+with ``storage="cuda"``); slices from other ranks arrive by NCCL ``send``/``recv`` straight into
+it (:class:`~megarl.bridge.transport.p2p.NcclTransport`), and the buffer's manifest carries a CUDA
+IPC handle, so the vLLM worker on the same GPU maps it without a copy and without a trip through
+host memory. Untested here (no GPU in CI); ``bridge.transport=cuda_ipc`` is refused at config
+load on a machine without CUDA.
+"""
 from __future__ import annotations
 
-
-def share(tensor):
-    """Picklable handle of a CUDA tensor for another process on the same device."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    func, args = reduce_tensor(tensor)
-    return func, args
+from megarl.bridge.transport.p2p import NcclTransport
 
 
-def rebuild(handle):
-    """The shared CUDA tensor in the receiving process (zero copy)."""
-    func, args = handle
-    return func(*args)
+class CudaIpcTransport(NcclTransport):
+    name = "cuda_ipc"
+    storage = "cuda"

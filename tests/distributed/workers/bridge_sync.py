@@ -6,8 +6,10 @@ torchrun ... bridge_sync.py FAMILY VLLM_TP LAYOUTS OUT_DIR [--one-at-a-time]
 Rank 0 owns the target vLLM engine (original fixture weights) and, in subprocesses, fresh oracle
 engines for two perturbed checkpoints A and B (layouts alternate A, B, A, ...: every sync changes
 vLLM's weights). Per layout: build the Megatron engine from the checkpoint, check the bridge's
-logical names against the real shards, sync (verification on), compare vLLM with the oracle
-(greedy tokens, prompt log-probs) and with the engine's forward_logprobs.
+logical names against the real shards, sync with the options a run's ``bridge:`` config section
+gives (bridge.verify=true; bridge.transport=gloo for LAYOUT@gloo, else shm), compare vLLM with the
+oracle (greedy tokens, prompt log-probs) and with the engine's forward_logprobs; then change one
+norm in Megatron without syncing: verification must raise WeightSyncError naming it.
 
 python bridge_sync.py --oracle CKPT TP OUT_JSON [--one-at-a-time]   (fresh engine reference)
 """
@@ -29,7 +31,7 @@ def vllm_env(tmp):
 
 
 def run_vllm(llm, prompt_ids, one_at_a_time):
-    from megarl.models.parity import vllm_outputs
+    from megarl.rollout.parity import vllm_outputs
 
     greedy, lp = vllm_outputs(llm, prompt_ids, NUM_NEW, one_at_a_time)
     return {"greedy": greedy, "prompt_lp": lp}
@@ -106,7 +108,8 @@ def main():
 
     from transformers import AutoConfig
 
-    from megarl.bridge import SyncOptions, WeightBridge, get_mapping
+    from megarl.bridge import WeightBridge, WeightSyncError, get_mapping, rpc
+    from megarl.config.schema import BridgeConfig
     from megarl.engine import SequenceBatch, reference_engine
 
     for k, spec in enumerate(layouts):
@@ -124,22 +127,40 @@ def main():
         dist.all_gather_object(names, sorted(LocalSource(engine.local_shards(), mapping.cfg.num_experts).names()))
         real = set().union(*map(set, names))
         planned = {t.name for t in mapping.megatron_tensors()}
+        section = BridgeConfig(transport=transport or "shm", bucket_mb=8, verify=True)
+        section.validate()
         bridge = WeightBridge(engine.local_shards, AutoConfig.from_pretrained(ckpt), groups.topology, vtp,
-                              llm=llm, options=SyncOptions(verify=True, bucket_bytes=8 << 20,
-                                                                   transport=transport or "shm"))
+                              llm=llm, options=section.sync_options(dtype="float32"))
         stats = bridge.sync()
+        messages = torch.tensor(stats["p2p_messages"])
+        dist.all_reduce(messages)
         out = {"build_s": build_s, "names_equal": real == planned,
                "names_only_real": sorted(real - planned)[:5], "names_only_planned": sorted(planned - real)[:5],
-               "sync": stats, "ckpt": "AB"[k % 2]}
+               "sync": stats, "ckpt": "AB"[k % 2], "p2p_messages_all_ranks": int(messages)}
         # (b) vLLM prompt log-probs vs the engine's forward_logprobs
         batches = [SequenceBatch([torch.tensor(p)], [1]) for p in prompt_ids]
         eng_lp = [o.logprobs_R.double().tolist() for o in engine.forward_logprobs(batches)]
         if rank == 0:
             got = run_vllm(llm, prompt_ids, one)
-            out["vllm_version"] = llm.collective_rpc("megarl_weight_version")
+            out["vllm_version"] = llm.collective_rpc(rpc.WEIGHT_VERSION)
             out["changed_vs_before"] = got["prompt_lp"] != before["prompt_lp"]
             out["engine_vs_vllm_max"] = max(abs(a - b) for x, y in zip(eng_lp, got["prompt_lp"]) for a, b in zip(x, y))
             out["_got"] = got
+        # (c) verification catches weights that differ: one norm changed in Megatron (every replica)
+        norms = sorted(s.name for s in engine.local_shards() if s.name.endswith(("layer_norm_weight", "layernorm.weight")))
+        box = [norms[0] if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        changed = [s.tensor for s in engine.local_shards() if s.name == box[0]]
+        for t in changed:
+            t.add_(1.0)
+        try:
+            bridge.verify()
+            out["verify_after_change"] = None
+        except WeightSyncError as err:
+            out["verify_after_change"] = str(err)
+        out["changed_megatron_param"] = box[0]
+        for t in changed:
+            t.sub_(1.0)
         res["layouts"][spec] = out
         del engine, bridge
         dist.barrier()

@@ -10,7 +10,7 @@ and the pages it touches count as resident memory).
 
 DeepSeek-V3 FP8 checkpoints store ``W`` as float8_e4m3fn with ``W_scale_inv`` of shape
 ``[ceil(rows/128), ceil(cols/128)]``; :meth:`HFCheckpoint.read` dequantises such boxes on the fly
-(:func:`megarl.conversion.fp8.dequantize_fp8_blocks`) to ``dequant_dtype``.
+(:func:`megarl.models.fp8.dequantize_fp8_blocks`) to ``dequant_dtype``.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.conversion.fp8 import dequantize_fp8_blocks
+from megarl.models.fp8 import dequantize_fp8_blocks
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

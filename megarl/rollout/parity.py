@@ -4,7 +4,7 @@ For fixed prompts it compares greedy continuations (token ids) and the log-probs
 tokens. transformers is the oracle: its greedy loop here is a plain argmax over full forwards (no
 KV cache, no generation heuristics). Run as a module it prints one JSON line per model::
 
-    python -m megarl.models.parity fixture:tiny-qwen2 fixture:smollm2 fixture:tiny-deepseek_v3
+    python -m megarl.rollout.parity fixture:tiny-qwen2 fixture:smollm2 fixture:tiny-deepseek_v3
 
 Legend: P prompt tokens, N new tokens.
 """

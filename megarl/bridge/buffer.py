@@ -1,0 +1,133 @@
+"""Destination buffers and their manifests: what the bridge and the vLLM workers share.
+
+A :class:`DestBuffer` holds the destination tensors of one plan bucket on one device, packed at
+64-byte aligned offsets (:func:`buffer_layout`). The bridge creates and fills it; its
+:meth:`~DestBuffer.manifest` (a small dict of plain values: it crosses vLLM's msgpack RPC hop,
+where raw tensors would turn into lists) tells a vLLM worker process how to map it, and
+:func:`open_manifest` does that mapping on the worker's side, without a copy.
+
+Two storages:
+
+* ``shm``: a file in ``/dev/shm`` mapped with ``torch.from_file``. A file, not
+  ``multiprocessing.shared_memory``, because Python's resource tracker unlinks segments opened
+  by non-creator processes when they exit; here the creating rank unlinks. Other ranks on the
+  host open it by name (:meth:`DestBuffer.open`) and write their boxes into it directly.
+* ``cuda``: device memory, handed to the vLLM worker on the same GPU as a CUDA IPC handle
+  (``torch.multiprocessing``'s tensor reduction, pickled into the manifest). Other ranks reach it
+  only through a point-to-point transport. Untested here (no GPU in CI). The creator keeps the
+  tensor alive until the workers have loaded it (the bridge closes buffers after the load RPC).
+
+Names in a buffer are the plan's destination names; a stacked HF expert tensor (name with ``*``,
+see :func:`megarl.bridge.mapping.unstack_hf`) is read back as per-expert checkpoint tensors.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+
+import torch
+
+from megarl.bridge.mapping import unstack_hf
+
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+STORAGES = ("shm", "cuda")
+_ALIGN = 64
+
+
+def buffer_layout(shapes: dict, dtype: torch.dtype) -> tuple[dict, int]:
+    """``name -> (byte offset, shape)`` of the tensors of ``shapes`` in one buffer; total bytes."""
+    item = torch.empty((), dtype=dtype).element_size()
+    out, off = {}, 0
+    for name, shape in shapes.items():
+        out[name] = (off, tuple(shape))
+        off += -(-_numel(shape) * item // _ALIGN) * _ALIGN
+    return out, max(off, _ALIGN)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _views(raw: torch.Tensor, dtype: torch.dtype, layout: dict) -> dict:
+    item = torch.empty((), dtype=dtype).element_size()
+    return {name: raw[off:off + _numel(shape) * item].view(dtype).view(shape)
+            for name, (off, shape) in layout.items()}
+
+
+class DestBuffer:
+    """One device's destination tensors of one bucket (see the module docstring).
+
+    :meth:`create` on the destination device, :meth:`open` by another rank of the host (``shm``
+    only), :meth:`view` to write a tensor, :meth:`manifest` for the vLLM worker, :meth:`close`
+    when the worker has loaded it (the creator frees the storage)."""
+
+    def __init__(self, name: str, shapes: dict, dtype: torch.dtype, storage: str, raw: torch.Tensor,
+                 owner: bool):
+        self.name, self.dtype, self.storage, self.raw, self.owner = name, dtype, storage, raw, owner
+        self.layout, self.nbytes = buffer_layout(shapes, dtype)
+        self.tensors = _views(raw, dtype, self.layout)
+
+    @staticmethod
+    def path(name: str) -> str:
+        """The shared-memory file of an ``shm`` buffer."""
+        return os.path.join(SHM_DIR, name)
+
+    @classmethod
+    def create(cls, name: str, shapes: dict, dtype: torch.dtype, storage: str = "shm") -> "DestBuffer":
+        if storage not in STORAGES:
+            raise ValueError(f"DestBuffer storage={storage!r}; known: {', '.join(STORAGES)}")
+        nbytes = buffer_layout(shapes, dtype)[1]
+        if storage == "cuda":
+            raw = torch.empty(nbytes, dtype=torch.uint8, device=torch.cuda.current_device())
+        else:
+            with open(cls.path(name), "wb") as f:
+                f.truncate(nbytes)
+            raw = torch.from_file(cls.path(name), shared=True, size=nbytes, dtype=torch.uint8)
+        return cls(name, shapes, dtype, storage, raw, owner=True)
+
+    @classmethod
+    def open(cls, name: str, shapes: dict, dtype: torch.dtype) -> "DestBuffer":
+        """Map the ``shm`` buffer another rank of this host created (to write boxes into it)."""
+        nbytes = buffer_layout(shapes, dtype)[1]
+        raw = torch.from_file(cls.path(name), shared=True, size=nbytes, dtype=torch.uint8)
+        return cls(name, shapes, dtype, "shm", raw, owner=False)
+
+    def view(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def manifest(self) -> dict:
+        """What a reader in another process needs to map the tensors (plain, msgpack-able values)."""
+        out = {"nbytes": self.nbytes, "dtype": str(self.dtype).replace("torch.", ""),
+               "tensors": [(n, off, list(shape)) for n, (off, shape) in self.layout.items()]}
+        if self.storage == "cuda":
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            out["cuda_ipc"] = pickle.dumps(reduce_tensor(self.raw))
+        else:
+            out["path"] = self.path(self.name)
+        return out
+
+    def close(self) -> None:
+        self.raw, self.tensors = None, {}
+        if self.owner and self.storage == "shm" and os.path.exists(self.path(self.name)):
+            os.unlink(self.path(self.name))
+
+
+def open_manifest(manifest: dict) -> list[tuple[str, torch.Tensor]]:
+    """Reader side (vLLM worker): zero-copy ``(checkpoint name, tensor)`` pairs of a
+    :meth:`DestBuffer.manifest` (stacked expert tensors split per expert)."""
+    dtype = getattr(torch, manifest["dtype"])
+    if "cuda_ipc" in manifest:
+        rebuild, args = pickle.loads(manifest["cuda_ipc"])
+        # argument 6 of torch's rebuild_cuda_tensor is the producer's device index; the same GPU
+        # can have another index in this process (its own CUDA_VISIBLE_DEVICES)
+        args = list(args)
+        args[6] = torch.cuda.current_device()
+        raw = rebuild(*args)
+    else:
+        raw = torch.from_file(manifest["path"], shared=True, size=manifest["nbytes"], dtype=torch.uint8)
+    layout = {name: (off, tuple(shape)) for name, off, shape in manifest["tensors"]}
+    return [pair for name, tensor in _views(raw, dtype, layout).items() for pair in unstack_hf(name, tensor)]

@@ -1,0 +1,137 @@
+"""Ray bootstrap and placement of one run's actors, and their release.
+
+One Ray actor per device (per GPU; on CPU ``topology.world_size`` gloo ranks), placed with a
+placement group (one bundle per worker, packed on as few nodes as possible). With
+``rollout.placement=split`` a :class:`megarl.rollout.engine.RolloutActor` gets one more bundle of
+``rollout.tp`` devices. Ray is joined at ``RAY_ADDRESS`` when set (multi-node, e.g.
+launch/slurm/megarl.sbatch), else started on this node.
+
+:class:`Placement` owns everything it starts: :meth:`Placement.close` stops the vLLM engines
+(their processes), kills the actors, removes the placement group and stops Ray when it started
+it. It is safe after a partial start and after failed actors, so a run that raises leaves no
+process behind.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+log = logging.getLogger("megarl")
+
+
+def _free_port(host: str = "") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _rendezvous_address() -> tuple[str, int]:
+    """(IP, free port) of the node this runs on: torch.distributed's master for rank 0."""
+    import ray
+
+    ip = ray.util.get_node_ip_address()
+    return ip, _free_port(ip)
+
+
+def init_ray(num_devices: int, verbose: bool) -> bool:
+    """Join the cluster named by RAY_ADDRESS, or start a local one-node Ray with ``num_devices``
+    CPUs; True when this call connected (so the run disconnects or stops it at the end).
+    Workers' output reaches this terminal (``(pid=...)`` prefixed) only when ``verbose``."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    opts = dict(log_to_driver=verbose, configure_logging=False)
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], **opts)
+        log.info(f"joined the Ray cluster at {os.environ['RAY_ADDRESS']} "
+                 f"({len(ray.nodes())} node(s), {ray.cluster_resources()})")
+    else:
+        ray.init(num_cpus=max(num_devices, 1), include_dashboard=False, **opts)
+    return True
+
+
+class Placement:
+    """Ray, the placement group, the HybridWorkers (``workers``, rank order) and the split
+    rollout actor (``rollout_actor``, or None) of one run."""
+
+    def __init__(self, cfg, log_dir: Path | None = None, verbose: bool = False):
+        self.pg, self.workers, self.rollout_actor, self.started_ray = None, [], None, False
+        try:
+            self._start(cfg, log_dir, verbose)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, cfg, log_dir: Path | None, verbose: bool) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from megarl.rollout.engine import RolloutActor
+        from megarl.trainer.worker import HybridWorker
+
+        world = cfg.topology.world_size
+        split = cfg.rollout.placement == "split"
+        rollout_devices = cfg.rollout.tp if split else 0
+        self.started_ray = init_ray(world + rollout_devices, verbose)
+        # "GPU" when the cluster has GPUs, else "CPU"
+        kind = "GPU" if ray.cluster_resources().get("GPU", 0) > 0 else "CPU"
+        # one bundle per training device, then (split) one holding the rollout devices; on GPU
+        # clusters a bundle is a GPU (+1 CPU), packed on as few nodes as possible
+        bundle = (lambda n: {"GPU": n, "CPU": n}) if kind == "GPU" else (lambda n: {"CPU": n})
+        self.pg = placement_group([bundle(1)] * world + ([bundle(rollout_devices)] if split else []),
+                                  strategy="PACK")
+        ray.get(self.pg.ready())
+        on = lambda i: PlacementGroupSchedulingStrategy(self.pg, i)   # noqa: E731
+        threads = str(max(1, (os.cpu_count() or 2) // (world + rollout_devices))) if kind == "CPU" else "4"
+        env = {"env_vars": {"OMP_NUM_THREADS": threads}}
+        log_file = (lambda name: str(log_dir / f"{name}.log")) if log_dir is not None else (lambda name: None)
+        if split:
+            self.rollout_actor = ray.remote(RolloutActor).options(
+                scheduling_strategy=on(world), runtime_env=env,
+                **{"num_cpus": rollout_devices, **({"num_gpus": rollout_devices} if kind == "GPU" else {})}
+            ).remote(cfg, log_file("rollout"))
+        # torch.distributed rendezvous on the node of rank 0 (bundle 0), not on the driver's
+        master, port = ray.get(ray.remote(num_cpus=0)(_rendezvous_address).options(scheduling_strategy=on(0)).remote())
+        actor = ray.remote(HybridWorker)
+        per_worker = {"num_cpus": 1, **({"num_gpus": 1} if kind == "GPU" else {})}
+        self.workers = [actor.options(scheduling_strategy=on(i), runtime_env=env, **per_worker)
+                        .remote(cfg, i, world, master, port, self.rollout_actor, log_file(f"worker_{i}"))
+                        for i in range(world)]
+
+    def close(self, timeout_s: float = 120.0) -> None:
+        """Release everything this placement started; never raises (failures are logged)."""
+        import ray
+
+        if ray.is_initialized():
+            actors = self.workers + ([self.rollout_actor] if self.rollout_actor is not None else [])
+            # stop the vLLM engines first: killing an actor alone may leave its engine processes
+            pending = [(a, a.shutdown.remote()) for a in actors]
+            deadline = time.monotonic() + timeout_s
+            for a, ref in pending:
+                _quietly(f"shutdown of {a}", lambda: ray.get(ref, timeout=max(1.0, deadline - time.monotonic())))
+            for a in actors:
+                _quietly(f"kill of {a}", lambda: ray.kill(a))
+            if self.pg is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                _quietly("removing the placement group", lambda: remove_placement_group(self.pg))
+        self.workers, self.rollout_actor, self.pg = [], None, None
+        if self.started_ray:
+            _quietly("ray.shutdown", ray.shutdown)
+            self.started_ray = False
+
+
+def _quietly(what: str, fn) -> None:
+    import ray
+
+    try:
+        fn()
+    except Exception as err:   # cleanup runs on error paths: report and go on
+        # an actor that already died (the error being cleaned up after) is not news
+        level = logging.DEBUG if isinstance(err, ray.exceptions.RayActorError) else logging.WARNING
+        log.log(level, f"cleanup: {what} failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0]}")

@@ -1,0 +1,157 @@
+"""The rollout side of a step: prompts -> token ids -> samples -> rewards, and evaluation.
+
+``Rollouts`` does everything between the prompt data and a scored :class:`Rollout`; the samples
+themselves come from a ``sample_fn(prompt_ids, seeds, greedy)`` with the contract of
+:func:`megarl.rollout.engine.sample` (per prompt, a list of ``{"token_ids", "logprobs",
+"clipped"}``). Training passes :meth:`megarl.trainer.workers.WorkerGroup.generate` (the engine on
+Ray); ``megarl generate`` passes a local ``vllm.LLM``. Both then share the prompt order, the chat
+template, the sampling seeds and the scoring.
+
+Determinism: prompts and vLLM seeds are functions of (``data.seed``, ``trainer.seed``, step), so a
+run resumed from step k's checkpoint repeats steps k+1.. of an uninterrupted run.
+
+DAPO parts (deviations from plain GRPO, both opt-in by ``algorithm``): overlong shaping adds a
+soft length penalty to the rewards; dynamic sampling drops groups whose rewards are all equal and
+samples the next prompts (up to ``algorithm.max_sampling_tries`` rounds) until
+``data.prompts_per_step`` groups are informative or the rounds run out (then a smaller batch).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from megarl.trainer.batch import Rollout
+
+SampleFn = Callable[[list, list, bool], list]
+
+
+class PromptSource:
+    """Prompts of step ``s``: a deterministic function of (data.seed, s): resuming repeats them."""
+
+    def __init__(self, data_cfg):
+        from megarl.tasks import load_prompt_dataset
+
+        self.cfg = data_cfg
+        self.records = None if data_cfg.task == "arithmetic" else load_prompt_dataset(data_cfg.task)
+
+    def batch(self, step: int, count: int, offset: int = 0):
+        from megarl.tasks import generate_arithmetic
+
+        if self.records is None:
+            return generate_arithmetic(count, level=self.cfg.difficulty, seed=self.cfg.seed * 1_000_003 + step * 7 + offset)
+        n = len(self.records)
+        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + ((step - 1) * self.cfg.prompts_per_step) // n)
+        order = torch.randperm(n, generator=g).tolist()
+        start = ((step - 1) * self.cfg.prompts_per_step + offset * count) % n
+        return [self.records[order[(start + i) % n]] for i in range(count)]
+
+    def eval_batch(self, count: int):
+        """Held-out prompts: arithmetic from a seed no training step uses, else the dataset's last rows."""
+        from megarl.tasks import generate_arithmetic
+
+        if self.records is None:
+            return generate_arithmetic(count, level=self.cfg.difficulty, seed=self.cfg.seed * 1_000_003 - 1)
+        return self.records[-count:]
+
+
+class Rollouts:
+    def __init__(self, cfg, sample_fn: SampleFn, tokenizer=None):
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            from megarl.models.fixtures import resolve_model_path
+
+            tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model.path))
+        self.cfg, self.sample_fn, self.tokenizer = cfg, sample_fn, tokenizer
+        self.prompts = PromptSource(cfg.data)
+
+    def encode(self, records) -> list[list[int]]:
+        """Prompt token ids (through the chat template when ``data.use_chat_template``)."""
+        out = []
+        for rec in records:
+            if self.cfg.data.use_chat_template:
+                ids = self.tokenizer.apply_chat_template([{"role": "user", "content": rec.prompt}],
+                                                         tokenize=True, add_generation_prompt=True)
+                ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            else:
+                ids = self.tokenizer(rec.prompt).input_ids
+            if len(ids) > self.cfg.rollout.max_prompt_tokens:
+                raise ValueError(f"prompt {rec.prompt[:60]!r}... has {len(ids)} tokens > "
+                                 f"rollout.max_prompt_tokens={self.cfg.rollout.max_prompt_tokens}")
+            out.append(list(ids))
+        return out
+
+    def generate(self, step: int, records, greedy: bool = False) -> Rollout:
+        ids = self.encode(records)
+        base = (self.cfg.trainer.seed * 1_000_003 + step * 1009) * 64
+        seeds = [base + 64 * i for i in range(len(ids))]   # vLLM gives sample j of a request seed + j
+        return Rollout.from_generations(ids, [r.answer for r in records], self.sample_fn(ids, seeds, greedy))
+
+    def decode(self, rollout: Rollout) -> list[str]:
+        return self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
+
+    def score(self, rollout: Rollout, rewards) -> dict:
+        """Fill ``rollout.rewards`` (``data.reward``, then overlong shaping) with the
+        :class:`megarl.rewards.RewardPool` ``rewards``; the reward metrics."""
+        result = rewards.score(self.cfg.data.reward, self.decode(rollout), rollout.answers)
+        rollout.rewards = list(result.rewards)
+        if self.cfg.algorithm.overlong_buffer:
+            from megarl.algorithms.dapo import overlong_penalty
+
+            pen = overlong_penalty([len(r) for r in rollout.response_ids], self.cfg.rollout.max_response_tokens,
+                                   self.cfg.algorithm.overlong_buffer)
+            rollout.rewards = [r + float(p) for r, p in zip(rollout.rewards, pen)]
+        return {"reward/errors": result.n_errors, "reward/timeouts": result.n_timeouts,
+                "reward/accuracy": sum(r >= 1.0 for r in result.rewards) / len(result.rewards)}
+
+    def collect(self, step: int, rewards) -> tuple[Rollout, dict]:
+        """Generate and score one step's samples (DAPO: resample groups whose rewards are all equal)."""
+        from megarl.algorithms.dapo import informative_group_mask
+
+        cfg, gen_s, score_s = self.cfg, 0.0, 0.0
+        tries = cfg.algorithm.max_sampling_tries if cfg.algorithm.dynamic_sampling else 1
+        kept: Rollout | None = None
+        m: dict = {}
+        for attempt in range(tries):
+            t0 = time.perf_counter()
+            part = self.generate(step, self.prompts.batch(step, cfg.data.prompts_per_step, offset=attempt))
+            t1 = time.perf_counter()
+            m_part = self.score(part, rewards)
+            score_s += time.perf_counter() - t1
+            gen_s += t1 - t0
+            if not m:   # the first round's raw statistics are the step's reward metrics
+                m = dict(m_part, **_sample_metrics(part))
+            if cfg.algorithm.dynamic_sampling:
+                keep = informative_group_mask(torch.tensor(part.rewards), torch.tensor(part.group_ids))
+                part = part.select([i for i, k in enumerate(keep.tolist()) if k])
+                part.group_ids = [g + attempt * cfg.data.prompts_per_step for g in part.group_ids]
+            kept = part if kept is None else _concat(kept, part)
+            if len(kept) >= cfg.data.prompts_per_step * cfg.rollout.n:
+                break
+        if len(kept) == 0:
+            raise RuntimeError(f"dynamic sampling kept no group in {tries} rounds (every group's rewards were "
+                               "equal); raise algorithm.max_sampling_tries or change data.difficulty")
+        m.update({"time/generate_s": gen_s, "time/score_s": score_s, "rollout/num_samples": len(kept)})
+        return kept, m
+
+    def evaluate(self, rewards) -> dict:
+        """Greedy accuracy on ``data.eval_prompts`` held-out prompts."""
+        rollout = self.generate(0, self.prompts.eval_batch(self.cfg.data.eval_prompts), greedy=True)
+        m = self.score(rollout, rewards)
+        return {"eval/accuracy": m["reward/accuracy"], "eval/reward_mean": sum(rollout.rewards) / len(rollout)}
+
+
+def _sample_metrics(rollout: Rollout) -> dict:
+    rewards = torch.tensor(rollout.rewards, dtype=torch.float64)
+    lengths = torch.tensor([len(r) for r in rollout.response_ids], dtype=torch.float64)
+    return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
+            "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+            "response_length/clip_ratio": sum(rollout.clipped) / len(rollout)}
+
+
+def _concat(a: Rollout, b: Rollout) -> Rollout:
+    return Rollout(a.prompt_ids + b.prompt_ids, a.response_ids + b.response_ids,
+                   a.sample_logprobs + b.sample_logprobs, a.group_ids + b.group_ids, a.answers + b.answers,
+                   a.clipped + b.clipped, a.rewards + b.rewards)

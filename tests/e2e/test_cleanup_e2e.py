@@ -1,0 +1,89 @@
+"""A failing run cleans up after itself: the weight-sync alarm tripped on purpose.
+
+``trainer.logprob_diff_threshold=1e-12`` on the tied tiny llama in fp32 (vLLM and Megatron differ
+by ~1e-6 there, see test_grpo_e2e.py) stops the real loop at step 1, after generation, log-probs,
+the reward workers and the vLLM engine are all running. The loop runs in this process, so a
+process it leaves behind would still be a child of the test (atexit handlers, which stop a local
+Ray when the interpreter exits, have not run yet). Asserted: the alarm is raised with its message,
+step 1's metrics (with the difference that tripped it) and the logs are on disk, the console
+stayed quiet, and every process the run started (Ray's, the actors', vLLM's, the reward
+worker's) is gone.
+"""
+import threading
+import time
+
+import psutil
+import pytest
+from e2e_common import metrics, ray_tmpdir, recipe, write_recipe
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+# multiprocessing's resource tracker (started by the reward pool's spawn context) serves the
+# whole interpreter and exits with it: not a process of the run
+INTERPRETER_HELPERS = ("multiprocessing.resource_tracker",)
+
+
+class ProcessWatch:
+    """Every descendant of this process seen while the block runs: pid -> create_time, and
+    pid -> every command line it showed (Ray workers and vLLM retitle themselves)."""
+
+    def __enter__(self):
+        self.seen, self.cmds, self._stop = {}, {}, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def _poll(self):
+        me = psutil.Process()
+        while not self._stop.is_set():
+            for p in me.children(recursive=True):
+                try:
+                    self.seen.setdefault(p.pid, p.create_time())
+                    self.cmds.setdefault(p.pid, set()).add(" ".join(p.cmdline()) or p.name())
+                except psutil.Error:
+                    pass
+            self._stop.wait(0.3)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def alive(self) -> list[str]:
+        out = []
+        for pid, created in self.seen.items():
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(f"{pid} {' | '.join(c[:150] for c in self.cmds.get(pid, ()))}")
+            except psutil.Error:
+                pass
+        return [line for line in out if not any(h in line for h in INTERPRETER_HELPERS)]
+
+
+def test_weight_sync_alarm_stops_the_run_and_leaves_no_process(tmp_path, monkeypatch, capfd):
+    from megarl.config import load_config
+    from megarl.trainer.loop import WeightSyncAlarm, train
+
+    monkeypatch.setenv("RAY_TMPDIR", ray_tmpdir())
+    cfg = load_config(write_recipe(tmp_path, "alarm", recipe("  name: grpo", steps=1)),
+                      ["trainer.logprob_diff_threshold=1e-12"])
+    with ProcessWatch() as watch:
+        with pytest.raises(WeightSyncAlarm, match=r"> trainer\.logprob_diff_threshold=1e-12: vLLM is not sampling"):
+            train(cfg)
+    cmds = "\n".join(c[:150] for names in watch.cmds.values() for c in names)
+    # the watch saw the run's processes: Ray's, the actor, vLLM's engine core
+    assert all(name in cmds for name in ("raylet", "ray::HybridWorker", "VLLM::EngineCore")), cmds
+    deadline = time.time() + 15        # processes sent SIGTERM/SIGKILL may take a moment to exit
+    while watch.alive() and time.time() < deadline:
+        time.sleep(0.5)
+    assert not watch.alive(), "\n".join(watch.alive())
+
+    run_dir = tmp_path / "alarm"
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1]   # the failed step's metrics, up to the alarm
+    assert rows[0]["rollout/logprob_diff_mean"] > 1e-12 and "reward/mean" in rows[0]
+    assert "WeightSyncAlarm" in (run_dir / "logs" / "driver.log").read_text()
+    assert "vllm" in (run_dir / "logs" / "worker_0.log").read_text().lower()
+    console = capfd.readouterr()
+    terminal = console.out + console.err
+    assert "pid=" not in terminal and len(terminal.splitlines()) <= 30, terminal
+    assert "logprob_diff_mean=" in terminal   # the failed step's table

@@ -1,0 +1,29 @@
+"""``megarl generate`` on the e2e recipe: vLLM only, through the training run's rollout module.
+
+Checked: one JSONL row per prompt x ``rollout.n`` with the reward of the recipe's reward function,
+and a quiet terminal (megarl's own lines; vLLM's output is in <run_dir>/logs/driver.log).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from e2e_common import HERE, ray_tmpdir, recipe, write_recipe
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+
+def test_generate_writes_scored_samples_quietly(tmp_path):
+    path = write_recipe(tmp_path, "gen", recipe("  name: grpo", steps=1))
+    env = dict(os.environ, PYTHONPATH=f"{HERE}:{os.environ.get('PYTHONPATH', '')}", RAY_TMPDIR=ray_tmpdir())
+    proc = subprocess.run([sys.executable, "-m", "megarl.cli", "generate", str(path), "--num-prompts", "2"],
+                          capture_output=True, text=True, env=env, timeout=900)
+    terminal = proc.stdout + proc.stderr
+    assert proc.returncode == 0, terminal[-5000:]
+    rows = [json.loads(line) for line in (tmp_path / "gen" / "generations.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 4 and all(r["reward"] in (0.0, 1.0) and r["num_tokens"] > 0 for r in rows), rows
+    assert len({r["prompt"] for r in rows}) == 2
+    # megarl's lines only: "megarl: ..." and the continuation line of each sample shown
+    assert all(line.startswith(("megarl: ", ">>> ")) for line in terminal.splitlines()), terminal
+    assert "vllm" in (tmp_path / "gen" / "logs" / "driver.log").read_text().lower()
