@@ -2,8 +2,8 @@
 
 With them, ``get_gpt_layer_with_transformer_engine_spec`` / ``get_gpt_decoder_block_spec`` build on
 a CPU-only machine a model whose parameter names, shapes and ``sharded_state_dict`` keys are those
-of the GPU (TE) model. So one layer spec serves CPU and GPU: the same checkpoints, mbridge's
-TE-named weight maps, packed THD sequences and context parallelism.
+of the GPU (TE) model. So one layer spec serves CPU and GPU: the same checkpoints, the same
+TE-named weight map (megarl.bridge.mapping), packed THD sequences and context parallelism.
 
 Module                                   stands in for
 --------------------------------------   ---------------------------------------------

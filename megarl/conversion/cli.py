@@ -23,21 +23,31 @@ def _topology(args):
                     ep=args.ep, etp=args.etp)
 
 
-def _run(fn) -> int:
-    """Run ``fn``; user errors -> message on stderr and exit code 2 (no traceback)."""
+def _run(argv, parser: argparse.ArgumentParser, body) -> int:
+    """Parse ``argv`` (plus the layout options), then run ``body(args, topology)``; user errors ->
+    message on stderr and exit code 2 (no traceback)."""
     import torch.distributed as dist
 
     from megarl.conversion.convert import init_distributed
 
+    _layout_args(parser)
+    args = parser.parse_args(argv)
     try:
         init_distributed()
-        code = fn()
+        code = body(args, _topology(args))
     except (ValueError, FileNotFoundError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         code = 2
     if dist.is_initialized():
         dist.destroy_process_group()
     return code
+
+
+def _hf_to_megatron(args, topology) -> int:
+    from megarl.conversion.convert import hf_to_megatron
+
+    hf_to_megatron(args.hf, args.out, topology, keep_mtp=args.keep_mtp)
+    return 0
 
 
 def hf_to_megatron_main(argv=None) -> int:
@@ -47,15 +57,14 @@ def hf_to_megatron_main(argv=None) -> int:
     p.add_argument("out", help="empty output folder for the Megatron checkpoint")
     p.add_argument("--keep-mtp", action="store_true",
                    help="keep DeepSeek multi-token-prediction layers (not supported: they are dropped by default)")
-    _layout_args(p)
-    args = p.parse_args(argv)
+    return _run(argv, p, _hf_to_megatron)
 
-    def go():
-        from megarl.conversion.convert import hf_to_megatron
 
-        hf_to_megatron(args.hf, args.out, _topology(args), keep_mtp=args.keep_mtp)
-        return 0
-    return _run(go)
+def _megatron_to_hf(args, topology) -> int:
+    from megarl.conversion.convert import megatron_to_hf
+
+    megatron_to_hf(args.ckpt, args.out, topology, max_shard_bytes=int(args.max_shard_gb * 1024 ** 3))
+    return 0
 
 
 def megatron_to_hf_main(argv=None) -> int:
@@ -64,15 +73,20 @@ def megatron_to_hf_main(argv=None) -> int:
     p.add_argument("ckpt")
     p.add_argument("out")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="size limit of one safetensors file")
-    _layout_args(p)
-    args = p.parse_args(argv)
+    return _run(argv, p, _megatron_to_hf)
 
-    def go():
-        from megarl.conversion.convert import megatron_to_hf
 
-        megatron_to_hf(args.ckpt, args.out, _topology(args), max_shard_bytes=int(args.max_shard_gb * 1024 ** 3))
-        return 0
-    return _run(go)
+def _verify(args, topology) -> int:
+    import torch.distributed as dist
+
+    from megarl.conversion.verify import DEFAULT_PROMPTS, verify
+    from megarl.parallel.groups import build_process_groups
+
+    result = verify(args.hf, args.ckpt, build_process_groups(topology), prompts=args.prompt or DEFAULT_PROMPTS,
+                    tol=args.tol)
+    if dist.get_rank() == 0:
+        print(result.summary(), flush=True)
+    return 0 if result.ok else 1
 
 
 def verify_main(argv=None) -> int:
@@ -82,18 +96,4 @@ def verify_main(argv=None) -> int:
     p.add_argument("ckpt")
     p.add_argument("--tol", type=float, default=None, help="log-prob tolerance (default 1e-4 fp32, 0.1 bf16)")
     p.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
-    _layout_args(p)
-    args = p.parse_args(argv)
-
-    def go():
-        import torch.distributed as dist
-
-        from megarl.conversion.verify import DEFAULT_PROMPTS, verify
-        from megarl.parallel.groups import build_process_groups
-
-        result = verify(args.hf, args.ckpt, build_process_groups(_topology(args)),
-                        prompts=args.prompt or DEFAULT_PROMPTS, tol=args.tol)
-        if dist.get_rank() == 0:
-            print(result.summary(), flush=True)
-        return 0 if result.ok else 1
-    return _run(go)
+    return _run(argv, p, _verify)

@@ -126,7 +126,7 @@ def test_megatron_layout_matches_mbridge_import(name):
 
 
 def test_vllm_tp2_layout_formulas():
-    """qkv_proj[r] = cat(q.chunk(2)[r], k.chunk(2)[r], v.chunk(2)[r]) etc. (reference/vllm-cpu/REPORT.md)."""
+    """qkv_proj[r] = cat(q.chunk(2)[r], k.chunk(2)[r], v.chunk(2)[r]) etc. (vLLM QKVParallelLinear / MergedColumnParallelLinear sharding)."""
     cfg, sd = _fixture("tiny-qwen2")
     m = get_mapping(cfg)
     p = "model.layers.0."
