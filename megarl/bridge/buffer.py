@@ -22,6 +22,7 @@ see :func:`megarl.bridge.mapping.unstack_hf`) is read back as per-expert checkpo
 """
 from __future__ import annotations
 
+import math
 import os
 import pickle
 
@@ -40,20 +41,13 @@ def buffer_layout(shapes: dict, dtype: torch.dtype) -> tuple[dict, int]:
     out, off = {}, 0
     for name, shape in shapes.items():
         out[name] = (off, tuple(shape))
-        off += -(-_numel(shape) * item // _ALIGN) * _ALIGN
+        off += -(-math.prod(shape) * item // _ALIGN) * _ALIGN
     return out, max(off, _ALIGN)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _views(raw: torch.Tensor, dtype: torch.dtype, layout: dict) -> dict:
     item = torch.empty((), dtype=dtype).element_size()
-    return {name: raw[off:off + _numel(shape) * item].view(dtype).view(shape)
+    return {name: raw[off:off + math.prod(shape) * item].view(dtype).view(shape)
             for name, (off, shape) in layout.items()}
 
 

@@ -5,8 +5,9 @@
 
 Everything the loop calls lives elsewhere (rollout side, worker group, batch helpers, algorithms,
 rewards, data plane); this file only orders it and, on success or error alike, releases what it
-started (one ExitStack: reward workers, metrics sinks, vLLM engines, Ray actors, Ray). Determinism: prompts and vLLM sampling seeds are functions of
-(seed, step), so a run resumed from step k's checkpoint repeats steps k+1.. of an uninterrupted run.
+started (one ExitStack: reward workers, metrics sinks, vLLM engines, Ray actors, Ray).
+Determinism: prompts and vLLM sampling seeds are functions of (seed, step), so a run resumed from
+step k's checkpoint repeats steps k+1.. of an uninterrupted run.
 """
 from __future__ import annotations
 

@@ -99,5 +99,5 @@ def hf_to_vllm_shard(mapping: FamilyMapping, hf: dict, tp: int, rank: int) -> di
 
 __all__ = ["Box", "FamilyMapping", "MegatronTensor", "Piece", "box_numel", "box_shape", "compose",
            "expert_param_name", "full_box", "get_mapping", "hf_to_megatron", "hf_to_vllm_shard", "intersect",
-           "local_shape", "mapping_class", "megatron_to_hf", "merge_shards", "piece_extents", "shard_segments", "slices", "split_shard",
-           "translate", "unstack_hf"]
+           "local_shape", "mapping_class", "megatron_to_hf", "merge_shards", "piece_extents", "shard_segments",
+           "slices", "split_shard", "translate", "unstack_hf"]

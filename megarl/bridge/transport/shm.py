@@ -1,6 +1,6 @@
 """Same-host transport: every source maps the destination's shared-memory buffer
 (:meth:`megarl.bridge.buffer.DestBuffer.open`) and writes its boxes straight into it (no message;
-the bridge's barrier per bucket orders the writes before vLLM reads)."""
+the bridge gathers every rank's manifests after its writes, which orders them before vLLM reads)."""
 from __future__ import annotations
 
 from megarl.bridge.mapping import slices
