@@ -4,7 +4,11 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
+
+import psutil
 
 HERE = Path(__file__).parent
 RECIPE = """
@@ -102,3 +106,61 @@ def run(tmp_path: Path, name: str, recipe_text: str, *extra: str, timeout: int =
 def metrics(run_dir) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+# multiprocessing's resource tracker (started by the reward pool's spawn context) serves the
+# whole interpreter and exits with it: not a process of the run
+INTERPRETER_HELPERS = ("multiprocessing.resource_tracker",)
+
+
+class ProcessWatch:
+    """Every descendant of ``root`` (a pid; default this process) seen while the block runs:
+    pid -> create_time, and pid -> every command line it showed (Ray workers and vLLM retitle
+    themselves). Use ``with ProcessWatch(proc.pid)`` around a ``megarl`` subprocess."""
+
+    def __init__(self, root: int | None = None):
+        self.root = root
+
+    def __enter__(self):
+        self.seen, self.cmds, self._stop = {}, {}, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def _poll(self):
+        me = psutil.Process(self.root)
+        while not self._stop.is_set():
+            try:
+                children = me.children(recursive=True)
+            except psutil.Error:      # the root has exited: its orphans are still tracked by pid
+                children = []
+            for p in children:
+                try:
+                    self.seen.setdefault(p.pid, p.create_time())
+                    self.cmds.setdefault(p.pid, set()).add(" ".join(p.cmdline()) or p.name())
+                except psutil.Error:
+                    pass
+            self._stop.wait(0.3)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def wait_gone(self, timeout: float = 15.0) -> list[str]:
+        """Poll until every process seen has exited (SIGTERM/SIGKILLed ones may take a moment);
+        the ones still alive after ``timeout`` seconds."""
+        deadline = time.time() + timeout
+        while self.alive() and time.time() < deadline:
+            time.sleep(0.5)
+        return self.alive()
+
+    def alive(self) -> list[str]:
+        out = []
+        for pid, created in self.seen.items():
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(f"{pid} {' | '.join(c[:150] for c in self.cmds.get(pid, ()))}")
+            except psutil.Error:
+                pass
+        return [line for line in out if not any(h in line for h in INTERPRETER_HELPERS)]

@@ -9,56 +9,10 @@ step 1's metrics (with the difference that tripped it) and the logs are on disk,
 stayed quiet, and every process the run started (Ray's, the actors', vLLM's, the reward
 worker's) is gone.
 """
-import threading
-import time
-
-import psutil
 import pytest
-from e2e_common import metrics, ray_tmpdir, recipe, write_recipe
+from e2e_common import ProcessWatch, metrics, ray_tmpdir, recipe, write_recipe
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-# multiprocessing's resource tracker (started by the reward pool's spawn context) serves the
-# whole interpreter and exits with it: not a process of the run
-INTERPRETER_HELPERS = ("multiprocessing.resource_tracker",)
-
-
-class ProcessWatch:
-    """Every descendant of this process seen while the block runs: pid -> create_time, and
-    pid -> every command line it showed (Ray workers and vLLM retitle themselves)."""
-
-    def __enter__(self):
-        self.seen, self.cmds, self._stop = {}, {}, threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-        return self
-
-    def _poll(self):
-        me = psutil.Process()
-        while not self._stop.is_set():
-            for p in me.children(recursive=True):
-                try:
-                    self.seen.setdefault(p.pid, p.create_time())
-                    self.cmds.setdefault(p.pid, set()).add(" ".join(p.cmdline()) or p.name())
-                except psutil.Error:
-                    pass
-            self._stop.wait(0.3)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    def alive(self) -> list[str]:
-        out = []
-        for pid, created in self.seen.items():
-            try:
-                p = psutil.Process(pid)
-                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(f"{pid} {' | '.join(c[:150] for c in self.cmds.get(pid, ()))}")
-            except psutil.Error:
-                pass
-        return [line for line in out if not any(h in line for h in INTERPRETER_HELPERS)]
-
-
 def test_weight_sync_alarm_stops_the_run_and_leaves_no_process(tmp_path, monkeypatch, capfd):
     from megarl.config import load_config
     from megarl.trainer.loop import WeightSyncAlarm, train
@@ -72,10 +26,8 @@ def test_weight_sync_alarm_stops_the_run_and_leaves_no_process(tmp_path, monkeyp
     cmds = "\n".join(c[:150] for names in watch.cmds.values() for c in names)
     # the watch saw the run's processes: Ray's, the actor, vLLM's engine core
     assert all(name in cmds for name in ("raylet", "ray::HybridWorker", "VLLM::EngineCore")), cmds
-    deadline = time.time() + 15        # processes sent SIGTERM/SIGKILL may take a moment to exit
-    while watch.alive() and time.time() < deadline:
-        time.sleep(0.5)
-    assert not watch.alive(), "\n".join(watch.alive())
+    left = watch.wait_gone()
+    assert not left, "\n".join(left)
 
     run_dir = tmp_path / "alarm"
     rows = metrics(run_dir)
