@@ -7,6 +7,7 @@
     megarl train [RECIPE] [key=value ...] [--resume]   RL training (GRPO by default) on Ray
     megarl convert {hf-to-megatron,megatron-to-hf,verify} ...   checkpoint conversion (one process;
                                                        use torchrun conversion/*.py for several)
+    megarl checkpoint verify DIR                       check training checkpoints against their manifests
 """
 from __future__ import annotations
 
@@ -33,6 +34,20 @@ def _cmd_fixtures(args) -> int:
     return 0
 
 
+def _preflight(args, cfg, command: str) -> None:
+    """:mod:`megarl.preflight`'s checks of data, model shapes and output folders (before anything
+    starts; a failure is a ConfigError), unless ``--no-preflight``; warnings go to stderr."""
+    if args.no_preflight:
+        return
+    from megarl.preflight import preflight
+
+    for warning in preflight(cfg, command):
+        print(f"megarl: warning: {warning}", file=sys.stderr)
+
+
+_NO_PREFLIGHT = "skip the preflight checks of data files, model shapes and output folders (megarl/preflight.py)"
+
+
 def _cmd_config(args) -> int:
     from megarl.config import load_config, save_resolved, to_yaml
     from megarl.config.docs import describe
@@ -41,6 +56,7 @@ def _cmd_config(args) -> int:
         print(describe())
         return 0
     cfg = load_config(args.recipe, args.overrides)
+    _preflight(args, cfg, "config")
     print(to_yaml(cfg), end="")
     if args.save:
         print(f"# written to {save_resolved(cfg, cfg.trainer.run_dir)}")
@@ -57,6 +73,7 @@ def _cmd_generate(args) -> int:
     from megarl.observability.console import run_console
 
     cfg = load_config(args.recipe, args.overrides)
+    _preflight(args, cfg, "generate")
     run_dir = Path(cfg.trainer.run_dir)
     save_resolved(cfg, run_dir)
     with run_console(run_dir / "logs", cfg.logging.level, args.verbose):
@@ -72,7 +89,7 @@ def _cmd_generate(args) -> int:
         model_dir = resolve_model_path(cfg.model.path)
         log.info(f"model: {cfg.model.path} -> {model_dir} ({time.time() - t0:.1f}s)")
         t0 = time.time()
-        llm = make_rollout_llm(cfg, model_dir)
+        llm = make_rollout_llm(cfg, model_dir, own_process=True)
         start_s = time.time() - t0
         try:
             rollouts = Rollouts(cfg, lambda ids, seeds, greedy: sample(llm, cfg.rollout, ids, seeds, greedy))
@@ -108,13 +125,67 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_train(args) -> int:
+    """A run that stops early ends with one line: what stopped it and where it can resume from.
+    Exit code 128 + the signal's number (130 SIGINT, 143 SIGTERM), 1 for an error (its traceback
+    is in <run_dir>/logs/driver.log, on the terminal with --verbose), 2 for a config error."""
+    import signal
+    import traceback
+    from pathlib import Path
+
     from megarl.config import load_config
-    from megarl.trainer.loop import train
+    from megarl.config.errors import ConfigError
 
     cfg = load_config(args.recipe, args.overrides)
-    run_dir = train(cfg, resume=args.resume, verbose=args.verbose)
+    _preflight(args, cfg, "train")
+    from megarl.trainer.loop import RunInterrupted, train   # imports torch (seconds): only once the checks passed
+
+    try:
+        run_dir = train(cfg, resume=args.resume, verbose=args.verbose)
+    except RunInterrupted as stop:
+        print(_resume_line(str(stop), cfg, args), file=sys.stderr)
+        return stop.exit_code
+    except KeyboardInterrupt:   # SIGINT during start-up, before the run's own handlers
+        print(_resume_line("stopped by SIGINT during start-up", cfg, args), file=sys.stderr)
+        return 128 + signal.SIGINT
+    except SystemExit as exc:   # SIGTERM during start-up: ray.init's handler calls sys.exit(signum)
+        if exc.code != signal.SIGTERM:
+            raise
+        print(_resume_line("stopped by SIGTERM during start-up", cfg, args), file=sys.stderr)
+        return 128 + signal.SIGTERM
+    except ConfigError:
+        raise
+    except Exception as err:
+        driver_log = Path(cfg.trainer.run_dir) / "logs" / "driver.log"
+        if args.verbose:
+            traceback.print_exc()
+        where = f" (traceback in {driver_log})" if not args.verbose and driver_log.exists() else ""
+        print(_resume_line(f"error: {_error_summary(err)}{where}", cfg, args), file=sys.stderr)
+        return 1
     print(f"run finished: {run_dir}/metrics.jsonl (megarl plot {run_dir})")
     return 0
+
+
+def _error_summary(err: BaseException) -> str:
+    """``Type: first line`` of an error; of a Ray task's error, the worker's exception it wraps."""
+    cause = getattr(err, "cause", None)
+    err = cause if isinstance(cause, BaseException) else err
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
+def _resume_line(what: str, cfg, args) -> str:
+    """``megarl: <what>``, then the run's newest complete checkpoint and the command that resumes
+    from it (the recipe and overrides as given, plus --resume)."""
+    import shlex
+    from pathlib import Path
+
+    from megarl.trainer.checkpoint import CheckpointManager
+
+    latest = CheckpointManager(cfg.checkpoint.dir or Path(cfg.trainer.run_dir) / "checkpoints").latest()
+    if latest is None:
+        return f"megarl: {what}; no checkpoint to resume from"
+    command = shlex.join(["megarl", "train", *([args.recipe] if args.recipe else []), *args.overrides, "--resume"])
+    return f"megarl: {what}; resume from {latest[1]} (step {latest[0]}): {command}"
 
 
 _CONVERTERS = {"hf-to-megatron": "hf_to_megatron_main", "megatron-to-hf": "megatron_to_hf_main",
@@ -132,6 +203,34 @@ def _cmd_plot(args) -> int:
 
     print(f"written {plot_run(args.run_dir, args.out)}")
     return 0
+
+
+def _cmd_checkpoint(args) -> int:
+    """One line per checkpoint of ``args.dir``; exit 0 when all are intact, 1 when any is damaged,
+    2 when there is none (:mod:`megarl.trainer.checkpoint`: torch-free, so this starts fast)."""
+    from megarl.trainer.checkpoint import CheckpointManager, find_checkpoints
+
+    folders = find_checkpoints(args.dir)
+    if not folders:
+        print(f"megarl: no checkpoint in {args.dir} (expected a step_NNNNNNNN folder, a folder of them, "
+              "or a run dir with checkpoints/)", file=sys.stderr)
+        return 2
+    damaged = 0
+    for folder in folders:
+        mgr = CheckpointManager(folder.parent)
+        t0 = time.time()
+        problems = mgr.verify(folder)
+        seconds = time.time() - t0
+        if problems:
+            damaged += 1
+            print(f"{folder}  DAMAGED  {'; '.join(problems)}", flush=True)
+        elif (manifest := mgr.manifest(folder)) is None:
+            print(f"{folder}  ok, unverified (no MANIFEST.json: written by an older megarl)", flush=True)
+        else:
+            num_bytes = sum(f["size"] for f in manifest["files"].values())
+            print(f"{folder}  ok  {len(manifest['files'])} files, {num_bytes / 1e6:.1f} MB, checked in "
+                  f"{seconds:.2f} s ({num_bytes / 1e6 / max(seconds, 1e-9):.0f} MB/s)", flush=True)
+    return 1 if damaged else 0
 
 
 _VERBOSE = ("show Ray, vLLM, megatron and library output on the terminal (default: in "
@@ -153,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="section.field=value")
     p.add_argument("--save", action="store_true", help="also write <trainer.run_dir>/config.yaml")
     p.add_argument("--describe", action="store_true", help="list every key with its default and docstring")
+    p.add_argument("--no-preflight", action="store_true", help=_NO_PREFLIGHT)
     p.set_defaults(func=_cmd_config)
 
     p = sub.add_parser("generate", help="sample from the configured model with vLLM")
@@ -161,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); default: task prompts")
     p.add_argument("--num-prompts", type=int, default=8, help="held-out task prompts when no --prompt")
     p.add_argument("--verbose", action="store_true", help=_VERBOSE)
+    p.add_argument("--no-preflight", action="store_true", help=_NO_PREFLIGHT)
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("train", help="RL training: generate -> score -> train -> sync, on Ray workers")
@@ -168,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     p.add_argument("--verbose", action="store_true", help=_VERBOSE)
+    p.add_argument("--no-preflight", action="store_true", help=_NO_PREFLIGHT)
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("convert", help="HF <-> Megatron distributed checkpoint conversion and verification")
@@ -179,6 +281,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--out", help="PNG path (default: <run_dir>/curves.png)")
     p.set_defaults(func=_cmd_plot)
+
+    p = sub.add_parser("checkpoint", help="check training checkpoints (files, sizes, checksums)")
+    p.add_argument("action", choices=["verify"])
+    p.add_argument("dir", help="a checkpoint folder, a folder of step_* checkpoints, or a run dir")
+    p.set_defaults(func=_cmd_checkpoint)
     return ap
 
 
@@ -195,6 +302,9 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"megarl: config error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:   # Ctrl-C outside a training run (which ends with its own line)
+        print(f"megarl: {args.command} interrupted (SIGINT)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -91,7 +91,8 @@ def bench(args) -> list[str]:
         from megarl.rollout.vllm_engine import make_llm
         from megarl.rollout.worker_ext import WORKER_EXTENSION
 
-        llm = make_llm(path, tp=args.vllm_tp, max_model_len=256, kv_cache_gib=1, worker_extension_cls=WORKER_EXTENSION)
+        llm = make_llm(path, tp=args.vllm_tp, max_model_len=256, kv_cache_gib=1, worker_extension_cls=WORKER_EXTENSION,
+                       in_process=True, distributed_executor_backend="mp")   # as megarl.rollout.engine
     dist.barrier()
     bridge = WeightBridge(engine.local_shards, AutoConfig.from_pretrained(path), groups.topology, args.vllm_tp,
                           llm=llm, options=SyncOptions(bucket_bytes=args.bucket_mb << 20))

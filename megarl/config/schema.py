@@ -274,11 +274,17 @@ class TrainerConfig:
     """Colocated: move Megatron params, grads and optimizer state to host memory while vLLM
     generates (frees device memory for the KV cache; on CPU it only exercises the path). Must be
     false with rollout.placement=split."""
+    max_skipped_updates: int = 3
+    """An optimizer update whose loss or gradient is NaN or inf on any rank is skipped on all ranks
+    (weights and optimizer state unchanged, the LR schedule does not advance) and counted in
+    actor/skipped_updates (critic/skipped_updates); more than this many skipped in a row stop the
+    run with NonFiniteLossError. One bad batch should not end a long run, but a model that only
+    produces NaN should not go on generating and training on nothing. 0 stops at the first."""
 
     def validate(self):
         _positive(self, "steps", "lr", "adam_beta1", "adam_beta2", "max_tokens_per_micro_batch")
         _positive(self, "min_lr", "warmup_steps", "weight_decay", "grad_clip", "eval_every",
-                  "logprob_diff_threshold", allow_zero=True)
+                  "logprob_diff_threshold", "max_skipped_updates", allow_zero=True)
         if self.min_lr > self.lr:
             raise ConfigValueError("min_lr", self.min_lr, f"a value <= lr ({self.lr})")
         for name in ("adam_beta1", "adam_beta2"):
@@ -296,6 +302,10 @@ class CheckpointConfig:
     """Complete checkpoints kept; older ones are deleted after a new one is complete."""
     resume: bool = False
     """Continue from the newest complete checkpoint in dir (also: megarl train --resume)."""
+    save_on_interrupt: bool = True
+    """On SIGINT/SIGTERM (Ctrl-C, a scheduler's stop), write a checkpoint of the last completed
+    step before stopping when it has none, also with save_every=0; a second signal stops at once,
+    without it."""
 
     def validate(self):
         _positive(self, "save_every", allow_zero=True)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from megarl.models.dims import ModelDims
+from megarl.models.dims import check_model_layout
 from megarl.parallel.groups import ParallelGroups
 from megarl.parallel.topology import Topology
 
@@ -117,12 +117,9 @@ def read_hf_config(path: str) -> dict:
 
 def check_layout(path: str, topology: Topology) -> None:
     """Raise before any process group exists if ``topology`` cannot hold the model at ``path``:
-    unknown ``model_type`` (ValueError listing the supported ones) or a TopologyError."""
-    from megarl.models.registry import get_family
-
-    cfg = read_hf_config(path)
-    get_family(cfg.get("model_type", "<missing>"))
-    topology.check_model(ModelDims.from_hf(cfg))
+    unknown ``model_type`` (ValueError listing the supported ones) or a TopologyError (the rules:
+    :func:`megarl.models.dims.check_model_layout`, which preflight runs on the same config.json)."""
+    check_model_layout(read_hf_config(path), topology)
 
 
 def _config_overrides(options: ModelOptions, topology: Topology) -> dict:

@@ -45,8 +45,9 @@ from megarl.engine.logprobs import PackedMicroBatch, SequenceBatch, pack_micro_b
 from megarl.engine.moe_stats import MoEStats
 from megarl.engine.offload import Offloader
 from megarl.engine.value import response_values
+from megarl.models.dims import check_model_layout
 from megarl.parallel.groups import ParallelGroups
-from megarl.parallel.topology import Topology, TopologyError
+from megarl.parallel.topology import Topology
 
 _OPTIMIZERS = ("adam", "sgd")
 _DECAY_STYLES = ("constant", "linear", "cosine")
@@ -234,6 +235,11 @@ class PolicyEngine:
         Returns ``loss`` (summed over micro-batches and DP), ``grad_norm`` (before clipping),
         ``lr``, ``update_successful``, token counts and the averaged ``loss_fn`` metrics, plus MoE
         aux/z losses and per-expert token counts for MoE models.
+
+        A non-finite loss or gradient on any rank skips the update on all ranks (see
+        :meth:`_all_finite`): ``update_successful`` is False, ``grad_norm`` NaN, the weights and
+        optimizer state stay as they were, the gradients are zeroed, and ``step`` (the LR
+        schedule's position: the number of updates applied) does not advance.
         """
         if not self.trainable:
             raise RuntimeError("train_step on a frozen (reference) engine; build it with trainable=True")
@@ -262,17 +268,67 @@ class PolicyEngine:
         self.optimizer.zero_grad()
         self.moe.reset()
         outs = self._run(micro_batches, loss_func, forward_only=False)
+        result = self._reduce_reports(outs, len(micro_batches))
         lr = self.optim.lr_at(self.step_count)
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
-        update_successful, grad_norm, _ = self.optimizer.step()
-        self.step_count += 1
-        result = self._reduce_reports(outs, len(micro_batches))
+        update_successful, grad_norm = False, None
+        if self._all_finite(result["loss"]):
+            update_successful, grad_norm, _ = self.optimizer.step()
+        else:   # see _all_finite: no rank steps; the LR schedule stays where it is, as megatron's loop does
+            for c in self.model.chunks:
+                c.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        self.step_count += bool(update_successful)
         result.update(lr=lr, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                       update_successful=bool(update_successful), num_response_tokens=int(counts[0]),
                       num_sequences=int(counts[1]), num_tokens=int(counts[2]), step=self.step_count)
         result.update(self.moe.report(len(micro_batches)))
         return result
+
+    def _all_finite(self, loss: float) -> bool:
+        """Whether the step's loss and every gradient are finite on every rank (collective).
+
+        A NaN or inf loss (a bad batch, an overflow) makes NaN gradients, and megatron-core's
+        optimizer steps with them unless a grad scaler (fp16 only) checks them: one such step
+        turns every weight into NaN for good. So ``train_step`` skips the update (the caller
+        counts it and stops after too many in a row: ``trainer.max_skipped_updates``). Ranks must
+        agree: a rank that stepped alone would leave the replicas apart, hence one all-reduce of a
+        flag over all ranks. The gradient test sums each grad buffer in fp32 (NaN and inf survive
+        a sum) rather than ``isfinite`` over it: no buffer-sized temporary."""
+        bad = not math.isfinite(loss)
+        for chunk in self.model.chunks:
+            for buffer in getattr(chunk, "buffers", []) + getattr(chunk, "expert_parallel_buffers", []):
+                bad = bad or not torch.isfinite(buffer.grad_data.sum(dtype=torch.float32)).item()
+        flag = torch.tensor([float(bad)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return not flag.item()
+
+    def ensure_optimizer_state(self) -> None:
+        """Give Adam the state its first update creates (zero moments, step 0) when no update has
+        been applied yet (all skipped, see :meth:`_all_finite`), so that a checkpoint can be saved:
+        torch's AdamW creates its state lazily, and megatron-core's distributed optimizer asserts
+        that it has one ``step`` when it saves. An update at lr 0 with zero gradients creates it
+        without changing a weight (AdamW's decay is ``1 - lr * weight_decay``); the step counts are
+        then reset, so the next update computes what it would have without this."""
+        from megarl.engine.offload import _torch_optimizers
+
+        if not self.distributed_optimizer:   # SGD: megatron saves its (possibly empty) state as it is
+            return
+        for opt in _torch_optimizers(self.optimizer):
+            if opt.state:
+                continue
+            lrs = [group["lr"] for group in opt.param_groups]
+            for group in opt.param_groups:
+                group["lr"] = 0.0
+                for param in group["params"]:
+                    param.grad = torch.zeros_like(param)
+            opt.step()
+            opt.zero_grad()
+            for group, lr in zip(opt.param_groups, lrs):
+                group["lr"] = lr
+            for state in opt.state.values():
+                state["step"].zero_()
 
     def _reduce_reports(self, outs: list, num_micro_batches: int) -> dict:
         g = self.groups
@@ -315,12 +371,7 @@ def reference_engine(model: ModelOptions, groups: ParallelGroups) -> PolicyEngin
 def check_train_layout(path: str, topology: Topology) -> None:
     """:func:`megarl.engine.build.check_layout` plus the rules of training (no process needed):
     megatron-core's MoE layer refuses to train with tp > 1 unless sequence parallelism is on."""
-    from megarl.models.registry import get_family
-
-    check_layout(path, topology)
-    if topology.tp > 1 and not topology.sp and get_family(read_hf_config(path)["model_type"]).is_moe:
-        raise TopologyError("sp", topology.sp, f"true for training a mixture-of-experts model with "
-                            f"tp={topology.tp} (megatron-core requires sequence parallelism with MoE and TP)")
+    check_model_layout(read_hf_config(path), topology, train=True)
 
 
 def _masked_tokens(batch: SequenceBatch) -> int:

@@ -86,3 +86,45 @@ class ModelDims:
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer >= self.first_k_dense_replace
+
+    def num_parameters(self) -> int:
+        """Parameter count of the HF model (weight matrices, embeddings and norms; biases, routers'
+        bias terms and DeepSeek's multi-token-prediction layers are left out): an estimate for
+        sizing checkpoints, within ~1% for the supported families."""
+        h, heads = self.hidden_size, self.num_attention_heads
+        if self.kv_lora_rank:
+            qk_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+            q = h * self.q_lora_rank + self.q_lora_rank * heads * qk_dim if self.q_lora_rank else h * heads * qk_dim
+            attention = (q + h * (self.kv_lora_rank + self.qk_rope_head_dim)
+                         + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+                         + heads * self.v_head_dim * h)
+        else:
+            attention = 2 * h * heads * self.head_dim + 2 * h * self.num_kv_heads * self.head_dim
+        dense_mlp = 3 * h * self.intermediate_size   # gated (SwiGLU) MLP in every supported family
+        moe_mlp = 3 * h * (self.num_experts * self.moe_intermediate_size + self.shared_expert_intermediate_size) \
+            + h * self.num_experts
+        layers = sum(attention + 2 * h + (moe_mlp if self.is_moe_layer(i) else dense_mlp)
+                     for i in range(self.num_layers))
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return layers + embeddings + h
+
+
+def check_model_layout(hf_config: dict, topology, *, train: bool = False) -> ModelDims:
+    """The model-dependent layout rules, read from config.json alone (no process, no torch): a
+    supported ``model_type`` (ValueError listing the known ones), ``topology.check_model`` (heads,
+    KV heads, layers, experts) and, when ``train``, megatron-core's refusal to train a
+    mixture-of-experts model with tp > 1 unless sequence parallelism is on (TopologyError).
+
+    ``topology`` is a :class:`megarl.parallel.Topology`. The engine
+    (:func:`megarl.engine.build.check_layout`) and :mod:`megarl.preflight` both call this.
+    """
+    from megarl.models.registry import get_family
+    from megarl.parallel.topology import TopologyError
+
+    family = get_family(hf_config.get("model_type", "<missing>"))
+    dims = ModelDims.from_hf(hf_config)
+    topology.check_model(dims)
+    if train and topology.tp > 1 and not topology.sp and family.is_moe:
+        raise TopologyError("sp", topology.sp, f"true for training a mixture-of-experts model with "
+                            f"tp={topology.tp} (megatron-core requires sequence parallelism with MoE and TP)")
+    return dims

@@ -1,8 +1,18 @@
-"""Score a batch of responses in worker processes, each call under a timeout, never killing the run.
+"""Score a batch of responses in worker processes, each call under a timeout, never killing the run
+for a failing call (only for a function that kills every worker it runs on).
 
 :class:`RewardPool` runs ``fn(response, answer, **extra)`` in a ``ProcessPoolExecutor`` (spawn
 context by default; forkserver also works; fork is refused because the driver holds threads and
-CUDA/Ray state). Failure handling:
+CUDA/Ray state).
+
+Keyword arguments: ``extra`` is the sample's row of the prompt file less ``prompt`` and ``answer``
+(``data_source`` and every other column; generated arithmetic prompts have ``level`` and
+``expression``; :meth:`megarl.trainer.rollout.Rollouts.generate` builds them). The
+pool passes the keywords ``fn`` accepts: all of them when it takes ``**extra``, else only the ones
+its signature names (so ``def fn(response, answer, target_len)`` gets ``target_len`` and nothing
+else); a column named like ``fn``'s first two parameters is never passed.
+
+Failure handling:
 
 - an exception in ``fn`` (or a non-numeric / non-finite result) gives reward 0.0 and counts in
   ``n_errors``;
@@ -11,12 +21,19 @@ CUDA/Ray state). Failure handling:
   workers are SIGKILLed) and replaced; the other calls that were running on it are resubmitted
   to the new pool;
 - a worker that dies (segfault, ``os._exit``) breaks the whole pool: the calls in flight are
-  resubmitted once on a fresh pool; a call that breaks a pool twice counts as an error.
+  resubmitted once on a fresh pool; a call that breaks a pool twice counts as an error;
+- ``max_consecutive_crashes`` pool breaks in a row with no call finishing in between (the function
+  kills every worker it runs on) raise :class:`RewardWorkerCrash` naming the function, the number
+  of breaks and the dead worker's exit code or signal; the pool's workers are killed first. Going
+  on would cost a pool start-up per sample and train on all-zero rewards. Workers that die while
+  starting raise it too;
+- workers ignore SIGINT: a terminal's Ctrl-C reaches every process of the foreground group, and
+  the controller, not the reward workers, decides how the run stops.
 
 Timing: at most ``num_workers`` calls are in flight, so a submitted call starts at once on an
 idle worker and its deadline is measured from submission. Workers are started and warmed up
-(modules imported) before the first batch and after every replacement, so process start-up does
-not eat into the first calls' timeouts.
+(megarl's rewards, math-verify and the reward function's module imported) before the first batch
+and after every replacement, so process start-up does not eat into the first calls' timeouts.
 
 math-verify inside workers: it uses ``signal.alarm``; each call runs in the worker's main thread,
 where that works (tests/unit/test_rewards.py checks it).
@@ -25,11 +42,14 @@ where that works (tests/unit/test_rewards.py checks it).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import importlib
+import inspect
 import logging
 import math
 import multiprocessing
 import os
 import pickle
+import signal
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -39,7 +59,7 @@ from typing import Any
 
 from megarl.rewards.registry import get_reward_fn
 
-__all__ = ["RewardBatchResult", "RewardPool"]
+__all__ = ["RewardBatchResult", "RewardPool", "RewardWorkerCrash"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +82,12 @@ class RewardBatchResult:
         return {"n_errors": self.n_errors, "n_timeouts": self.n_timeouts}
 
 
+class RewardWorkerCrash(RuntimeError):
+    """The reward function's worker processes died on every call (see ``max_consecutive_crashes``)."""
+
+
 def _worker_init() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Import the heavy modules once per worker, before any timed call.
     import megarl.rewards.math  # noqa: F401
 
@@ -72,7 +97,9 @@ def _worker_init() -> None:
         pass
 
 
-def _worker_pid(delay_s: float) -> int:
+def _worker_pid(delay_s: float, module: str | None = None) -> int:
+    if module is not None:   # the reward's own module: its imports must not eat into a call's timeout
+        importlib.import_module(module)
     time.sleep(delay_s)
     return os.getpid()
 
@@ -90,6 +117,37 @@ def _call_reward(fn: Callable[..., Any], response: str, answer: str, extra: Mapp
     return value
 
 
+def _keyword_filter(fn: Callable[..., Any]) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+    """The module docstring's rule: a sample's extras -> the keywords ``fn`` accepts."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):   # no signature to read (some builtins): pass every column
+        return dict
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    bound = set(positional[:2])   # response and answer, passed by position
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return lambda extra: {k: v for k, v in extra.items() if k not in bound}
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - bound
+    return lambda extra: {k: v for k, v in extra.items() if k in named}
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    """``module:function`` (the dotted-path form ``data.reward`` accepts), for messages."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    return f"{module}:{qualname}" if module and qualname else repr(fn)
+
+
+def _describe_exit(exit_codes: Sequence[int | None]) -> str:
+    """The dead worker's exit status; the pool SIGTERMs the other workers of a broken pool, so a
+    SIGTERM is reported only when no worker ended otherwise."""
+    known = [code for code in exit_codes if code is not None]
+    own = [code for code in known if code != -signal.SIGTERM] or known
+    if not own:
+        return "exit status unknown"
+    code = own[0]
+    return f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
 class RewardPool:
     """A process pool that scores batches with per-call timeouts; use as a context manager or ``close()``."""
 
@@ -100,6 +158,7 @@ class RewardPool:
         *,
         mp_context: str = "spawn",
         startup_timeout_s: float = 120.0,
+        max_consecutive_crashes: int = 3,
     ):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -107,49 +166,73 @@ class RewardPool:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if mp_context not in ("spawn", "forkserver"):
             raise ValueError(f"mp_context must be 'spawn' or 'forkserver', got {mp_context!r}")
+        if max_consecutive_crashes < 1:
+            raise ValueError(f"max_consecutive_crashes must be >= 1, got {max_consecutive_crashes}")
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         self.startup_timeout_s = float(startup_timeout_s)
         self._context = multiprocessing.get_context(mp_context)
         self._executor: cf.ProcessPoolExecutor | None = None
+        self.max_consecutive_crashes = max_consecutive_crashes
+        """Pool breaks in a row, with no call finishing in between, that raise :class:`RewardWorkerCrash`."""
         self.num_restarts = 0
         """Pools replaced after a timeout or a crashed worker (for monitoring)."""
+        self._consecutive_crashes = 0
 
     # -- pool lifecycle ---------------------------------------------------------------------------
 
-    def _start(self) -> cf.ProcessPoolExecutor:
+    def _start(self, fn: Callable[..., Any]) -> cf.ProcessPoolExecutor:
         executor = cf.ProcessPoolExecutor(self.num_workers, mp_context=self._context, initializer=_worker_init)
         # Spawned workers start on demand; keep submitting short tasks until every worker has
         # answered once, so that start-up and imports are done before any timed call.
         deadline = time.monotonic() + self.startup_timeout_s
         seen: set[int] = set()
         while len(seen) < self.num_workers:
-            futures = [executor.submit(_worker_pid, 0.05) for _ in range(self.num_workers)]
-            remaining = deadline - time.monotonic()
-            done, not_done = cf.wait(futures, timeout=max(remaining, 0.0))
-            if not_done:
+            try:
+                futures = [executor.submit(_worker_pid, 0.05, getattr(fn, "__module__", None))
+                           for _ in range(self.num_workers)]
+                remaining = deadline - time.monotonic()
+                done, not_done = cf.wait(futures, timeout=max(remaining, 0.0))
+                if not_done:
+                    self._kill(executor)
+                    raise RuntimeError(f"reward workers did not start within "
+                                       f"startup_timeout_s={self.startup_timeout_s}")
+                seen.update(f.result() for f in done)
+            except BrokenProcessPool:
+                exit_status = _describe_exit(self._kill(executor))
+                raise RewardWorkerCrash(
+                    f"reward worker processes died while starting ({exit_status}); a spawned worker imports "
+                    "megarl.rewards and re-imports the driver's main script: check that "
+                    "`python -c 'import megarl.rewards.math'` works and that the script guards its code with "
+                    "`if __name__ == '__main__':`"
+                ) from None
+            except ImportError as exc:
                 self._kill(executor)
-                raise RuntimeError(f"reward workers did not start within startup_timeout_s={self.startup_timeout_s}")
-            seen.update(f.result() for f in done)
+                raise ImportError(f"reward function {_name(fn)}: its module does not import in a reward worker "
+                                  f"process (a fresh interpreter with the driver's sys.path): {exc}") from exc
         return executor
 
     @staticmethod
-    def _kill(executor: cf.ProcessPoolExecutor) -> None:
-        # ProcessPoolExecutor cannot cancel a running call; SIGKILL its workers (private
-        # ``_processes``: Python 3.14 adds kill_workers() for this).
-        processes = list((getattr(executor, "_processes", None) or {}).values())
+    def _processes(executor: cf.ProcessPoolExecutor | None) -> list:
+        # private ``_processes`` (pid -> Process): Python 3.14 adds kill_workers() for what _kill does
+        return list((getattr(executor, "_processes", None) or {}).values())
+
+    @classmethod
+    def _kill(cls, executor: cf.ProcessPoolExecutor) -> list[int | None]:
+        """SIGKILL the workers (a running call cannot be cancelled otherwise); their exit codes."""
+        processes = cls._processes(executor)
         executor.shutdown(wait=False, cancel_futures=True)
         for process in processes:
             if process.is_alive():
                 process.kill()
         for process in processes:
             process.join(timeout=5.0)
+        return [process.exitcode for process in processes]
 
-    def _replace(self) -> None:
-        if self._executor is not None:
-            self._kill(self._executor)
-        self._executor = None
-        self.num_restarts += 1
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the current pool's workers (none before the first batch or after close)."""
+        return [process.pid for process in self._processes(self._executor)]
 
     def close(self) -> None:
         if self._executor is not None:
@@ -177,7 +260,9 @@ class RewardPool:
         answers: Sequence[str],
         extras: Sequence[Mapping[str, Any]] | None = None,
     ) -> RewardBatchResult:
-        """Score ``fn(responses[i], answers[i], **extras[i])`` for every i; never raises for a failing call.
+        """Score ``fn(responses[i], answers[i], **extras[i])`` for every i (keywords that ``fn`` does not
+        accept are left out, see the module docstring); never raises for a failing call, only
+        :class:`RewardWorkerCrash` when the workers die on every call.
 
         ``fn`` is a registered reward name, a dotted path, or a module-level function (it is sent
         to the workers by reference, so lambdas and closures are refused up front).
@@ -186,13 +271,16 @@ class RewardPool:
         try:
             pickle.dumps(fn)
         except Exception as exc:
-            raise TypeError(f"reward function {fn!r} cannot be sent to worker processes (define it at module level): {exc}") from exc
+            raise TypeError(f"reward function {fn!r} cannot be sent to worker processes "
+                            f"(define it at module level): {exc}") from exc
         if len(responses) != len(answers):
             raise ValueError(f"got {len(responses)} responses but {len(answers)} answers")
         if extras is None:
             extras = [{}] * len(responses)
         elif len(extras) != len(responses):
             raise ValueError(f"got {len(responses)} responses but {len(extras)} extras")
+        keywords = _keyword_filter(fn)
+        kwargs = [keywords(extra) for extra in extras]
 
         result = RewardBatchResult(rewards=[0.0] * len(responses))
 
@@ -209,49 +297,69 @@ class RewardPool:
         in_flight: dict[cf.Future, tuple[int, float]] = {}
         while pending or in_flight:
             if self._executor is None:
-                self._executor = self._start()
-            broken = False
+                self._executor = self._start(fn)
+            crashed = expired = finished = False
+            died_twice: list[int] = []
             while pending and len(in_flight) < self.num_workers:
                 index = pending.popleft()
                 try:
-                    future = self._executor.submit(_call_reward, fn, responses[index], answers[index], dict(extras[index]))
+                    future = self._executor.submit(_call_reward, fn, responses[index], answers[index], kwargs[index])
                 except BrokenProcessPool:
                     pending.appendleft(index)
-                    broken = True
+                    crashed = True
                     break
                 in_flight[future] = (index, time.monotonic() + self.timeout_s)
-            if not broken:
+            if not crashed:
                 next_deadline = min(deadline for _, deadline in in_flight.values())
-                done, _ = cf.wait(in_flight, timeout=max(next_deadline - time.monotonic(), 0.0), return_when=cf.FIRST_COMPLETED)
+                done, _ = cf.wait(in_flight, timeout=max(next_deadline - time.monotonic(), 0.0),
+                                  return_when=cf.FIRST_COMPLETED)
                 for future in done:
                     index, _ = in_flight.pop(future)
                     try:
                         result.rewards[index] = future.result()
+                        finished = True
                     except BrokenProcessPool:
-                        broken = True
+                        crashed = True
                         crashes[index] += 1
                         if crashes[index] >= 2:
-                            fail(index, "error", "worker process died (twice)")
+                            died_twice.append(index)
                         else:
                             pending.appendleft(index)
                     except Exception as exc:
+                        finished = True   # the call failed, its worker lives
                         fail(index, "error", f"{type(exc).__name__}: {exc}")
                 now = time.monotonic()
-                expired = [future for future, (_, deadline) in in_flight.items() if deadline <= now]
-                for future in expired:
+                expired_futures = [future for future, (_, deadline) in in_flight.items() if deadline <= now]
+                for future in expired_futures:
                     index, _ = in_flight.pop(future)
                     fail(index, "timeout", f"timed out after {self.timeout_s}s")
-                if expired:
-                    broken = True
-            if broken:
+                expired = bool(expired_futures)
+            if finished:
+                self._consecutive_crashes = 0
+            if crashed or expired:
                 # Calls still on the dying pool are innocent: run them again on the new one.
                 for index, _ in sorted(in_flight.values(), reverse=True):
                     pending.appendleft(index)
                 in_flight.clear()
-                self._replace()
+                exit_status = _describe_exit(self._kill(self._executor))
+                self._executor = None
+                for index in died_twice:
+                    fail(index, "error", f"worker process died twice ({exit_status})")
+                if crashed:
+                    self._consecutive_crashes += 1
+                    if self._consecutive_crashes >= self.max_consecutive_crashes:
+                        self._consecutive_crashes = 0
+                        raise RewardWorkerCrash(
+                            f"reward function {_name(fn)}: its worker process died {self.max_consecutive_crashes} "
+                            f"times in a row with no call finishing in between (last: {exit_status}); the reward "
+                            f"pool is shut down. The function ends the process it runs in (a crash in native code, "
+                            f"os._exit, the out-of-memory killer): call it on one sample in a plain Python process "
+                            f"to see why, and make it raise instead (a raising call scores 0 and the run goes on)"
+                        )
+                self.num_restarts += 1
         if result.n_errors or result.n_timeouts:
             logger.warning(
                 "reward %s: %d errors, %d timeouts in %d samples; first: %s",
-                getattr(fn, "__name__", fn), result.n_errors, result.n_timeouts, len(responses), result.errors[:1],
+                _name(fn), result.n_errors, result.n_timeouts, len(responses), result.errors[:1],
             )
         return result

@@ -5,10 +5,13 @@ Contract for every reward function (built-in or user)::
     fn(response: str, answer: str, **extra) -> float
 
 ``response`` is the decoded model output (without the prompt), ``answer`` the dataset's gold
-answer string, ``extra`` the sample's other dataset columns (e.g. ``data_source``); a function
-must accept and may ignore unknown keywords. It runs in a worker process under a timeout
-(:class:`megarl.rewards.pool.RewardPool`), so it must be defined at module level. Raising is
-allowed: the sample scores 0.0 and is counted as an error.
+answer string, ``extra`` the prompt row's other columns as keywords: ``data_source`` and every
+column beyond the required ones (a ``target_len`` column arrives as ``target_len=...``). The pool
+passes only the keywords a function accepts: all of them to ``**extra`` (the built-in rewards take
+``**extra`` and ignore what they do not know), else the ones its signature names. It runs in a
+worker process under a timeout (:class:`megarl.rewards.pool.RewardPool`), so it must be defined at
+module level. Raising is allowed: the sample scores 0.0 and is counted as an error; ending the
+worker process on every call stops the run (:class:`megarl.rewards.pool.RewardWorkerCrash`).
 
 Names: ``gsm8k`` and ``arithmetic`` (``#### N`` answers), ``math`` (``\\boxed{}`` answers with
 math-verify), ``format`` (answer format only). A name that is not registered but contains ``:``

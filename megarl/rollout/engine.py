@@ -11,18 +11,30 @@ host's cores, so split is a layout test here, not a speed-up.
 """
 from __future__ import annotations
 
+import os
 
-def make_rollout_llm(cfg, model_path: str):
+
+def make_rollout_llm(cfg, model_path: str, own_process: bool = False):
     """The ``vllm.LLM`` of ``cfg.rollout`` for the HF folder ``model_path`` (with the bridge's
-    worker extension)."""
+    worker extension).
+
+    On CPU, vLLM's engine core (scheduler) runs in the calling process, which saves one process
+    start (~10 s of import on 2 cores) per engine. Its workers stay separate processes (the
+    ``mp`` executor) unless ``own_process`` (tp 1, a process with no torch.distributed group of
+    its own, e.g. ``megarl generate``): in a training rank, an in-process vLLM worker would join
+    the rank's Megatron process group.
+    """
+    from megarl.compat import cuda_available
     from megarl.rollout.vllm_engine import make_llm
 
     r = cfg.rollout
     extra = {"enable_sleep_mode": True} if sleeps(cfg) else {}
+    if not cuda_available():
+        extra["distributed_executor_backend"] = "uni" if own_process and r.tp == 1 else "mp"
     return make_llm(model_path, tp=r.tp, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
                     max_model_len=r.max_prompt_tokens + r.max_response_tokens, kv_cache_gib=r.kv_cache_gib,
                     enforce_eager=r.enforce_eager, gpu_memory_utilization=r.gpu_memory_utilization,
-                    worker_extension_cls="megarl.rollout.worker_ext.BridgeWorkerExtension", **extra)
+                    in_process=True, worker_extension_cls="megarl.rollout.worker_ext.BridgeWorkerExtension", **extra)
 
 
 def sleeps(cfg) -> bool:
@@ -62,7 +74,10 @@ class RolloutActor:
         self.llm = make_rollout_llm(cfg, str(resolve_model_path(cfg.model.path)))
 
     def generate(self, prompt_ids, seeds, greedy: bool = False):
-        return sample(self.llm, self.cfg.rollout, prompt_ids, seeds, greedy)
+        from megarl.rollout.vllm_engine import engine_errors
+
+        with engine_errors(self.llm, f"the rollout actor (pid {os.getpid()}, rollout.placement=split)", "generate"):
+            return sample(self.llm, self.cfg.rollout, prompt_ids, seeds, greedy)
 
     def collective_rpc(self, method: str, args: tuple = ()):
         return self.llm.collective_rpc(method, args=args)

@@ -64,7 +64,8 @@ def compare(path: str, num_new: int = 16, one_at_a_time: bool = False, tp: int =
 
     folder = resolve_model_path(path)
     hf_greedy, hf_lp, prompt_ids = hf_reference(folder, PROMPTS, num_new)
-    llm = make_llm(folder, tp=tp, max_model_len=256, kv_cache_gib=1, enable_prefix_caching=False)
+    llm = make_llm(folder, tp=tp, max_model_len=256, kv_cache_gib=1, enable_prefix_caching=False,
+                   in_process=tp == 1)
     vl_greedy, vl_lp = vllm_outputs(llm, prompt_ids, num_new, one_at_a_time)
     shutdown_llm(llm)
     diffs = [abs(a - b) for x, y in zip(hf_lp, vl_lp) for a, b in zip(x, y)]

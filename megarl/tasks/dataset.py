@@ -3,7 +3,8 @@
 Required columns: ``prompt`` (a non-empty string, or a non-empty list of chat messages
 ``{"role": str, "content": str}``), ``answer`` (string) and ``data_source`` (non-empty string,
 used to pick the reward function). Other columns are kept per row in ``PromptRecord.extra`` and
-reach the reward function as keyword arguments.
+reach the reward function as keyword arguments, with ``data_source`` (the rule for functions that
+do not take ``**extra``: :mod:`megarl.rewards.pool`).
 
 Errors name the file, the row (0-based index among the data rows; for jsonl, blank lines are
 skipped and do not count) and the column, e.g.
@@ -94,10 +95,12 @@ def validate_rows(rows: Iterable[Mapping[str, Any]], path: str) -> list[PromptRe
     return records
 
 
-def _read_jsonl(path: str) -> list[dict[str, Any]]:
+def _read_jsonl(path: str, max_rows: int | None = None) -> list[dict[str, Any]]:
     rows = []
     with open(path, encoding="utf-8") as f:
         for line_number, line in enumerate(f, start=1):
+            if max_rows is not None and len(rows) == max_rows:
+                break
             if not line.strip():
                 continue
             try:
@@ -110,10 +113,14 @@ def _read_jsonl(path: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _read_parquet(path: str) -> list[dict[str, Any]]:
+def _read_parquet(path: str, max_rows: int | None = None) -> list[dict[str, Any]]:
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path)
+    if max_rows is None:
+        table = pq.read_table(path)
+    else:   # the first row groups only (a preflight look at a large file)
+        parquet = pq.ParquetFile(path)
+        table = next(parquet.iter_batches(batch_size=max_rows), parquet.schema_arrow.empty_table())
     missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
     if missing:
         raise ValueError(f"{path}: missing column(s) {missing}; found {table.column_names}")
@@ -123,15 +130,16 @@ def _read_parquet(path: str) -> list[dict[str, Any]]:
 _READERS = {".jsonl": _read_jsonl, ".parquet": _read_parquet}
 
 
-def load_prompt_dataset(path: str | os.PathLike) -> list[PromptRecord]:
-    """Load and validate a ``.jsonl`` or ``.parquet`` prompt file."""
+def load_prompt_dataset(path: str | os.PathLike, max_rows: int | None = None) -> list[PromptRecord]:
+    """Load and validate a ``.jsonl`` or ``.parquet`` prompt file (only its first ``max_rows`` rows
+    when given: :mod:`megarl.preflight` checks a file without reading it whole)."""
     path = os.fspath(path)
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in _READERS:
         raise ValueError(f"{path}: unsupported file type {suffix!r}; known: {sorted(_READERS)}")
     if not os.path.exists(path):
         raise FileNotFoundError(f"prompt dataset not found: {path}")
-    return validate_rows(_READERS[suffix](path), path)
+    return validate_rows(_READERS[suffix](path, max_rows), path)
 
 
 def save_prompt_dataset(records: Sequence[PromptRecord], path: str | os.PathLike) -> None:

@@ -4,14 +4,18 @@ Legend: N samples (sequences), T packed response tokens of the whole step, R of 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
 
 @dataclass
 class Rollout:
-    """One step's samples, prompt-major: the n samples of prompt i are rows i*n .. i*n+n-1."""
+    """One step's samples, prompt-major: the n samples of prompt i are rows i*n .. i*n+n-1.
+
+    Every field is a per-sample list; :meth:`select` and :meth:`concat` treat them all alike, so a
+    new field stays aligned without touching either."""
 
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
@@ -20,10 +24,14 @@ class Rollout:
     group_ids: list[int]
     answers: list[str]
     clipped: list[bool]
+    extras: list[dict[str, Any]] = field(default_factory=list)
+    """The prompt row's keyword arguments for the reward function: ``data_source`` and the other
+    columns (:class:`megarl.tasks.PromptRecord`); empty when the rollout was built without them."""
     rewards: list[float] = field(default_factory=list)
 
     @classmethod
-    def from_generations(cls, prompt_ids, answers, generations) -> "Rollout":
+    def from_generations(cls, prompt_ids, answers, generations, extras=None) -> "Rollout":
+        """``extras``: one dict per prompt (default: none), repeated for each of its samples."""
         r = cls([], [], [], [], [], [])
         for i, (prompt, answer, samples) in enumerate(zip(prompt_ids, answers, generations)):
             for s in samples:
@@ -33,16 +41,21 @@ class Rollout:
                 r.group_ids.append(i)
                 r.answers.append(answer)
                 r.clipped.append(s["clipped"])
+                if extras is not None:
+                    r.extras.append(dict(extras[i]))
         return r
 
     def __len__(self) -> int:
         return len(self.response_ids)
 
     def select(self, keep: list[int]) -> "Rollout":
-        pick = lambda xs: [xs[i] for i in keep]   # noqa: E731
-        return Rollout(pick(self.prompt_ids), pick(self.response_ids), pick(self.sample_logprobs),
-                       pick(self.group_ids), pick(self.answers), pick(self.clipped),
-                       pick(self.rewards) if self.rewards else [])
+        # an empty list (rewards before scoring, extras not given) stays empty
+        return Rollout(**{f.name: [getattr(self, f.name)[i] for i in keep] if getattr(self, f.name) else []
+                          for f in fields(Rollout)})
+
+    def concat(self, other: "Rollout") -> "Rollout":
+        """This rollout's samples, then ``other``'s (both scored, or both not)."""
+        return Rollout(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(Rollout)})
 
     def cu_seqlens_N1(self) -> torch.Tensor:
         lengths = torch.tensor([len(r) for r in self.response_ids])

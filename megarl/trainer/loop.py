@@ -4,8 +4,9 @@
                -> (critic update) -> policy update -> weight sync -> metrics -> (eval) -> (checkpoint)
 
 Everything the loop calls lives elsewhere (rollout side, worker group, batch helpers, algorithms,
-rewards, data plane); this file only orders it and, on success or error alike, releases what it
-started (one ExitStack: reward workers, metrics sinks, vLLM engines, Ray actors, Ray).
+rewards, data plane); this file only orders it and, on success, error or interrupt alike, releases
+what it started (one ExitStack: reward workers, metrics sinks, vLLM engines, Ray actors, Ray).
+SIGINT/SIGTERM stop the run at the next safe point (:mod:`megarl.trainer.interrupt`).
 Determinism: prompts and vLLM sampling seeds are functions of (seed, step), so a run resumed from
 step k's checkpoint repeats steps k+1.. of an uninterrupted run.
 """
@@ -20,6 +21,11 @@ import torch
 
 from megarl.config.schema import MegaRLConfig
 from megarl.trainer.batch import Rollout, compute_advantages
+from megarl.trainer.interrupt import RunInterrupted, StepAbandoned, StopRequest
+
+HARD_STOP_WAIT_S = 5.0
+"""After a second signal: how long the actors' own shutdown (their vLLM engines) may take before
+they are killed (an actor busy in a phase would otherwise be waited for)."""
 
 
 class WeightSyncAlarm(RuntimeError):
@@ -34,7 +40,10 @@ class WeightSyncAlarm(RuntimeError):
 def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False) -> Path:
     """Run ``cfg``; ``verbose`` shows third-party output on the terminal instead of
     <run_dir>/logs/. On any exception too, the failed step's metrics so far are written and the
-    reward workers, vLLM engines, Ray actors and (when started here) Ray are stopped."""
+    reward workers, vLLM engines, Ray actors and (when started here) Ray are stopped. On
+    SIGINT/SIGTERM the run stops at the next safe point, writes a checkpoint of the last completed
+    step when it has none (``checkpoint.save_on_interrupt``) and raises :class:`RunInterrupted`
+    once everything is released; a second signal stops it at once."""
     from megarl.algorithms import build_kl_controller
     from megarl.config import save_resolved
     from megarl.observability import MetricsLogger, PhaseTimer, gpu_stats
@@ -47,18 +56,23 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False) -> Pat
 
     run_dir = Path(cfg.trainer.run_dir)
     save_resolved(cfg, run_dir)
-    with contextlib.ExitStack() as cleanup:   # unwinds in reverse order, on success and on error
+    megarl_log = logging.getLogger("megarl")
+    with contextlib.ExitStack() as cleanup:   # unwinds in reverse order, on success, error and interrupt
         console = cleanup.enter_context(run_console(run_dir / "logs", cfg.logging.level, verbose))
-        group = cleanup.enter_context(WorkerGroup(cfg, None if verbose else run_dir / "logs", verbose))
+        stop = cleanup.enter_context(StopRequest(console))   # restores the signal handlers once all is released
+        group = WorkerGroup(cfg, None if verbose else run_dir / "logs", verbose)
+        cleanup.callback(_release, group, stop)
+        stop.arm()                                           # after ray.init, which installs a SIGTERM handler
         rollouts = Rollouts(cfg, group.generate)
         ckpt = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)
         kl_ctl = build_kl_controller("adaptive", init_kl_coef=cfg.algorithm.kl_coef, target_kl=cfg.algorithm.kl_target,
                                      horizon=10000) if cfg.algorithm.kl_target else \
             build_kl_controller("fixed", init_kl_coef=cfg.algorithm.kl_coef)
         start = 0
-        if (resume or cfg.checkpoint.resume) and (latest := ckpt.latest()) is not None:
-            start, folder = latest
-            group.load_checkpoint(folder)
+        # newest checkpoint that verifies and loads; damaged ones are skipped with a warning
+        if (resume or cfg.checkpoint.resume) and \
+                (found := ckpt.newest_intact(group.load_checkpoint, group.hash_checkpoint_files)) is not None:
+            start, folder = found
             kl_ctl.value = ckpt.metadata(folder).get("kl_coef", kl_ctl.value)
             logging.getLogger("megarl").info(f"resumed from {folder} (step {start})")
         ckpt.clean_partials()
@@ -67,51 +81,91 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False) -> Pat
             run_dir, stdout=cfg.logging.stdout, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
             progress=cfg.logging.progress, total_steps=cfg.trainer.steps, resume_step=start + 1, stream=console))
         rewards = cleanup.enter_context(RewardPool(num_workers=1, timeout_s=cfg.data.reward_timeout_s))
+
+        def phase(step: int, name: str, **fields) -> None:   # the progress line; what a stop waits for
+            stop.step, stop.phase = step, name
+            log.progress_line(step, name, **fields)
+
+        def run_step(step: int, m: dict) -> None:
+            timer = PhaseTimer()
+            phase(step, "generate")
+            rollout, m_gen = rollouts.collect(step, rewards)   # times itself: generate, score
+            m.update(m_gen, **group.end_rollout())
+            stop.abandon_if_requested(m)                       # safe point: nothing updated yet
+            phase(step, "logprobs", reward=m["reward/mean"])
+            with timer("logprobs"):
+                plan = group.plan(rollout)
+                old_lp, entropy = group.logprobs(rollout, plan, reference=False)
+                ref_lp = group.logprobs(rollout, plan, reference=True)[0] if group.has_reference else None
+                values = group.values(rollout, plan) if group.has_critic else None
+            m.update(alarm_metrics(rollout, old_lp, cfg.trainer.logprob_diff_threshold))
+            per_sample, kl_rewards = {"old_logprobs_T": old_lp}, None
+            if ref_lp is not None:
+                per_sample["ref_logprobs_T"] = ref_lp
+                kl = [a - b for a, b in zip(old_lp, ref_lp)]   # k1 of the sampled tokens
+                m["actor/kl"] = float(torch.cat(kl).mean())
+                if cfg.algorithm.kl_mode == "reward":          # -beta * KL as a per-token reward
+                    kl_rewards = [-kl_ctl.value * k for k in kl]
+                kl_ctl.update(m["actor/kl"], len(rollout))
+            per_sample["advantages_T"], returns = compute_advantages(rollout, adv_fn, adv_opts, kl_rewards, values)
+            m["actor/entropy"] = float(torch.cat(entropy).mean()) if entropy else math.nan
+            stop.abandon_if_requested(m)                       # last safe point: the updates follow
+            if values is not None:
+                phase(step, "critic")
+                with timer("critic"):
+                    m.update(group.train_critic(rollout, plan, {"old_values_T": values, "returns_T": returns}))
+                    m.update(critic_metrics(values, returns))
+            phase(step, "train")
+            with timer("train"):
+                m.update(group.train(rollout, plan, per_sample, kl_ctl.value))
+            phase(step, "sync")
+            with timer("sync"):
+                m.update(group.sync_weights())
+            if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
+                with timer("eval"):
+                    m.update(rollouts.evaluate(rewards))
+            m.update(timer.pop())
+            m["throughput/tokens_per_s"] = sum(rollout.lengths()) / max(1e-9, sum(
+                v for k, v in m.items() if k.startswith("time/")))
+            m["actor/kl_coef"] = kl_ctl.value
+            m.update(gpu_stats())
+
+        stop.last_step = start
         for step in range(start + 1, cfg.trainer.steps + 1):
-            with log.step(step) as m:                          # written also if the step raises
-                timer = PhaseTimer()
-                log.progress_line(step, "generate")
-                rollout, m_gen = rollouts.collect(step, rewards)   # times itself: generate, score
-                m.update(m_gen, **group.end_rollout())
-                log.progress_line(step, "logprobs", reward=m["reward/mean"])
-                with timer("logprobs"):
-                    plan = group.plan(rollout)
-                    old_lp, entropy = group.logprobs(rollout, plan, reference=False)
-                    ref_lp = group.logprobs(rollout, plan, reference=True)[0] if group.has_reference else None
-                    values = group.values(rollout, plan) if group.has_critic else None
-                m.update(alarm_metrics(rollout, old_lp, cfg.trainer.logprob_diff_threshold))
-                per_sample, kl_rewards = {"old_logprobs_T": old_lp}, None
-                if ref_lp is not None:
-                    per_sample["ref_logprobs_T"] = ref_lp
-                    kl = [a - b for a, b in zip(old_lp, ref_lp)]   # k1 of the sampled tokens
-                    m["actor/kl"] = float(torch.cat(kl).mean())
-                    if cfg.algorithm.kl_mode == "reward":          # -beta * KL as a per-token reward
-                        kl_rewards = [-kl_ctl.value * k for k in kl]
-                    kl_ctl.update(m["actor/kl"], len(rollout))
-                per_sample["advantages_T"], returns = compute_advantages(rollout, adv_fn, adv_opts, kl_rewards, values)
-                m["actor/entropy"] = float(torch.cat(entropy).mean()) if entropy else math.nan
-                if values is not None:
-                    log.progress_line(step, "critic")
-                    with timer("critic"):
-                        m.update(group.train_critic(rollout, plan, {"old_values_T": values, "returns_T": returns}))
-                        m.update(critic_metrics(values, returns))
-                log.progress_line(step, "train")
-                with timer("train"):
-                    m.update(group.train(rollout, plan, per_sample, kl_ctl.value))
-                log.progress_line(step, "sync")
-                with timer("sync"):
-                    m.update(group.sync_weights())
-                if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
-                    with timer("eval"):
-                        m.update(rollouts.evaluate(rewards))
-                m.update(timer.pop())
-                m["throughput/tokens_per_s"] = sum(rollout.lengths()) / max(1e-9, sum(
-                    v for k, v in m.items() if k.startswith("time/")))
-                m["actor/kl_coef"] = kl_ctl.value
-                m.update(gpu_stats())
+            if stop.requested:                                 # safe point between steps
+                break
+            kl_at_start = kl_ctl.value
+            try:
+                with log.step(step) as m:                      # written also if the step raises
+                    run_step(step, m)
+            except StepAbandoned as abandoned:
+                kl_ctl.value = kl_at_start                     # its KL update belongs to the abandoned step
+                megarl_log.info(str(abandoned))
+                break
+            stop.last_step = step
             if cfg.checkpoint.save_every and (step % cfg.checkpoint.save_every == 0 or step == cfg.trainer.steps):
                 group.save_checkpoint(ckpt, step, {"kl_coef": kl_ctl.value})
+        if stop.requested and (done := stop.last_step) < cfg.trainer.steps:
+            megarl_log.info(f"stopping after step {done} (interrupt)")
+            stop.step, stop.phase = 0, "checkpoint and shutdown"
+            if cfg.checkpoint.save_on_interrupt and done > 0 and done not in dict(ckpt.complete()):
+                megarl_log.info(f"writing the checkpoint of step {done} (checkpoint.save_on_interrupt)")
+                group.save_checkpoint(ckpt, done, {"kl_coef": kl_ctl.value})
+            raise RunInterrupted(stop.signum, done, hard=False)
     return run_dir
+
+
+def _release(group, stop: StopRequest) -> None:
+    """Stop the group's engines and actors (and Ray): after a second signal, also one arriving
+    during this shutdown, without waiting for actors busy in a phase."""
+    if stop.hard:
+        group.placement.close(timeout_s=HARD_STOP_WAIT_S)
+        return
+    try:
+        group.shutdown()
+    except KeyboardInterrupt:
+        group.placement.close(timeout_s=HARD_STOP_WAIT_S)   # idempotent: redoes what was left
+        raise
 
 
 def critic_metrics(values: list, returns: list) -> dict:
@@ -136,4 +190,4 @@ def alarm_metrics(rollout: Rollout, train_lp: list, threshold: float) -> dict:
     return out
 
 
-__all__ = ["train", "alarm_metrics", "critic_metrics", "WeightSyncAlarm"]
+__all__ = ["train", "alarm_metrics", "critic_metrics", "RunInterrupted", "WeightSyncAlarm"]

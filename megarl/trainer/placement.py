@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 from pathlib import Path
 
 log = logging.getLogger("megarl")
@@ -71,6 +70,7 @@ class Placement:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from megarl import faults
         from megarl.rollout.engine import RolloutActor
         from megarl.trainer.worker import HybridWorker
 
@@ -89,6 +89,9 @@ class Placement:
         on = lambda i: PlacementGroupSchedulingStrategy(self.pg, i)   # noqa: E731
         threads = str(max(1, (os.cpu_count() or 2) // (world + rollout_devices))) if kind == "CPU" else "4"
         env = {"env_vars": {"OMP_NUM_THREADS": threads}}
+        if os.environ.get(faults.ENV):   # a test's fault injection (megarl/faults.py): checked here, before any start
+            faults.planned()
+            env["env_vars"][faults.ENV] = os.environ[faults.ENV]
         log_file = (lambda name: str(log_dir / f"{name}.log")) if log_dir is not None else (lambda name: None)
         if split:
             self.rollout_actor = ray.remote(RolloutActor).options(
@@ -104,16 +107,23 @@ class Placement:
                         for i in range(world)]
 
     def close(self, timeout_s: float = 120.0) -> None:
-        """Release everything this placement started; never raises (failures are logged)."""
+        """Release everything this placement started; never raises (failures are logged).
+
+        The actors first stop their vLLM engines themselves (which also frees the engines' shared
+        memory), for at most ``timeout_s`` seconds: an actor still busy in a phase (e.g. blocked in
+        a collective whose peer died) cannot run its shutdown, and is killed with the rest. Ray
+        kills a killed actor's child processes (its vLLM workers) too."""
         import ray
 
         if ray.is_initialized():
             actors = self.workers + ([self.rollout_actor] if self.rollout_actor is not None else [])
-            # stop the vLLM engines first: killing an actor alone may leave its engine processes
-            pending = [(a, a.shutdown.remote()) for a in actors]
-            deadline = time.monotonic() + timeout_s
-            for a, ref in pending:
-                _quietly(f"shutdown of {a}", lambda: ray.get(ref, timeout=max(1.0, deadline - time.monotonic())))
+            pending = {a.shutdown.remote(): a for a in actors}
+            done, busy = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s) if pending else ([], [])
+            for ref in done:
+                _quietly(f"shutdown of {pending[ref]}", lambda: ray.get(ref))
+            if busy:
+                log.warning(f"cleanup: {len(busy)} of {len(actors)} actor(s) did not stop within {timeout_s:.0f} s "
+                            "(busy in a phase): killing them")
             for a in actors:
                 _quietly(f"kill of {a}", lambda: ray.kill(a))
             if self.pg is not None:

@@ -87,15 +87,18 @@ class Rollouts:
         ids = self.encode(records)
         base = (self.cfg.trainer.seed * 1_000_003 + step * 1009) * 64
         seeds = [base + 64 * i for i in range(len(ids))]   # vLLM gives sample j of a request seed + j
-        return Rollout.from_generations(ids, [r.answer for r in records], self.sample_fn(ids, seeds, greedy))
+        # the reward's keyword arguments: every column of the row but the prompt and the answer
+        extras = [{"data_source": r.data_source, **r.extra} for r in records]
+        return Rollout.from_generations(ids, [r.answer for r in records], self.sample_fn(ids, seeds, greedy), extras)
 
     def decode(self, rollout: Rollout) -> list[str]:
         return self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
 
     def score(self, rollout: Rollout, rewards) -> dict:
-        """Fill ``rollout.rewards`` (``data.reward``, then overlong shaping) with the
-        :class:`megarl.rewards.RewardPool` ``rewards``; the reward metrics."""
-        result = rewards.score(self.cfg.data.reward, self.decode(rollout), rollout.answers)
+        """Fill ``rollout.rewards`` (``data.reward`` with each sample's row columns as keywords, then
+        overlong shaping) with the :class:`megarl.rewards.RewardPool` ``rewards``; the reward metrics."""
+        result = rewards.score(self.cfg.data.reward, self.decode(rollout), rollout.answers,
+                               extras=rollout.extras or None)
         rollout.rewards = list(result.rewards)
         if self.cfg.algorithm.overlong_buffer:
             from megarl.algorithms.dapo import overlong_penalty
@@ -127,7 +130,7 @@ class Rollouts:
                 keep = informative_group_mask(torch.tensor(part.rewards), torch.tensor(part.group_ids))
                 part = part.select([i for i, k in enumerate(keep.tolist()) if k])
                 part.group_ids = [g + attempt * cfg.data.prompts_per_step for g in part.group_ids]
-            kept = part if kept is None else _concat(kept, part)
+            kept = part if kept is None else kept.concat(part)
             if len(kept) >= cfg.data.prompts_per_step * cfg.rollout.n:
                 break
         if len(kept) == 0:
@@ -149,9 +152,3 @@ def _sample_metrics(rollout: Rollout) -> dict:
     return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
             "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
             "response_length/clip_ratio": sum(rollout.clipped) / len(rollout)}
-
-
-def _concat(a: Rollout, b: Rollout) -> Rollout:
-    return Rollout(a.prompt_ids + b.prompt_ids, a.response_ids + b.response_ids,
-                   a.sample_logprobs + b.sample_logprobs, a.group_ids + b.group_ids, a.answers + b.answers,
-                   a.clipped + b.clipped, a.rewards + b.rewards)

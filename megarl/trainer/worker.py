@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import time
 from pathlib import Path
+
+from megarl import faults
 
 
 class HybridWorker:
@@ -30,6 +33,12 @@ class HybridWorker:
                  rollout_actor=None, log_file: str | None = None):
         """``log_file``: where this process's output (and its vLLM engine's) goes; None leaves
         it on Ray's worker log, which reaches the driver's terminal (``--verbose``)."""
+        # Ctrl-C is the driver's to handle (megarl/trainer/interrupt.py: stop at a safe point). Ray starts
+        # workers in their own process group with SIGINT blocked; ignoring it keeps a phase alive without that.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # a write past a file-size limit (RLIMIT_FSIZE, like a full disk) then fails with OSError (EFBIG),
+        # which the checkpoint save reports, instead of killing the process
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         if log_file is not None:   # first, so that the imports' warnings land in the file too
             from megarl.observability.console import redirect_process_output
 
@@ -52,6 +61,7 @@ class HybridWorker:
             torch.cuda.set_device(0)
         dist.init_process_group("gloo" if cpu else "nccl", rank=rank, world_size=world_size)
         self.cfg, self.rank = cfg, rank
+        self.faults, self.num_train_calls = faults.planned(), 0   # test-only fault injection (megarl/faults.py)
         self.topology = cfg.topology.to_topology()
         self.groups = build_process_groups(self.topology, seed=cfg.trainer.seed)
         self.model_path = resolve_model_path(cfg.model.path)
@@ -88,16 +98,28 @@ class HybridWorker:
 
     # ------------------------------------------------------------------ queries
     def info(self) -> dict:
+        """Rank, DP rank, whether this rank returns its DP group's outputs, and where it runs
+        (pid, node IP: for the controller's error messages)."""
+        import ray
+
         g = self.groups
         leader = g.tp_rank == 0 and g.cp_rank == 0 and g.is_last_stage
-        return {"rank": self.rank, "dp_rank": g.dp_rank, "dp_leader": leader}
+        return {"rank": self.rank, "dp_rank": g.dp_rank, "dp_leader": leader, "pid": os.getpid(),
+                "node": ray.util.get_node_ip_address()}
 
     # ------------------------------------------------------------------ rollout (rank 0)
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], greedy: bool = False) -> list[list[dict]]:
         """Per prompt, ``rollout.n`` samples: see :func:`megarl.rollout.engine.sample`."""
         from megarl.rollout.engine import sample
 
-        return sample(self.llm, self.cfg.rollout, prompt_ids, seeds, greedy)
+        with self._engine_errors("generate"):
+            return sample(self.llm, self.cfg.rollout, prompt_ids, seeds, greedy)
+
+    def _engine_errors(self, phase: str):
+        """Around rank 0's calls of its vLLM engine: :func:`megarl.rollout.vllm_engine.engine_errors`."""
+        from megarl.rollout.vllm_engine import engine_errors
+
+        return engine_errors(self.llm, f"training rank {self.rank} (pid {os.getpid()})", phase)
 
     def sleep_rollout(self) -> None:
         """GPU colocated: put vLLM to sleep (``rollout.sleep_level``) while Megatron trains."""
@@ -148,6 +170,9 @@ class HybridWorker:
         from megarl.trainer.algorithm import make_loss_fn
 
         loss_fn = make_loss_fn(self.cfg.algorithm, self.cfg.rollout.max_response_tokens, kl_coef)
+        self.num_train_calls += 1
+        if self.num_train_calls in self.faults.get("nan_loss", ()) and self.rank == self.cfg.topology.world_size - 1:
+            loss_fn = faults.nan_loss(loss_fn)
         out = self.policy.train_step(micro_batches, loss_fn, with_entropy=self.cfg.algorithm.entropy_coef > 0)
         out["weight_checksum"] = self._weight_checksum()
         return out
@@ -166,7 +191,8 @@ class HybridWorker:
 
     def sync_weights(self) -> dict:
         t0 = time.perf_counter()
-        stats = self.bridge.sync()
+        with self._engine_errors("the weight sync"):
+            stats = self.bridge.sync()
         stats["seconds"] = time.perf_counter() - t0
         return stats
 
@@ -178,6 +204,8 @@ class HybridWorker:
     def _sharded_state(self, is_loading: bool) -> dict:
         state = {}
         for prefix, engine in self._engines().items():
+            if not is_loading:   # a checkpoint before the first applied update (all skipped so far)
+                engine.ensure_optimizer_state()
             model_sd = {f"{prefix}model{i}": chunk.sharded_state_dict(prefix=prefix)
                         for i, chunk in enumerate(engine.model.modules)}
             state.update(model_sd)
@@ -208,12 +236,23 @@ class HybridWorker:
             engine.optimizer.load_state_dict(state[f"{prefix}optimizer"])
         rng_file = Path(folder) / f"rng_rank{self.rank:05d}.pt"
         if rng_file.exists():
-            rng = torch.load(rng_file, weights_only=False)
+            try:
+                rng = torch.load(rng_file, weights_only=False)
+            except Exception as err:   # e.g. EOFError of a truncated file, which does not name it
+                from megarl.trainer.checkpoint import CheckpointError, describe_error
+
+                raise CheckpointError(f"{rng_file}: {describe_error(err)}") from err
             torch.set_rng_state(rng["torch"])
             tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
             self.policy.step_count = rng["engine_step"]
             if self.critic is not None:
                 self.critic.step_count = rng.get("critic_step", 0)
+
+    def hash_checkpoint_files(self, folder: str, relpaths: list[str], sync: bool) -> dict:
+        """This worker's slice of a checkpoint's manifest (:func:`megarl.trainer.checkpoint.hash_files`)."""
+        from megarl.trainer.checkpoint import hash_files
+
+        return hash_files(folder, relpaths, sync)
 
     def barrier(self) -> None:
         import torch.distributed as dist

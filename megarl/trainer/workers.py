@@ -5,9 +5,16 @@ at once with its DP rank's micro-batches and gather the DP leaders' outputs. Gen
 rank 0, which drives the vLLM engine, or on the split rollout actor; what is generated and how it
 is scored is :mod:`megarl.trainer.rollout`'s business, where the actors live is
 :mod:`megarl.trainer.placement`'s.
+
+Failures: every call waits with :func:`wait_all`, so the first failure surfaces at once, a dead
+actor as :class:`WorkerDied` naming its rank, pid, node and the phase. A dead vLLM engine process
+is named by the worker that drives the engine (:class:`megarl.rollout.vllm_engine.EngineDied`).
+After a failure the group's shutdown waits at most ``FAILED_STOP_WAIT_S`` for the actors before
+killing them. A worker that hangs without dying is not detected here.
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -15,13 +22,29 @@ import torch
 from megarl.config.schema import MegaRLConfig
 from megarl.trainer.batch import Rollout, micro_batches_for, scatter_back
 
+FAILURE_GRACE_S = 5.0
+"""After a call raised on one worker: how long the other workers' calls may still take before the
+error is raised. A rank's death makes its peers' collectives fail as well (gloo: connection closed
+by peer) or block; the death, not its echo, is the error to report."""
+FAILED_STOP_WAIT_S = 10.0
+"""After a failed call: how long the actors' own shutdown (their vLLM engines) may take before they
+are killed; a rank blocked in a collective whose peer died never runs it."""
+
+
+class WorkerDied(RuntimeError):
+    """A training worker or the rollout actor (a Ray actor process) died: its rank, pid, node, the
+    phase and Ray's reason are in the message."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """More than ``trainer.max_skipped_updates`` optimizer updates in a row were skipped for a NaN
+    or inf loss or gradient."""
+
 
 class WorkerGroup:
     """The HybridWorkers of a run; a context manager that releases them (and Ray) on exit."""
 
     def __init__(self, cfg: MegaRLConfig, log_dir: Path | None = None, verbose: bool = False):
-        import ray
-
         from megarl.data.plan import budget_from_config
         from megarl.engine.build import read_hf_config
         from megarl.trainer.algorithm import needs_critic
@@ -31,15 +54,17 @@ class WorkerGroup:
         self.has_reference = cfg.algorithm.kl_coef > 0
         self.has_critic = needs_critic(cfg.algorithm)
         self.offloaded_bytes = 0
+        self.info, self.failed = [], False
+        self.skipped_in_a_row = {"actor": 0, "critic": 0}
         # trainer.balance_cost=flops: the FLOPs coefficients come from the model's config.json
         self.budget = budget_from_config(cfg.trainer, read_hf_config(cfg.model.path))
         # last: from here on, anything that raises must release the placement
         self.placement = Placement(cfg, log_dir, verbose)
         self.workers = self.placement.workers
         try:
-            self.info = ray.get([w.info.remote() for w in self.workers])
+            self.info = self._all("info")
         except BaseException:
-            self.placement.close()
+            self.shutdown()
             raise
 
     def __enter__(self) -> "WorkerGroup":
@@ -50,34 +75,57 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         """Stop the engines and actors, remove the placement group, stop Ray if the run started it."""
-        self.placement.close()
+        if self.failed:
+            self.placement.close(timeout_s=FAILED_STOP_WAIT_S)
+        else:
+            self.placement.close()
 
     def _all(self, method: str, *args):
-        import ray
+        return self._fan_out(method, [args] * len(self.workers))
 
-        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+    def _fan_out(self, method: str, args_per_worker: list) -> list:
+        """``method(*args)`` on every worker (``args_per_worker`` in rank order): their results."""
+        refs = [getattr(w, method).remote(*args) for w, args in zip(self.workers, args_per_worker)]
+        return self._wait(refs, [self._who(rank) for rank in range(len(refs))], method)
+
+    def _on_one(self, rank: int | None, method: str, *args):
+        """``method(*args)`` on the worker of ``rank`` (None: the split rollout actor): its result."""
+        if rank is None:
+            actor, who = self.placement.rollout_actor, "the rollout actor (vLLM engine, rollout.placement=split)"
+        else:
+            actor, who = self.workers[rank], self._who(rank)
+        return self._wait([getattr(actor, method).remote(*args)], [who], method)[0]
+
+    def _wait(self, refs: list, names: list[str], phase: str) -> list:
+        try:
+            return wait_all(refs, names, phase)
+        except BaseException:
+            self.failed = True   # the shutdown will not wait long for actors that may be stuck
+            raise
+
+    def _who(self, rank: int) -> str:
+        """``training worker rank R (pid P on NODE, drives the vLLM engine)`` (pid and node once known)."""
+        notes = [f"pid {self.info[rank]['pid']} on {self.info[rank]['node']}"] if self.info else []
+        if rank == 0 and self.placement.rollout_actor is None:
+            notes.append("drives the vLLM engine")
+        return f"training worker rank {rank}" + (f" ({', '.join(notes)})" if notes else "")
 
     # ------------------------------------------------------------------ rollout
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], greedy: bool = False) -> list:
         """Samples of the engine (rank 0's or the split actor's): the ``sample_fn`` of
         :class:`megarl.trainer.rollout.Rollouts`. With ``trainer.offload_train_state`` the
         Megatron state is in host memory meanwhile."""
-        import ray
-
         offload = self.cfg.trainer.offload_train_state
         if offload:
             self.offloaded_bytes = sum(o["offloaded_bytes"] for o in self._all("offload"))
-        engine = self.placement.rollout_actor or self.workers[0]
-        gens = ray.get(engine.generate.remote(prompt_ids, seeds, greedy))
+        gens = self._on_one(None if self.placement.rollout_actor else 0, "generate", prompt_ids, seeds, greedy)
         if offload:
             self._all("onload")
         return gens
 
     def end_rollout(self) -> dict:
         """After a step's generation: GPU colocated, vLLM sleeps to free memory for training."""
-        import ray
-
-        ray.get(self.workers[0].sleep_rollout.remote())
+        self._on_one(0, "sleep_rollout")
         return {"memory/offloaded_gb": self.offloaded_bytes / 1e9} if self.cfg.trainer.offload_train_state else {}
 
     # ------------------------------------------------------------------ training
@@ -92,10 +140,7 @@ class WorkerGroup:
     def _forward(self, method: str, rollout: Rollout, plan, *args) -> dict:
         """A forward-only worker method on every rank's micro-batches: the DP leaders' outputs
         (one per micro-batch) by DP rank."""
-        import ray
-
-        batches = self._per_rank(rollout, plan, {})
-        outs = ray.get([getattr(w, method).remote(b, *args) for w, b in zip(self.workers, batches)])
+        outs = self._fan_out(method, [(b, *args) for b in self._per_rank(rollout, plan, {})])
         return {i["dp_rank"]: o for i, o in zip(self.info, outs) if o is not None}
 
     def logprobs(self, rollout: Rollout, plan, reference: bool):
@@ -117,9 +162,11 @@ class WorkerGroup:
         return self._optimize("train_critic", "critic", rollout, plan, per_sample)
 
     def _optimize(self, method: str, tag: str, rollout: Rollout, plan, per_sample: dict, *args) -> dict:
-        """``ppo_epochs`` passes over ``mini_batches`` chunks of whole groups, one optimizer step each."""
-        import ray
-
+        """``ppo_epochs`` passes over ``mini_batches`` chunks of whole groups, one optimizer step each.
+        ``<tag>/skipped_updates`` counts the updates skipped for a non-finite loss or gradient
+        (:meth:`megarl.engine.policy.PolicyEngine.train_step`), ``<tag>/grad_norm`` averages the
+        applied ones; more than ``trainer.max_skipped_updates`` skipped in a row raise
+        :class:`NonFiniteLossError`."""
         a = self.cfg.algorithm
         chunks = _mini_batches(rollout, a.mini_batches)
         results = []
@@ -130,29 +177,92 @@ class WorkerGroup:
                 sub_samples = {k: [v[i] for i in keep] for k, v in per_sample.items()} if len(chunks) > 1 \
                     else per_sample
                 batches = self._per_rank(sub, sub_plan, sub_samples)
-                results.append(ray.get([getattr(w, method).remote(b, *args)
-                                        for w, b in zip(self.workers, batches)])[0])
+                results.append(self._fan_out(method, [(b, *args) for b in batches])[0])
+                self._count_skips(tag, results[-1])
         out = {f"{tag}/{k}": v for k, v in results[-1].items() if isinstance(v, (int, float))}
-        out[f"{tag}/grad_norm"] = sum(r["grad_norm"] for r in results) / len(results)
+        applied = [r["grad_norm"] for r in results if r["update_successful"]]
+        out[f"{tag}/grad_norm"] = sum(applied) / len(applied) if applied else float("nan")
         out[f"{tag}/optimizer_steps"] = len(results)
+        out[f"{tag}/skipped_updates"] = len(results) - len(applied)
         return out
 
-    def sync_weights(self) -> dict:
-        import ray
+    def _count_skips(self, tag: str, result: dict) -> None:
+        limit = self.cfg.trainer.max_skipped_updates
+        self.skipped_in_a_row[tag] = 0 if result["update_successful"] else self.skipped_in_a_row[tag] + 1
+        if self.skipped_in_a_row[tag] > limit:
+            raise NonFiniteLossError(
+                f"{self.skipped_in_a_row[tag]} {tag} updates in a row were skipped for a NaN or inf loss or gradient "
+                f"(more than trainer.max_skipped_updates={limit}); the last one's loss: {result['loss']}")
 
-        ray.get(self.workers[0].wake_rollout.remote())
+    def sync_weights(self) -> dict:
+        self._on_one(0, "wake_rollout")
         stats = self._all("sync_weights")[0]
         return {f"sync/{k}": v for k, v in stats.items() if isinstance(v, (int, float))}
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, ckpt, step: int, metadata: dict):
-        partial = ckpt.partial_dir(step, tag="run")
-        self._all("save_checkpoint", str(partial))
-        ckpt.commit(step, partial, metadata)
+        """Every worker writes its shards, then the workers hash them for the manifest
+        (:meth:`hash_checkpoint_files`); a failure raises CheckpointError naming step and folder."""
+        ckpt.save(step, lambda partial: self._all("save_checkpoint", str(partial)), metadata,
+                  hasher=self.hash_checkpoint_files, tag="run")
 
     def load_checkpoint(self, folder):
         self._all("load_checkpoint", str(folder))
         self._all("sync_weights")
+
+    def hash_checkpoint_files(self, folder, relpaths: list[str], sync: bool) -> dict:
+        """A :data:`megarl.trainer.checkpoint.Hasher` run by all workers at once, each over the
+        slice ``relpaths[rank::world]``: no single process reads a multi-terabyte checkpoint."""
+        import ray
+
+        n = len(self.workers)
+        parts = ray.get([w.hash_checkpoint_files.remote(str(folder), relpaths[i::n], sync)
+                         for i, w in enumerate(self.workers)])
+        return {rel: entry for part in parts for rel, entry in part.items()}
+
+
+def wait_all(refs: list, names: list[str], phase: str, grace_s: float = FAILURE_GRACE_S) -> list:
+    """``ray.get(refs)``, except that a failure is raised as soon as it happens, not when the list
+    reaches it: the peers of a dead rank may block in a collective for gloo's whole timeout.
+
+    ``names[i]`` names the actor of ``refs[i]`` and ``phase`` the call, for :class:`WorkerDied`,
+    raised for a dead actor (Ray's RayActorError). A method's own exception (Ray's RayTaskError,
+    also an instance of the worker's exception class) is raised as it is, unless another actor's
+    death, seen within ``grace_s`` seconds, explains it.
+    """
+    import ray
+
+    index = {ref: i for i, ref in enumerate(refs)}
+    values, pending, failure, deadline = [None] * len(refs), list(refs), None, None
+    while pending:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+        if not done:
+            break                                     # the grace period after a failure is over
+        if pending:                                   # the others that are done too: fewer waits
+            more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+            done += more
+        for ref in done:
+            try:
+                values[index[ref]] = ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                if not err.actor_init_failed:         # a start-up error is the worker's own exception
+                    raise WorkerDied(f"{names[index[ref]]} died during {phase}: {_reason(err)}") from err
+                failure = failure or err
+            except Exception as err:
+                failure = failure or err
+        if failure is not None and deadline is None:
+            deadline = time.monotonic() + grace_s
+    if failure is not None:
+        raise failure
+    return values
+
+
+def _reason(err: Exception) -> str:
+    """Ray's reason for an actor's death, in one line (its message spans many)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    why = next((line for line in lines if line.startswith("The actor is dead because")), lines[0] if lines else "")
+    return f"{type(err).__name__}: {why.split(' Some common causes')[0][:300]}"
 
 
 def _mini_batches(rollout: Rollout, count: int) -> list[list[int]]:

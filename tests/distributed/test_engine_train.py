@@ -9,6 +9,10 @@
 - Offload + onload (params, grads, Adam state) restores every value exactly, really frees the
   storages, and the next step equals the step of an engine that never offloaded (exactly).
 - LR warm-up (2 steps), token counts, MoE aux / z loss and per-expert token counts are reported.
+- A NaN loss in one micro-batch on one rank (dp=2, Adam, after one step) skips the update on every
+  rank: weights and Adam state bit-identical, grads zeroed, the skip reported by both ranks, and
+  the LR schedule does not advance (the next step takes its second value). Adam state created
+  before any update (to save a checkpoint when every update so far was skipped) changes nothing.
 """
 import pytest
 
@@ -64,3 +68,17 @@ def test_offload_onload(result):
 
 def test_lr_warmup(result):
     assert result["plain|lr_step1"] == pytest.approx(5e-4) and result["plain|lr_step2"] == pytest.approx(1e-3)
+
+
+def test_nan_loss_skips_the_update_on_every_rank(result):
+    # (update_successful, step, grad_norm) of rank 0 and rank 1: only rank 1 saw the NaN
+    assert result["nan|per_rank"] == [[False, 1, "nan"], [False, 1, "nan"]]
+    assert result["nan|weights_bit_identical"] and result["nan|optimizer_state_unchanged"]
+    assert result["nan|num_optimizer_state_tensors"] > 0 and result["nan|grads_zeroed"]
+    assert result["nan|next_step"] == [True, 2, pytest.approx(1e-3)]   # warm-up's 2nd step, lr * 2/2
+    assert result["nan|next_step_changed_weights"] > 1e-5
+
+
+def test_adam_state_made_for_a_checkpoint_before_any_update_changes_nothing(result):
+    assert result["nan|ensured_state_tensors"] > 0 and result["nan|ensured_state_kept_weights"] == 0.0
+    assert result["nan|ensured_state_then_step_vs_plain"] == 0.0

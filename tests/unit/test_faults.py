@@ -1,0 +1,88 @@
+"""Fault handling without Ray or engines: the test-only fault hook (megarl/faults.py), the limit on
+skipped updates (trainer.max_skipped_updates), a dead vLLM engine process named by the caller's
+error (megarl/rollout/vllm_engine.py) and Ray's death reason in one line. The faults themselves
+run on the real stack in tests/e2e/test_faults_e2e.py and tests/distributed/test_engine_train.py."""
+import math
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megarl import faults
+from megarl.config import load_config
+
+
+def test_fault_plan_parses_and_names_the_known_faults(monkeypatch):
+    monkeypatch.delenv(faults.ENV, raising=False)
+    assert faults.planned() == {}
+    monkeypatch.setenv(faults.ENV, "nan_loss@2, nan_loss@5")
+    assert faults.planned() == {"nan_loss": {2, 5}}
+    for bad in ("nan_los@2", "nan_loss", "nan_loss@x"):
+        monkeypatch.setenv(faults.ENV, bad)
+        with pytest.raises(ValueError, match=r"MEGARL_FAULTS=.*is not FAULT@N .*'nan_loss'"):
+            faults.planned()
+
+
+def test_nan_loss_poisons_the_loss_not_the_metrics():
+    loss, metrics = faults.nan_loss(lambda lp, batch: (lp.sum(), {"kl": 0.5}))(torch.ones(3), None)
+    assert math.isnan(loss.item()) and metrics == {"kl": 0.5}
+
+
+def test_max_skipped_updates_stops_after_that_many_in_a_row():
+    from megarl.trainer.workers import NonFiniteLossError, WorkerGroup
+
+    group = SimpleNamespace(cfg=load_config(None, ["trainer.max_skipped_updates=1"]),
+                            skipped_in_a_row={"actor": 0, "critic": 0})
+    skipped, applied = {"update_successful": False, "loss": math.nan}, {"update_successful": True, "loss": 0.1}
+    WorkerGroup._count_skips(group, "actor", skipped)
+    WorkerGroup._count_skips(group, "actor", applied)             # an applied update resets the count
+    WorkerGroup._count_skips(group, "actor", skipped)
+    with pytest.raises(NonFiniteLossError, match=r"2 actor updates in a row .* trainer\.max_skipped_updates=1"):
+        WorkerGroup._count_skips(group, "actor", skipped)
+    group.cfg = load_config(None, ["trainer.max_skipped_updates=0"])
+    with pytest.raises(NonFiniteLossError):
+        WorkerGroup._count_skips(group, "critic", skipped)
+    with pytest.raises(Exception, match="max_skipped_updates"):
+        load_config(None, ["trainer.max_skipped_updates=-1"])
+
+
+def test_an_error_of_a_dead_engine_process_names_it():
+    from megarl.rollout import vllm_engine
+
+    class FakeLLM:
+        pass
+
+    llm, proc = FakeLLM(), subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        import psutil
+
+        vllm_engine._PROCESSES[llm] = [(psutil.Process(proc.pid), "VLLM::Worker")]
+        with pytest.raises(KeyError):           # every process alive: the engine's own error
+            with vllm_engine.engine_errors(llm, "training rank 0", "generate"):
+                raise KeyError("x")
+        proc.kill()
+        proc.wait()
+        with pytest.raises(vllm_engine.EngineDied, match=rf"the vLLM engine of training rank 0 died during generate: "
+                           rf"its process pid {proc.pid} \(VLLM::Worker\) exited \(RuntimeError: cancelled\)"):
+            with vllm_engine.engine_errors(llm, "training rank 0", "generate"):
+                raise RuntimeError("cancelled")
+        with pytest.raises(RuntimeError, match="cancelled"):   # a rank without an engine
+            with vllm_engine.engine_errors(None, "training rank 1", "the weight sync"):
+                raise RuntimeError("cancelled")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_ray_death_reason_in_one_line():
+    from megarl.trainer.workers import _reason
+
+    message = ("The actor died unexpectedly before finishing this task.\n\tclass_name: HybridWorker\n\tpid: 12\n"
+               "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit "
+               "detail: Worker unexpectedly exits with a connection error code 2. End of file. Some common causes "
+               "include: (1) the process was killed by the OOM killer")
+    assert _reason(RuntimeError(message)) == (
+        "RuntimeError: The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR "
+        "Worker exit detail: Worker unexpectedly exits with a connection error code 2. End of file.")
