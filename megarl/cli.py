@@ -134,6 +134,7 @@ def _cmd_train(args) -> int:
 
     from megarl.config import load_config
     from megarl.config.errors import ConfigError
+    from megarl.trainer.checkpoint import describe_error   # torch-free
 
     cfg = load_config(args.recipe, args.overrides)
     _preflight(args, cfg, "train")
@@ -159,18 +160,10 @@ def _cmd_train(args) -> int:
         if args.verbose:
             traceback.print_exc()
         where = f" (traceback in {driver_log})" if not args.verbose and driver_log.exists() else ""
-        print(_resume_line(f"error: {_error_summary(err)}{where}", cfg, args), file=sys.stderr)
+        print(_resume_line(f"error: {describe_error(err)}{where}", cfg, args), file=sys.stderr)
         return 1
     print(f"run finished: {run_dir}/metrics.jsonl (megarl plot {run_dir})")
     return 0
-
-
-def _error_summary(err: BaseException) -> str:
-    """``Type: first line`` of an error; of a Ray task's error, the worker's exception it wraps."""
-    cause = getattr(err, "cause", None)
-    err = cause if isinstance(cause, BaseException) else err
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
 def _resume_line(what: str, cfg, args) -> str:

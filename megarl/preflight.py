@@ -140,13 +140,12 @@ def _check_dataset(task: str) -> None:
 
 def _model_config(path: str, warnings: list[str]) -> dict | None:
     """config.json of ``model.path``; None (with a warning) for a fixture that is not built yet."""
-    from megarl.models.fixtures import fixture_dir
+    from megarl.models.fixtures import fixture_dir, is_built
 
     if path.startswith("fixture:"):
         name = path[len("fixture:"):]
         folder = fixture_dir(name)
-        # megarl.models.fixtures.ensure_fixture's rule: a fixture is built when .complete exists
-        if not (folder / ".complete").exists():
+        if not is_built(name):
             warnings.append(f"model.path: fixture {name!r} is not built yet ({folder}); train and generate build it "
                             f"when they start (or: megarl fixtures {name}); until then preflight cannot check its "
                             "shapes or checkpoint size")

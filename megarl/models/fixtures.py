@@ -41,6 +41,11 @@ def fixture_dir(name: str) -> Path:
     return cache_root() / "models" / name
 
 
+def is_built(name: str) -> bool:
+    """Whether fixture ``name`` is in the cache, complete (its ``.complete`` marker is written last)."""
+    return (fixture_dir(name) / ".complete").exists()
+
+
 def resolve_model_path(path: str) -> str:
     """``fixture:<name>`` -> the built fixture folder (building it if needed); else ``path``."""
     if path.startswith("fixture:"):
@@ -63,7 +68,7 @@ def smollm2_gguf_path() -> Path:
 def ensure_fixture(name: str, rebuild: bool = False) -> Path:
     """Build fixture ``name`` into the cache unless a complete copy is there; return its folder."""
     out = fixture_dir(name)
-    if (out / ".complete").exists() and not rebuild:
+    if is_built(name) and not rebuild:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
@@ -120,9 +125,8 @@ def smollm2_tokenizer():
     """The SmolLM2 tokenizer (from the built fixture when present, else from the GGUF)."""
     from transformers import AutoTokenizer
 
-    built = fixture_dir("smollm2")
-    if (built / ".complete").exists():
-        return AutoTokenizer.from_pretrained(built)
+    if is_built("smollm2"):
+        return AutoTokenizer.from_pretrained(fixture_dir("smollm2"))
     gguf = smollm2_gguf_path()
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 

@@ -213,11 +213,8 @@ class WorkerGroup:
     def hash_checkpoint_files(self, folder, relpaths: list[str], sync: bool) -> dict:
         """A :data:`megarl.trainer.checkpoint.Hasher` run by all workers at once, each over the
         slice ``relpaths[rank::world]``: no single process reads a multi-terabyte checkpoint."""
-        import ray
-
         n = len(self.workers)
-        parts = ray.get([w.hash_checkpoint_files.remote(str(folder), relpaths[i::n], sync)
-                         for i, w in enumerate(self.workers)])
+        parts = self._fan_out("hash_checkpoint_files", [(str(folder), relpaths[i::n], sync) for i in range(n)])
         return {rel: entry for part in parts for rel, entry in part.items()}
 
 
