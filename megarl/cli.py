@@ -89,10 +89,11 @@ def _cmd_generate(args) -> int:
         model_dir = resolve_model_path(cfg.model.path)
         log.info(f"model: {cfg.model.path} -> {model_dir} ({time.time() - t0:.1f}s)")
         t0 = time.time()
-        llm = make_rollout_llm(cfg, model_dir, own_process=True)
+        llm = make_rollout_llm(cfg, model_dir)
         start_s = time.time() - t0
         try:
-            rollouts = Rollouts(cfg, lambda ids, seeds, greedy: sample(llm, cfg.rollout, ids, seeds, greedy))
+            rollouts = Rollouts(cfg, lambda ids, seeds, greedy, on_done=None: sample(llm, cfg.rollout, ids, seeds,
+                                                                                     greedy))
             records = [PromptRecord(p, answer="", data_source="cli") for p in args.prompt] if args.prompt else \
                 rollouts.prompts.eval_batch(args.num_prompts)
             t0 = time.time()

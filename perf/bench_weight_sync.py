@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 perf/bench_weight_sync.py [--model fixture:tiny-qwen2] [--layout pp2]
         [--vllm-tp 1] [--repeats 3] [--out perf/results/weight_sync_cpu_<date>.md]
-    python perf/bench_weight_sync.py --plan-only        # only the 671B byte counts (no processes)
+    python perf/bench_weight_sync.py --plan-only        # only the 671B byte counts (no processes, ~10 s)
 
 In one run, on the same model and Megatron layout, with one running vLLM engine (driver: rank 0):
 * bridge: ``WeightBridge.sync()`` (plan buckets, shared-memory transport, vLLM reload per bucket);
@@ -13,8 +13,10 @@ In one run, on the same model and Megatron layout, with one running vLLM engine 
 Seconds are the best of ``--repeats``; GB/s = HF bytes of the model / seconds.
 
 The 671B section evaluates the plan from shapes only (config dict below, from the published
-DeepSeek-V3 config) for two published layouts and prints bytes received per device by the plan
-(its vLLM TP shard) vs by the baseline (every full tensor on every rank).
+DeepSeek-V3 config) for published layouts (training PP16 x EP16 on 256 devices with 8 engines x TP32
+and 32 engines x TP8; TP8 PP12 EP8 with 3 x TP32) and prints, with ``megarl.bridge.plan.link_bytes``,
+bytes received / sent per device by link type (same device, same node, network) and per engine, vs
+the baseline (every full tensor on every rank). ``--plan-only`` writes perf/results/plan_671b_<date>.md.
 """
 import argparse
 import datetime
@@ -29,36 +31,67 @@ DEEPSEEK_V3_671B = dict(
     q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
     num_attention_heads=128, num_key_value_heads=128, vocab_size=129280, tie_word_embeddings=False)
 # 61 layers do not split evenly over 16 / 12 stages: the first stages take one layer more
-LAYOUTS_671B = {
-    "train PP16 x EP16 (256 dev) -> vLLM TP32 x 8": dict(world_size=256, pp=16, ep=16, etp=1,
-                                                        layers_per_stage=(4,) * 13 + (3,) * 3),
-    "train TP8 PP12 EP8 (96 dev) -> vLLM TP32 x 3": dict(world_size=96, tp=8, pp=12, ep=8, etp=1,
-                                                        layers_per_stage=(6,) + (5,) * 11),
+TRAIN_671B = {
+    "PP16 x EP16 (256 dev)": dict(world_size=256, pp=16, ep=16, etp=1, layers_per_stage=(4,) * 13 + (3,) * 3),
+    "TP8 PP12 EP8 (96 dev)": dict(world_size=96, tp=8, pp=12, ep=8, etp=1, layers_per_stage=(6,) + (5,) * 11),
 }
+# (training layout, vLLM TP): engines colocated on the training devices, as many as fit
+LAYOUTS_671B = [("PP16 x EP16 (256 dev)", 32), ("PP16 x EP16 (256 dev)", 8), ("TP8 PP12 EP8 (96 dev)", 32)]
+DEVICES_PER_NODE = 8
+LINK_NAMES = {"local": "local (same device: CUDA IPC)", "intra_node": "intra_node (NVLink)",
+              "inter_node": "inter_node (network)"}
 
 
 def plan_671b() -> list[str]:
     from megarl.bridge.mapping import get_mapping
-    from megarl.bridge.plan import MegatronLayout, VllmLayout, baseline_bytes_per_device, bytes_per_device
+    from megarl.bridge.plan import LINK_TYPES, MegatronLayout, VllmLayout, baseline_bytes_per_device, link_bytes
     from megarl.parallel import Topology
+
+    def gb(n):
+        return f"{n / 1e9:.2f} GB"
+
+    def span(values):
+        lo, hi = min(values), max(values)
+        return gb(lo) if lo == hi else f"{gb(lo)} .. {gb(hi)}"
 
     mapping = get_mapping(DEEPSEEK_V3_671B)
     total = sum(_numel(t.shape) for t in mapping.megatron_tensors()) * 2
     lines = [f"DeepSeek-V3 671B, bf16, {total / 1e9:.1f} GB of weights (no MTP layer); config: "
              f"`{json.dumps(DEEPSEEK_V3_671B)}`", "",
-             "| layout | plan: max recv/device (network) | plan: max recv+local/device | baseline: max recv/device "
-             "| ratio baseline/plan (network) | plan time |", "|---|---|---|---|---|---|"]
-    for name, kw in LAYOUTS_671B.items():
+             f"vLLM format `vllm_shard` (the GPU path: each TP rank receives only its fused TP shard), engines "
+             f"colocated on the training devices (engine k = devices k*tp .. k*tp+tp-1), {DEVICES_PER_NODE} devices "
+             "per node filled in device order (Ray PACK placement). Baseline: every rank gathers every full tensor "
+             "(TP/EP all-gather, PP broadcast), counted as the bytes it does not hold (link types not modelled)."]
+    for train, tp in LAYOUTS_671B:
+        kw = TRAIN_671B[train]
         t = time.time()
-        sizes = {k: v for k, v in kw.items() if k != "layers_per_stage"}
-        src = MegatronLayout(Topology(**sizes), layers_per_stage=kw["layers_per_stage"])
-        b = bytes_per_device(mapping, src, VllmLayout.colocated(32, src.topology.world_size), itemsize=2)
+        src = MegatronLayout(Topology(**{k: v for k, v in kw.items() if k != "layers_per_stage"}),
+                             layers_per_stage=kw["layers_per_stage"])
+        world = src.topology.world_size
+        dst = VllmLayout.colocated(tp, world)
+        lb = link_bytes(mapping, src, dst, devices_per_node=DEVICES_PER_NODE, itemsize=2)
+        seconds = time.time() - t
         base = baseline_bytes_per_device(mapping, src, itemsize=2)
-        recv = max(b["recv"].values())
-        both = max(b["recv"].get(d, 0) + b["local"].get(d, 0) for d in range(src.topology.world_size))
-        lines.append(f"| {name} | {recv / 1e9:.2f} GB | {both / 1e9:.2f} GB | {max(base.values()) / 1e9:.1f} GB "
-                     f"| {max(base.values()) / recv:.0f}x | {time.time() - t:.0f} s |")
-    return lines
+        engines = [lb.engine_total(k) for k in range(len(lb.engines))]
+        network = max(lb.recv["inter_node"].values())
+        lines += ["", f"### train {train} -> vLLM {world // tp} engines x TP{tp} (plan {seconds:.1f} s)", "",
+                  "| link | recv max / device | recv mean / device | sent max / device | per engine (min .. max) |",
+                  "|---|---|---|---|---|"]
+        for link in LINK_TYPES:
+            recv = lb.recv[link].values()
+            sent = gb(max(lb.sent[link].values(), default=0)) if link != "local" else "-"
+            lines.append(f"| {LINK_NAMES[link]} | {gb(max(recv))} | {gb(sum(recv) / len(recv))} | {sent} | "
+                         f"{span([e[link] for e in lb.engines])} |")
+        totals = [lb.device_total(d) for d in dst.devices]
+        lines += [f"| total | {gb(max(totals))} | {gb(sum(totals) / len(totals))} | | {span(engines)} |",
+                  f"| baseline (full gather) | {gb(max(base.values()))} | {gb(sum(base.values()) / len(base))} | | |",
+                  "", f"- every engine receives {span(engines)}: its {tp} TP shards, i.e. the whole model plus what "
+                      "vLLM replicates on every TP rank (norms, router, MLA down-projections); baseline / plan "
+                      f"network bytes (max per device): **{max(base.values()) / network:.0f}x**"]
+    return lines + ["", "Why the network carries most bytes: a training device holds only its stage's layers (and "
+                        "1/EP of their experts, 1/TP of TP-split tensors), while its vLLM shard needs 1/TP of every "
+                        "layer and a slice of every expert, and only its node's devices are reached without the "
+                        "network."]
 
 
 def _numel(shape):
@@ -156,11 +189,15 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--plan-only", action="store_true")
-    ap.add_argument("--out", default=f"perf/results/weight_sync_cpu_{datetime.date.today()}.md")
+    ap.add_argument("--out", default=None, help="default: perf/results/weight_sync_cpu_<date>.md, with "
+                    "--plan-only perf/results/plan_671b_<date>.md")
     args = ap.parse_args()
-    lines = [] if args.plan_only else bench(args)
+    if args.out is None:
+        args.out = f"perf/results/{'plan_671b' if args.plan_only else 'weight_sync_cpu'}_{datetime.date.today()}.md"
+    lines = ["Command: `python perf/bench_weight_sync.py --plan-only`"] if args.plan_only else bench(args)
     if args.plan_only or int(os.environ.get("RANK", "0")) == 0:
-        lines = ["# Weight sync (CPU)", "", *lines, "", "## DeepSeek-V3 671B: bytes per device (plan, shapes only)",
+        title = "# DeepSeek-V3 671B weight-sync plan" if args.plan_only else "# Weight sync (CPU)"
+        lines = [title, "", *lines, "", "## DeepSeek-V3 671B: bytes per device and link type (plan, shapes only)",
                  "", *plan_671b()]
         text = "\n".join(lines) + "\n"
         print(text)

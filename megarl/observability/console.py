@@ -3,7 +3,7 @@
 A run prints its progress line, the per-step metrics table and megarl's one-line messages (the
 ``megarl`` logger); Ray, vLLM, megatron-core, transformers and Python warnings from outside
 megarl go to ``<run_dir>/logs/`` (``driver.log`` for the controller, ``worker_<rank>.log`` per
-HybridWorker, ``rollout.log`` for a split rollout actor). The redirection is done on file
+HybridWorker, ``engine_<k>.log`` per rollout engine actor). The redirection is done on file
 descriptors 1 and 2, not on ``sys.stdout``, so C++ libraries (gloo, Ray's core worker) and child
 processes (vLLM's engine core and workers, reward workers) land in the file too.
 

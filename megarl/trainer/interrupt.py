@@ -10,9 +10,8 @@ The first signal only sets a flag (and says so on the console); the loop
   scheduled checkpoint) and the run stops after it.
 
 The phase in flight always finishes: a Ray call is not interrupted mid-collective. Generation is
-the long one: rank 0's actor (or the split rollout actor) is busy until vLLM returns, and Ray
-cannot interrupt a running task of a synchronous actor (``ray.cancel`` only sets a flag the task
-would have to poll; vLLM's ``LLM.generate`` does not), so the stop waits for at most one
+the long one: the rollout engines' actors are busy until their requests finish, and a running
+generation is not cut short (its samples would be lost), so the stop waits for at most one
 generate call (``data.prompts_per_step`` x ``rollout.n`` samples up to
 ``rollout.max_response_tokens``; with dynamic sampling one round per call) plus its scoring.
 Then the run writes a checkpoint of the last completed step when it has none

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import math
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -37,9 +38,11 @@ class WeightSyncAlarm(RuntimeError):
         """The differences that raised it (written as the failed step's metrics)."""
 
 
-def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False) -> Path:
+def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
+          after_sync: Optional[Callable] = None) -> Path:
     """Run ``cfg``; ``verbose`` shows third-party output on the terminal instead of
-    <run_dir>/logs/. On any exception too, the failed step's metrics so far are written and the
+    <run_dir>/logs/. ``after_sync(group, step)``, when given, runs after each step's weight sync
+    (e.g. to probe the engines; :class:`megarl.trainer.workers.WorkerGroup`). On any exception too, the failed step's metrics so far are written and the
     reward workers, vLLM engines, Ray actors and (when started here) Ray are stopped. On
     SIGINT/SIGTERM the run stops at the next safe point, writes a checkpoint of the last completed
     step when it has none (``checkpoint.save_on_interrupt``) and raises :class:`RunInterrupted`
@@ -121,6 +124,8 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False) -> Pat
             phase(step, "sync")
             with timer("sync"):
                 m.update(group.sync_weights())
+            if after_sync is not None:
+                after_sync(group, step)
             if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
                 with timer("eval"):
                     m.update(rollouts.evaluate(rewards))

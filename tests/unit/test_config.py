@@ -252,6 +252,10 @@ def test_function_names_are_resolved_at_load():
     ("rollout.kv_cache_gib=0", "got 0.0, expected a positive number"),
     ("rollout.gpu_memory_utilization=1.5", "got 1.5, expected a number in (0, 1]"),
     ("rollout.tp=0", "got 0, expected a positive number"),
+    ("rollout.dp=0", "got 0, expected a positive number"),
+    ("rollout.engine_timeout_s=0", "got 0.0, expected a positive number"),
+    ("rollout.engine_restarts=-1", "got -1, expected a non-negative number"),
+    ("rollout.ep=3", "got 3, expected 1 or rollout.tp=1 (vLLM's expert parallelism spans an engine's TP ranks)"),
     ("rollout.enforce_eager=3", None),
     ("model.recompute=layer", "got 'layer', expected one of 'none', 'selective', 'full'"),
     ("model.moe_aux_loss_coeff=-1", "got -1.0, expected a non-negative number"),
@@ -306,3 +310,14 @@ def test_expert_tensor_parallel_size_reaches_the_topology():
     assert error_of(["topology.etp=2"]) == (
         "invalid value for config key 'topology.ep': got 1, expected a size for which world_size=1 is a "
         "multiple of etp*ep*pp = 2*1*1 = 2")
+
+
+def test_rollout_fleet_size_defaults_to_the_devices_and_fits_them():
+    assert load_config(None, ["topology.world_size=4", "rollout.tp=2", "model.path=fixture:tiny-qwen2"]).rollout.dp == 2
+    assert load_config(None, ["topology.world_size=4", "rollout.placement=split"]).rollout.dp == 1
+    assert load_config(None, ["topology.world_size=2", "rollout.dp=1"]).rollout.dp == 1   # device 1: no engine
+    assert error_of(["topology.world_size=2", "rollout.dp=2", "rollout.tp=2", "model.path=fixture:tiny-qwen2"]) == (
+        "invalid value for config key 'rollout.dp': got 2, expected rollout.dp * rollout.tp <= topology.world_size "
+        "= 2 (colocated, each vLLM TP rank shares a training device; rollout.dp=2, rollout.tp=2)")
+    assert error_of(["rollout.tp=2", "model.path=fixture:tiny-qwen2"]).startswith("invalid value for config key 'rollout.tp': got 2, expected "
+                                                 "rollout.dp * rollout.tp <= topology.world_size = 1")

@@ -158,7 +158,7 @@ def test_rollout_keys_reach_the_vllm_engine(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(vllm_engine, "make_llm", lambda path, **kwargs: seen.update(kwargs, path=path))
-    cfg = load_config(None, ["rollout.tp=3", "rollout.kv_cache_gib=2", "rollout.gpu_memory_utilization=0.3",
+    cfg = load_config(None, ["topology.world_size=3", "rollout.tp=3", "rollout.kv_cache_gib=2", "rollout.gpu_memory_utilization=0.3",
                              "rollout.enforce_eager=false", "rollout.max_prompt_tokens=100",
                              "rollout.max_response_tokens=50", "model.dtype=bfloat16", "trainer.seed=7"])
     make_rollout_llm(cfg, "/models/x")
@@ -167,6 +167,7 @@ def test_rollout_keys_reach_the_vllm_engine(monkeypatch):
         path="/models/x", tp=3, dtype="bfloat16", seed=7, max_model_len=150, kv_cache_gib=2.0,
         gpu_memory_utilization=0.3, enforce_eager=False)
     assert "enable_sleep_mode" not in seen                   # CPU: vLLM has no sleep mode
+    assert seen["enable_chunked_prefill"] is False           # CPU: seeded sampling cannot resume a split prefill
     # on GPU, colocated, rollout.sleep_level > 0 builds the engine with sleep mode; 0 and split do not
     monkeypatch.setattr(megarl.compat, "cuda_available", lambda: True)
     for overrides, sleeps in ((["rollout.sleep_level=1"], True), (["rollout.sleep_level=0"], False),
@@ -174,6 +175,7 @@ def test_rollout_keys_reach_the_vllm_engine(monkeypatch):
         seen.clear()
         make_rollout_llm(load_config(None, overrides), "/models/x")
         assert seen.get("enable_sleep_mode", False) is sleeps, overrides
+        assert "enable_chunked_prefill" not in seen, overrides
 
 
 def test_rollout_keys_set_the_sampling_params():
@@ -257,7 +259,7 @@ def rollouts(*overrides):
     cfg = load_config(None, ["rollout.n=2", "data.prompts_per_step=2", "rollout.max_response_tokens=10", *overrides])
     calls = []
 
-    def sample_fn(ids, seeds, greedy):
+    def sample_fn(ids, seeds, greedy, on_done=None):
         calls.append((ids, seeds, greedy))
         lengths = (4, 4) if len(calls) == 1 else (8, 9)
         n = 1 if greedy else cfg.rollout.n

