@@ -20,13 +20,13 @@ from launch import run_workers
 
 CASES = {
     # LAYOUT@gloo: that layout with point-to-point gloo sends instead of shared-memory writes
-    "qwen2-vtp1": ("qwen2", 1, "tp1,tp2,pp2,pp2@gloo"),
+    "qwen2-vtp1": ("qwen2", 1, "tp1,pp2,pp2@gloo"),
     "deepseek_v3-vtp1": ("deepseek_v3", 1, "tp2.ep2.etp1,pp2"),
     "deepseek_v3-vtp2": ("deepseek_v3", 2, "tp2.ep2.etp1"),
 }
-# Qwen2 into a TP2 engine (case b: trained at TP2) and Qwen3-MoE (case c: tp2.ep2 training into two
-# engines) run through the rollout fleet in tests/e2e/test_fleet_e2e.py, with the same checks against
-# fresh engines.
+# Qwen2 trained at TP2 into a TP2 engine (case b) and Qwen3-MoE trained at tp2.ep2 into two TP1
+# engines (case c) run through the rollout fleet in tests/e2e/test_fleet_e2e.py, with the same checks
+# against fresh engines.
 
 
 @pytest.mark.parametrize("case", list(CASES))
