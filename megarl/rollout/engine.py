@@ -104,13 +104,10 @@ class EngineActor:
         self.llm = make_rollout_llm(cfg, str(resolve_model_path(cfg.model.path)), cores)
 
     def info(self) -> dict:
-        """pid, node and the pids of the engine's own processes (vLLM workers at tp > 1)."""
+        """pid and node of this actor (for the controller's messages)."""
         import ray
 
-        from megarl.rollout.vllm_engine import engine_processes
-
-        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(),
-                "processes": [p.pid for p in engine_processes(self.llm)]}
+        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address()}
 
     def _errors(self, phase: str):
         from megarl.rollout.vllm_engine import engine_errors

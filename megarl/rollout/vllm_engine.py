@@ -69,11 +69,6 @@ def make_llm(model: str, *, tp: int = 1, dtype: str = "float32", seed: int = 0,
     return llm
 
 
-def engine_processes(llm) -> list:
-    """The processes :func:`make_llm` started for ``llm`` (psutil handles)."""
-    return [p for p, _ in _PROCESSES.get(llm, ())]
-
-
 class EngineDied(RuntimeError):
     """A process of a vLLM engine exited while the engine was in use: it cannot go on."""
 

@@ -30,7 +30,7 @@ class FakeEngine:
     def info(self) -> dict:
         import ray
 
-        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "processes": []}
+        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address()}
 
     def generate_stream(self, prompt_ids, seeds, greedy=False, flush_s=0.25, heartbeat_s=2.0):
         tokens = 0
