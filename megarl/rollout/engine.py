@@ -104,10 +104,11 @@ class EngineActor:
         self.llm = make_rollout_llm(cfg, str(resolve_model_path(cfg.model.path)), cores)
 
     def info(self) -> dict:
-        """pid and node of this actor (for the controller's messages)."""
-        import ray
+        """pid and node of this actor (:func:`megarl.parallel.nodes.where`; its vLLM processes
+        run on the same node): for the placement log, the bridge and the controller's messages."""
+        from megarl.parallel.nodes import where
 
-        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address()}
+        return {"pid": os.getpid(), **where()}
 
     def _errors(self, phase: str):
         from megarl.rollout.vllm_engine import engine_errors

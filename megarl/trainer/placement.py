@@ -47,6 +47,8 @@ def init_ray(num_devices: int, verbose: bool) -> bool:
         return False
     opts = dict(log_to_driver=verbose, configure_logging=False)
     if os.environ.get("RAY_ADDRESS"):
+        if os.environ.get("MEGARL_NODE_IP"):   # this node's address as the launcher knows it (Slurm's NodeAddr)
+            opts["_node_ip_address"] = os.environ["MEGARL_NODE_IP"]
         ray.init(address=os.environ["RAY_ADDRESS"], **opts)
         log.info(f"joined the Ray cluster at {os.environ['RAY_ADDRESS']} "
                  f"({len(ray.nodes())} node(s), {ray.cluster_resources()})")

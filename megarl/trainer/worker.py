@@ -88,6 +88,7 @@ class HybridWorker:
         collective). vLLM TP rank r of engine k is written by training rank k*tp + r, and rank
         k*tp drives engine k's loads."""
         from megarl.bridge import WeightBridge
+        from megarl.parallel.nodes import where
         from megarl.rollout.engine import RemoteEngine
 
         tp = self.cfg.rollout.tp
@@ -96,18 +97,17 @@ class HybridWorker:
         self.bridge = WeightBridge(self.policy.local_shards, self.policy.model.hf_config, self.topology,
                                    vllm_tp=tp, llm=RemoteEngine(engines[self.engine_index]) if drives else None,
                                    options=self.cfg.bridge.sync_options(dtype=self.cfg.model.dtype),
-                                   vllm_devices=tuple(range(len(engines) * tp)))
+                                   vllm_devices=tuple(range(len(engines) * tp)), node=where()["node_id"])
 
     # ------------------------------------------------------------------ queries
     def info(self) -> dict:
         """Rank, DP rank, whether this rank returns its DP group's outputs, and where it runs
-        (pid, node IP: for the controller's error messages)."""
-        import ray
+        (pid and :func:`megarl.parallel.nodes.where`: for the placement log and error messages)."""
+        from megarl.parallel.nodes import where
 
         g = self.groups
         leader = g.tp_rank == 0 and g.cp_rank == 0 and g.is_last_stage
-        return {"rank": self.rank, "dp_rank": g.dp_rank, "dp_leader": leader, "pid": os.getpid(),
-                "node": ray.util.get_node_ip_address()}
+        return {"rank": self.rank, "dp_rank": g.dp_rank, "dp_leader": leader, "pid": os.getpid(), **where()}
 
     def replace_engine(self, k: int, actor) -> dict:
         """Engine ``k`` was restarted as ``actor``: its driver rank points its bridge there, and

@@ -26,6 +26,13 @@ FAILURE_GRACE_S = 5.0
 """After a call raised on one worker: how long the other workers' calls may still take before the
 error is raised. A rank's death makes its peers' collectives fail as well (gloo: connection closed
 by peer) or block; the death, not its echo, is the error to report."""
+NODE_LOSS_GRACE_S = 60.0
+"""The grace period instead when the first failure is a lost connection to a peer rank (gloo or
+NCCL): the peer's process or whole node may be gone. A lost node's actors are declared dead only
+when Ray's health checks of that node fail (about 15-30 s with Ray's defaults), and that death,
+naming the node, is the error to report."""
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exited",
+              "connection refused")
 FAILED_STOP_WAIT_S = 10.0
 """After a failed call: how long the actors' own shutdown (their vLLM engines) may take before they
 are killed; a rank blocked in a collective whose peer died never runs it."""
@@ -68,10 +75,41 @@ class WorkerGroup:
             self.fleet.infos = self._wait([e.info.remote() for e in self.fleet.engines],
                                           [self.fleet.name(k) for k in range(len(self.fleet.engines))], "start-up")
             self.info = self._all("info")
+            self._place(log_dir)
             self._all("attach_engines", self.fleet.engines)
         except BaseException:
             self.shutdown()
             raise
+
+    def _place(self, log_dir: Path | None) -> None:
+        """Log where every rank and engine runs (and write it to ``logs/placement.json``); refuse
+        an engine whose vLLM ranks would read their weight buffers from another node."""
+        import json
+        import logging
+
+        tp, infos = self.cfg.rollout.tp, self.fleet.infos
+        for k, engine in enumerate(infos):
+            for r in range(tp):
+                rank = self.info[k * tp + r]
+                if rank["node_id"] != engine["node_id"]:
+                    raise ValueError(
+                        f"rollout engine {k} runs on {engine['node']}, but its vLLM TP rank {r} would load the weights "
+                        f"that training rank {k * tp + r} on {rank['node']} writes into node-local memory; place every "
+                        "engine on the node of its training ranks (rollout.placement=colocated with rollout.tp dividing "
+                        "the devices per node)")
+        nodes: dict = {}
+        for i, rank in enumerate(self.info):
+            nodes.setdefault(rank["node"], [[], []])[0].append(i)
+        for k, engine in enumerate(infos):
+            nodes.setdefault(engine["node"], [[], []])[1].append(k)
+        logging.getLogger("megarl").info("placement: " + "; ".join(
+            f"{node}: rank(s) {','.join(map(str, ranks)) or '-'}" + (f", engine(s) {','.join(map(str, engines))}"
+                                                                     if engines else "")
+            for node, (ranks, engines) in nodes.items()))
+        if log_dir is not None:
+            (log_dir / "placement.json").write_text(json.dumps(
+                {"ranks": [{k: r[k] for k in ("rank", "pid", "node_name", "ip", "node_id")} for r in self.info],
+                 "engines": [{k: e[k] for k in ("pid", "node_name", "ip", "node_id")} for e in infos]}, indent=1))
 
     def __enter__(self) -> "WorkerGroup":
         return self
@@ -223,7 +261,9 @@ class WorkerGroup:
 
     def sync_weights(self) -> dict:
         """Every engine gets the new weights: ``sync/*`` of rank 0, plus per engine
-        ``sync/engine<k>_seconds`` (its loads) and ``sync/engine<k>_bytes`` (what it received)."""
+        ``sync/engine<k>_seconds`` (its loads) and ``sync/engine<k>_bytes`` (what it received), and
+        ``sync/bytes_<path>``: the bytes all ranks moved in process, by shared memory within a node
+        and over the network between nodes (see :mod:`megarl.bridge.transport`)."""
         from megarl.rollout.engine import sleeps
 
         if sleeps(self.cfg):
@@ -231,7 +271,9 @@ class WorkerGroup:
         stats = self._all("sync_weights")
         out = {f"sync/{k}": v for k, v in stats[0].items()
                if isinstance(v, (int, float)) and not k.startswith("engine_")}
-        for s in stats:
+        for s in stats:   # what crossed which path, all ranks: sync/bytes_local, _shm, _gloo or _nccl
+            for path, n in s.get("bytes_by_path", {}).items():
+                out[f"sync/bytes_{path}"] = out.get(f"sync/bytes_{path}", 0) + n
             if s.get("engine_index") is not None:
                 out[f"sync/engine{s['engine_index']}_seconds"] = s["engine_load_seconds"]
                 out[f"sync/engine{s['engine_index']}_bytes"] = s["engine_bytes"]
@@ -267,7 +309,8 @@ def wait_all(refs: list, names: list[str], phase: str, grace_s: float = FAILURE_
     ``names[i]`` names the actor of ``refs[i]`` and ``phase`` the call, for :class:`WorkerDied`,
     raised for a dead actor (Ray's RayActorError). A method's own exception (Ray's RayTaskError,
     also an instance of the worker's exception class) is raised as it is, unless another actor's
-    death, seen within ``grace_s`` seconds, explains it.
+    death, seen within ``grace_s`` seconds (``NODE_LOSS_GRACE_S`` when it is a lost connection to a
+    peer), explains it.
     """
     import ray
 
@@ -291,7 +334,8 @@ def wait_all(refs: list, names: list[str], phase: str, grace_s: float = FAILURE_
             except Exception as err:
                 failure = failure or err
         if failure is not None and deadline is None:
-            deadline = time.monotonic() + grace_s
+            lost_peer = any(p in str(failure).lower() for p in _PEER_LOST)
+            deadline = time.monotonic() + (max(grace_s, NODE_LOSS_GRACE_S) if lost_peer else grace_s)
     if failure is not None:
         raise failure
     return values

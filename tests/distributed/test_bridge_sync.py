@@ -7,8 +7,10 @@ vLLM's greedy tokens equal the fresh engine's and its prompt log-probs are withi
 prompt log-probs equal the Megatron engine's ``forward_logprobs`` within 1e-4 (DeepSeek-V3 too,
 since megarl.compat.vllm_cpu V1 restored the rotary embedding of vLLM's CPU MLA); after one norm
 is changed in Megatron, verification raises WeightSyncError naming the vLLM parameter. Options come
-from the ``bridge:`` config section (bridge.verify=true). Transports: shared memory everywhere (no
-message), and bridge.transport=gloo for qwen2 pp2 (stage 2's layers sent to rank 0 as messages).
+from the ``bridge:`` config section (bridge.verify=true, bridge.transport=auto). Both ranks run on one
+node, so auto writes through shared memory (no message, no gloo byte); for qwen2 pp2@nodes each rank
+claims a node of its own and auto sends what crosses ranks by gloo (stage 2's layers reach rank 0 as
+messages).
 """
 import os
 import re
@@ -19,8 +21,8 @@ import pytest
 from launch import run_workers
 
 CASES = {
-    # LAYOUT@gloo: that layout with point-to-point gloo sends instead of shared-memory writes
-    "qwen2-vtp1": ("qwen2", 1, "tp1,pp2,pp2@gloo"),
+    # LAYOUT@nodes: that layout with every rank on a node of its own (gloo sends instead of shm writes)
+    "qwen2-vtp1": ("qwen2", 1, "tp1,pp2,pp2@nodes"),
     "deepseek_v3-vtp1": ("deepseek_v3", 1, "tp2.ep2.etp1,pp2"),
     "deepseek_v3-vtp2": ("deepseek_v3", 2, "tp2.ep2.etp1"),
 }
@@ -38,8 +40,13 @@ def test_bridge_sync(case):
     for spec, out in res["layouts"].items():
         assert out["names_equal"], (spec, out["names_only_real"], out["names_only_planned"])
         assert out["sync"]["verified_params"] > 0, spec
-        assert out["sync"]["transport"] == (spec.partition("@")[2] or "shm"), spec
-        assert (out["p2p_messages_all_ranks"] > 0) == spec.endswith("@gloo"), (spec, out["p2p_messages_all_ranks"])
+        assert out["sync"]["transport"] == "auto", spec
+        paths, messages = out["bytes_by_path_all_ranks"], out["p2p_messages_all_ranks"]
+        if spec.endswith("@nodes"):
+            assert paths.get("gloo", 0) > 0 and messages > 0 and "shm" not in paths, (spec, paths, messages)
+        else:
+            assert paths.get("gloo", 0) == 0 and messages == 0, (spec, paths, messages)
+            assert paths.get("shm", 0) + paths.get("local", 0) > 0, (spec, paths)
         assert re.match(r"weight sync verification failed: engine 0 vLLM rank \d+ parameter "
                         r"model\.\S*norm\.weight: "
                         r"expected checksum", out["verify_after_change"] or ""), (spec, out["changed_megatron_param"],

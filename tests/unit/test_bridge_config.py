@@ -25,10 +25,18 @@ def error_of(overrides):
 
 def test_defaults_reach_sync_options():
     cfg = load_config(None)
-    assert cfg.bridge == BridgeConfig(transport="shm", format="hf_full", bucket_mb=256, verify=False)
+    assert cfg.bridge == BridgeConfig(transport="auto", format="hf_full", bucket_mb=256, verify=False)
     opts = cfg.bridge.sync_options(dtype=cfg.model.dtype)
     assert (opts.transport, opts.format, opts.bucket_bytes, opts.verify, opts.dtype) == \
-        ("shm", "hf_full", 256 << 20, False, "float32")
+        ("auto", "hf_full", 256 << 20, False, "float32")
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_auto_and_shm_accepted_with_and_without_cuda(monkeypatch, cuda):
+    monkeypatch.setattr(megarl.compat, "cuda_available", lambda: cuda)
+    for transport in ("auto", "shm"):
+        assert load_config(None, [f"bridge.transport={transport}"]).bridge.sync_options("float32").transport == \
+            transport
 
 
 def test_changed_values_reach_sync_options(no_cuda):
@@ -42,7 +50,7 @@ def test_changed_values_reach_sync_options(no_cuda):
 @pytest.mark.parametrize("transport", ["nccl", "cuda_ipc"])
 def test_cuda_transports_refused_without_cuda(no_cuda, transport):
     assert error_of([f"bridge.transport={transport}"]) == (
-        f"invalid value for config key 'bridge.transport': got '{transport}', expected shm or gloo on a machine "
+        f"invalid value for config key 'bridge.transport': got '{transport}', expected auto, shm or gloo on a machine "
         "without CUDA (nccl and cuda_ipc move CUDA tensors)")
 
 
@@ -71,8 +79,8 @@ def test_other_invalid_values_name_the_key():
     assert error_of(["bridge.bucket_mb=0"]) == \
         "invalid value for config key 'bridge.bucket_mb': got 0, expected a positive number"
     assert error_of(["bridge.transport=tcp"]) == (
-        "invalid value for config key 'bridge.transport': got 'tcp', expected one of 'shm', 'gloo', 'nccl', "
-        "'cuda_ipc'")
+        "invalid value for config key 'bridge.transport': got 'tcp', expected one of 'auto', 'shm', 'gloo', "
+        "'nccl', 'cuda_ipc'")
     assert error_of(["bridge.format=safetensors"]) == (
         "invalid value for config key 'bridge.format': got 'safetensors', expected one of 'hf_full', 'vllm_shard'")
     assert error_of(["bridge.verify=3"]) == \

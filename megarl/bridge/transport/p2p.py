@@ -23,11 +23,14 @@ class P2PTransport:
     storage = "shm"
     """Where the destination buffers live (:data:`megarl.bridge.buffer.STORAGES`)."""
 
-    def __init__(self, rank: int, group=None):
+    def __init__(self, rank: int, group=None, nodes=None):
         self.rank, self.group = rank, group
         if dist.is_initialized() and dist.get_backend(group) != self.backend:
             ranks = None if group is None else dist.get_process_group_ranks(group)
             self.group = dist.new_group(ranks, backend=self.backend)
+
+    def path(self, tr) -> str:
+        return "local" if tr.local else self.backend
 
     def run(self, transfers, source, buffers: dict, open_remote) -> tuple[int, int]:
         """Move every transfer this rank sends or receives. Returns (largest temporary slice in

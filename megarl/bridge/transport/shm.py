@@ -10,8 +10,11 @@ class ShmTransport:
     name = "shm"
     storage = "shm"
 
-    def __init__(self, rank: int, group=None):
+    def __init__(self, rank: int, group=None, nodes=None):
         self.rank, self.group = rank, group
+
+    def path(self, tr) -> str:
+        return "local" if tr.local else "shm"
 
     def run(self, transfers, source, buffers: dict, open_remote) -> tuple[int, int]:
         """Write every transfer whose source is this rank. Returns (largest temporary slice in

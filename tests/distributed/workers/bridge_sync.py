@@ -7,9 +7,10 @@ Rank 0 owns the target vLLM engine (original fixture weights) and, in subprocess
 engines for two perturbed checkpoints A and B (layouts alternate A, B, A, ...: every sync changes
 vLLM's weights). Per layout: build the Megatron engine from the checkpoint, check the bridge's
 logical names against the real shards, sync with the options a run's ``bridge:`` config section
-gives (bridge.verify=true; bridge.transport=gloo for LAYOUT@gloo, else shm), compare vLLM with the
-oracle (greedy tokens, prompt log-probs) and with the engine's forward_logprobs; then change one
-norm in Megatron without syncing: verification must raise WeightSyncError naming it.
+gives (bridge.verify=true; bridge.transport=auto, or T for LAYOUT@T; LAYOUT@nodes: auto with each
+rank claiming a node of its own, node{rank}, so transfers between ranks go by gloo), compare vLLM
+with the oracle (greedy tokens, prompt log-probs) and with the engine's forward_logprobs; then
+change one norm in Megatron without syncing: verification must raise WeightSyncError naming it.
 
 python bridge_sync.py --oracle CKPT TP OUT_JSON [--one-at-a-time]   (fresh engine reference)
 """
@@ -116,7 +117,7 @@ def main():
     for k, spec in enumerate(layouts):
         ckpt = ckpts[k % 2]
         t = time.time()
-        layout, _, transport = spec.partition("@")   # e.g. pp2@gloo: that layout over the gloo transport
+        layout, _, suffix = spec.partition("@")   # pp2@gloo: over the gloo transport; pp2@nodes: see the docstring
         groups = groups_for(layout, world)
         engine = reference_engine(ModelOptions(path=ckpt), groups)
         build_s = time.time() - t
@@ -128,16 +129,24 @@ def main():
         dist.all_gather_object(names, sorted(LocalSource(engine.local_shards(), mapping.cfg.num_experts).names()))
         real = set().union(*map(set, names))
         planned = {t.name for t in mapping.megatron_tensors()}
-        section = BridgeConfig(transport=transport or "shm", bucket_mb=8, verify=True)
+        section = BridgeConfig(transport="auto" if suffix in ("", "nodes") else suffix, bucket_mb=8, verify=True)
         section.validate()
         bridge = WeightBridge(engine.local_shards, AutoConfig.from_pretrained(ckpt), groups.topology, vtp,
-                              llm=llm, options=section.sync_options(dtype="float32"))
+                              llm=llm, options=section.sync_options(dtype="float32"),
+                              node=f"node{rank}" if suffix == "nodes" else None)
         stats = bridge.sync()
         messages = torch.tensor(stats["p2p_messages"])
         dist.all_reduce(messages)
+        paths = [None] * world
+        dist.all_gather_object(paths, stats["bytes_by_path"])
+        by_path = {}
+        for part in paths:
+            for path, n in part.items():
+                by_path[path] = by_path.get(path, 0) + n
         out = {"build_s": build_s, "names_equal": real == planned,
                "names_only_real": sorted(real - planned)[:5], "names_only_planned": sorted(planned - real)[:5],
-               "sync": stats, "ckpt": "AB"[k % 2], "p2p_messages_all_ranks": int(messages)}
+               "sync": stats, "ckpt": "AB"[k % 2], "p2p_messages_all_ranks": int(messages),
+               "bytes_by_path_all_ranks": by_path}
         # (b) vLLM prompt log-probs vs the engine's forward_logprobs
         batches = [SequenceBatch([torch.tensor(p)], [1]) for p in prompt_ids]
         eng_lp = [o.logprobs_R.double().tolist() for o in engine.forward_logprobs(batches)]
