@@ -241,7 +241,7 @@ def cross_validate(cfg: MegaRLConfig) -> None:
     from megarl.parallel.topology import TopologyError
 
     if cfg.bridge.transport == "cuda_ipc" and cfg.rollout.placement == "split":
-        raise invalid_value("bridge.transport", "cuda_ipc", "nccl, shm or gloo with rollout.placement='split' "
+        raise invalid_value("bridge.transport", "cuda_ipc", "auto, nccl, shm or gloo with rollout.placement='split' "
                             "(CUDA IPC hands a buffer to the vLLM worker on the same GPU; split placement gives "
                             "vLLM GPUs of its own)")
     path = cfg.model.path

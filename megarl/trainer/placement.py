@@ -2,7 +2,8 @@
 
 One Ray actor per device (per GPU; on CPU ``topology.world_size`` gloo ranks), placed with a
 placement group (one bundle per worker, packed on as few nodes as possible), and the rollout
-fleet: ``rollout.dp`` :class:`megarl.rollout.engine.EngineActor` s. Colocated, engine k shares
+fleet: ``rollout.dp`` :class:`megarl.rollout.engine.EngineActor` s. Ranks are numbered node by
+node, the controller's node first (:func:`_rank_order`). Colocated, engine k shares
 the bundles of training devices k*tp .. k*tp+tp-1 (the actor sits in bundle k*tp and takes no
 resources of its own; on GPU it is given those bundles' GPUs); with ``rollout.placement=split``
 each engine gets one more bundle of ``rollout.tp`` devices. Ray is joined at ``RAY_ADDRESS`` when
@@ -89,6 +90,9 @@ class Placement:
         bundle = (lambda n: {"GPU": n, "CPU": n}) if kind == "GPU" else (lambda n: {"CPU": n})
         self.pg = placement_group([bundle(1)] * world + ([bundle(r.tp)] * r.dp if split else []), strategy="PACK")
         ray.get(self.pg.ready())
+        # training rank i sits in bundle order[i]: ranks contiguous per node (TP groups within a
+        # node), rank 0 (torch.distributed's rendezvous) on the controller's node
+        order = _rank_order(self.pg, world)
         on = lambda i: PlacementGroupSchedulingStrategy(self.pg, i)   # noqa: E731
         cores = os.cpu_count() or 2
         threads = str(max(1, cores // (world + rollout_devices))) if kind == "CPU" else "4"
@@ -98,10 +102,11 @@ class Placement:
             env["env_vars"][faults.ENV] = os.environ[faults.ENV]
         log_file = (lambda name: str(log_dir / f"{name}.log")) if log_dir is not None else (lambda name: None)
         # torch.distributed rendezvous on the node of rank 0 (bundle 0), not on the driver's
-        master, port = ray.get(ray.remote(num_cpus=0)(_rendezvous_address).options(scheduling_strategy=on(0)).remote())
+        master, port = ray.get(ray.remote(num_cpus=0)(_rendezvous_address).options(
+            scheduling_strategy=on(order[0])).remote())
         actor = ray.remote(HybridWorker)
         per_worker = {"num_cpus": 1, **({"num_gpus": 1} if kind == "GPU" else {})}
-        self.workers = [actor.options(scheduling_strategy=on(i), runtime_env=env, **per_worker)
+        self.workers = [actor.options(scheduling_strategy=on(order[i]), runtime_env=env, **per_worker)
                         .remote(cfg, i, world, master, port, log_file(f"worker_{i}"))
                         for i in range(world)]
         # colocated on GPU: an engine's actor takes no GPU of its own, it is handed those of the
@@ -115,7 +120,7 @@ class Placement:
                 where = dict(scheduling_strategy=on(world + k), num_cpus=r.tp,
                              **({"num_gpus": r.tp} if kind == "GPU" else {}))
             else:
-                where = dict(scheduling_strategy=on(k * r.tp), num_cpus=0)
+                where = dict(scheduling_strategy=on(order[k * r.tp]), num_cpus=0)
             devices = range(k * r.tp, (k + 1) * r.tp)
             return ray.remote(EngineActor).options(runtime_env={"env_vars": {"OMP_NUM_THREADS": str(per_rank)}},
                                                    **where).remote(
@@ -164,6 +169,25 @@ class Placement:
         if self.started_ray:
             _quietly("ray.shutdown", ray.shutdown)
             self.started_ray = False
+
+
+def _rank_order(pg, world: int) -> list[int]:
+    """The placement group's first ``world`` bundles (the training devices) in rank order: the
+    controller's node first, then the other nodes by address; within a node, by bundle index.
+    Ray's PACK strategy decides which node holds which bundle, not in any order a rank layout
+    needs."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    node_of = placement_group_table(pg)["bundles_to_node_id"]
+    here = ray.get_runtime_context().get_node_id()
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+
+    def key(b):
+        node = node_of[b]
+        return node != here, tuple(int(x) if x.isdigit() else 0 for x in ips.get(node, "").split(".")), node, b
+
+    return sorted(range(world), key=key)
 
 
 def _quietly(what: str, fn) -> None:

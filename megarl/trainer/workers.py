@@ -165,8 +165,9 @@ class WorkerGroup:
         """Engine ``k`` died or hung during generation: a new actor in its place, loaded with the
         current weights (:meth:`HybridWorker.replace_engine`); returns its handle and info."""
         offload = self.cfg.trainer.offload_train_state
+        where = self.fleet.infos[k]["node"] if k < len(self.fleet.infos) else "its node"
         actor = self.placement.restart_engine(k)
-        info = self._wait([actor.info.remote()], [f"rollout engine {k} (restarted)"], "restart")[0]
+        info = self._wait([actor.info.remote()], [f"rollout engine {k} (restarted on {where})"], "restart")[0]
         if offload:   # the bridge reads the Megatron weights
             self._all("onload")
         self._all("replace_engine", k, actor)

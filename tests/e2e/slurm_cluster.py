@@ -93,8 +93,8 @@ class SlurmCluster:
         raise TimeoutError(f"job {job_id} still {info['JobState']} after {timeout:.0f} s")
 
     def kill_node(self, node: str, job_id: str) -> list[int]:
-        """The node dies: its slurmd, the job's processes on it and their slurmstepd, SIGKILLed.
-        Returns the pids killed."""
+        """The node dies: its slurmd, the job's processes on it (with everything they started) and
+        their slurmstepd, SIGKILLed. Returns the pids killed."""
         slurmd = int((self.root / "run" / f"slurmd-{node}.pid").read_text())
         tasks = job_processes(job_id, node)
         stepds = set()
@@ -105,7 +105,19 @@ class SlurmCluster:
                     stepds.add(ppid)
             except (OSError, ValueError):
                 pass
-        victims = [slurmd, *stepds, *tasks]
+        children: dict = {}
+        for pid in pids():
+            try:
+                children.setdefault(int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(pid)
+            except (OSError, ValueError):
+                pass
+        below, todo = set(), list(tasks)
+        while todo:   # and everything they started (Ray's workers, vLLM's processes)
+            for child in children.get(todo.pop(), []):
+                if child not in below:
+                    below.add(child)
+                    todo.append(child)
+        victims = [slurmd, *stepds, *tasks, *sorted(below - set(tasks))]
         for pid in victims:
             try:
                 os.kill(pid, signal.SIGKILL)

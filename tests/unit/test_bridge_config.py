@@ -70,7 +70,7 @@ def test_cuda_values_accepted_with_cuda(with_cuda):
 
 def test_cuda_ipc_needs_colocated_rollout(with_cuda):
     assert error_of(["bridge.transport=cuda_ipc", "rollout.placement=split"]) == (
-        "invalid value for config key 'bridge.transport': got 'cuda_ipc', expected nccl, shm or gloo with "
+        "invalid value for config key 'bridge.transport': got 'cuda_ipc', expected auto, nccl, shm or gloo with "
         "rollout.placement='split' (CUDA IPC hands a buffer to the vLLM worker on the same GPU; split placement "
         "gives vLLM GPUs of its own)")
 
