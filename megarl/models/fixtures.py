@@ -8,7 +8,8 @@
   SmolLM2 does not cover: ``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``deepseek_v3``. Head,
   KV-head and expert counts divide by 2 and 4 (TP/EP 2 and 4 testable). DeepSeek-V3 uses MLA with
   kv_lora_rank 512 and qk_rope_head_dim 64 (the only shape vLLM's CPU MLA kernel supports),
-  group-limited routing (n_group 2, topk_group 1) and a dense first layer.
+  group-limited routing (n_group 2, topk_group 1), a dense first layer and the real model's YaRN
+  rope scaling (factor 40 over 4096 positions, mscale 1).
 
 The cache root is ``$MEGARL_CACHE`` or ``~/.cache/megarl``; a fixture is rebuilt only when its
 folder lacks the ``.complete`` marker (written last, after an atomic rename of the folder).
@@ -41,9 +42,23 @@ def fixture_dir(name: str) -> Path:
     return cache_root() / "models" / name
 
 
+# A fixture whose recipe changed gets a new revision: a cached copy of an older one is rebuilt.
+REVISIONS = {"tiny-deepseek_v3": 2}   # 2: the real DeepSeek-V3 YaRN rope scaling
+
+
+def _marker(name: str) -> str:
+    rev = REVISIONS.get(name, 1)
+    return "ok\n" if rev == 1 else f"ok revision {rev}\n"
+
+
 def is_built(name: str) -> bool:
-    """Whether fixture ``name`` is in the cache, complete (its ``.complete`` marker is written last)."""
-    return (fixture_dir(name) / ".complete").exists()
+    """Whether fixture ``name`` is in the cache, complete (its ``.complete`` marker is written last)
+    and of the current revision."""
+    marker = fixture_dir(name) / ".complete"
+    try:
+        return marker.read_text() == _marker(name)
+    except OSError:
+        return False
 
 
 def resolve_model_path(path: str) -> str:
@@ -77,7 +92,7 @@ def ensure_fixture(name: str, rebuild: bool = False) -> Path:
             _build_smollm2(staging)
         else:
             _build_tiny(name[len("tiny-"):], staging)
-        (staging / ".complete").write_text("ok\n")
+        (staging / ".complete").write_text(_marker(name))
         if out.exists():
             shutil.rmtree(out)
         os.replace(staging, out)
@@ -156,7 +171,11 @@ def tiny_config(family: str):
             num_attention_heads=8, num_key_value_heads=8, q_lora_rank=64, kv_lora_rank=512,
             qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=8,
             n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
-            first_k_dense_replace=1, **common)
+            first_k_dense_replace=1, **{**common, "max_position_embeddings": 163840},
+            # the real model's rope scaling (DeepSeek-V3/R1 config.json): YaRN over a 4096 context
+            rope_scaling={"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                          "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+                          "rope_theta": 10000.0})
     raise ValueError(f"unknown tiny family {family!r}; known: {', '.join(TINY_FAMILIES)}")
 
 

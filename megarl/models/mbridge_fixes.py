@@ -24,6 +24,12 @@ F5  DeepSeek-V3: megatron's MLA always applies RoPE to de-interleaved rope dims,
 F6  Qwen3-MoE: mbridge hard-codes ``moe_router_pre_softmax=False`` (top-k then softmax, i.e.
     HF ``norm_topk_prob=True``); HF ``norm_topk_prob=False`` needs softmax-then-top-k. Mapped
     from the config; ``mlp_only_layers`` / ``decoder_sparse_step != 1`` are rejected.
+F7  DeepSeek-V3/R1 use YaRN rope scaling (factor 40 over 4096 positions): transformers 5 keeps it
+    in ``rope_parameters``; mbridge looks for ``"rope_scaling" in hf_config``, which is False
+    under transformers 5, and then silently builds plain RoPE. The DeepSeek bridge hands
+    rope_type, factor, mscale, mscale_all_dim, beta_fast/slow and the original context to
+    megatron's MLA YaRN itself (other families still refuse any rope scaling, which mbridge's
+    llama/qwen path would ignore).
 
 The families without a fix (llama, qwen2, qwen3) use mbridge's classes as they are.
 """
@@ -40,9 +46,12 @@ def hf_config_for_mbridge(hf_config: Any) -> Any:
     params = getattr(cfg, "rope_parameters", None) or {}
     if params:
         rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type != "default":
+        if rope_type == "yarn" and cfg.model_type == "deepseek_v3":
+            pass   # F7: handed to megatron's MLA YaRN by DeepseekV3FixedBridge
+        elif rope_type != "default":
             raise ValueError(f"{cfg.model_type}: rope_parameters.rope_type={rope_type!r} is not supported "
-                             "(expected 'default'; mbridge's llama/qwen mapping ignores rope scaling)")
+                             "(expected 'default', or 'yarn' for deepseek_v3; mbridge's llama/qwen mapping "
+                             "ignores rope scaling)")
     if getattr(cfg, "rope_theta", None) is None:
         if "rope_theta" not in params:
             raise ValueError(f"{cfg.model_type}: config has neither rope_theta nor rope_parameters.rope_theta")
@@ -92,6 +101,13 @@ def bridge_classes() -> dict[str, type]:
             self.extra_args.setdefault("moe_router_num_groups", hf.n_group)       # F3
             self.extra_args.setdefault("moe_router_group_topk", hf.topk_group)    # F3
             self.extra_args.setdefault("mtp_num_layers", None)                    # F4
+            rope = getattr(hf, "rope_parameters", None) or {}
+            if rope.get("rope_type", rope.get("type")) == "yarn":                 # F7
+                self.extra_args.update(
+                    rope_type="yarn", rotary_scaling_factor=rope["factor"],
+                    max_position_embeddings=rope.get("original_max_position_embeddings", 4096),
+                    beta_fast=rope.get("beta_fast", 32), beta_slow=rope.get("beta_slow", 1),
+                    mscale=rope.get("mscale", 1.0), mscale_all_dim=rope.get("mscale_all_dim", 0.0))
             return super()._build_config()
 
     return {cls.__name__: cls for cls in (LLaMABridge, Qwen2Bridge, Qwen3Bridge, Qwen3MoeBridge,

@@ -172,20 +172,27 @@ class Placement:
 
 
 def _rank_order(pg, world: int) -> list[int]:
-    """The placement group's first ``world`` bundles (the training devices) in rank order: the
-    controller's node first, then the other nodes by address; within a node, by bundle index.
-    Ray's PACK strategy decides which node holds which bundle, not in any order a rank layout
-    needs."""
+    """The placement group's first ``world`` bundles (the training devices) in rank order
+    (:func:`rank_order` of where Ray put them)."""
     import ray
     from ray.util.placement_group import placement_group_table
 
-    node_of = placement_group_table(pg)["bundles_to_node_id"]
-    here = ray.get_runtime_context().get_node_id()
-    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    return rank_order(placement_group_table(pg)["bundles_to_node_id"], world,
+                      here=ray.get_runtime_context().get_node_id(),
+                      ips={n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()})
+
+
+def rank_order(node_of: dict, world: int, here: str, ips: dict) -> list[int]:
+    """Bundles ``0..world-1`` in rank order, given ``node_of[bundle]`` (a node id), the
+    controller's node ``here`` and each node's address: the controller's node first, then the
+    other nodes by address; within a node, by bundle index. Ray's PACK strategy decides which node
+    holds which bundle, in no order a rank layout needs: TP groups must stay within a node, and
+    rank 0 (torch.distributed's rendezvous) goes with the controller."""
 
     def key(b):
         node = node_of[b]
-        return node != here, tuple(int(x) if x.isdigit() else 0 for x in ips.get(node, "").split(".")), node, b
+        address = tuple(int(x) if x.isdigit() else 0 for x in ips.get(node, "").split("."))
+        return node != here, address, node, b
 
     return sorted(range(world), key=key)
 

@@ -7,7 +7,8 @@ a 4-layer variant of each tiny family built on the fly in a temp dir (the fixtur
 layers; pp=2 x vpp=2 needs 4). The weights are loaded through megarl's family mapping
 (megarl.engine.export.fill_from_hf; tied embeddings: SmolLM2). mbridge fixes exercised here (see
 megarl.models.mbridge_fixes): F1 rope_theta from rope_parameters (every family), F2-F5 DeepSeek (MLA
-config rename, group-limited routing, no MTP, rope_interleave), F6 Qwen3-MoE router normalisation. Measured: HF diffs 2e-6..1e-5 (SmolLM2 1.4e-5); packed vs unpacked <= 6.7e-6 (SmolLM2 2.5e-5).
+config rename, group-limited routing, no MTP, rope_interleave), F6 Qwen3-MoE router normalisation, F7
+DeepSeek-V3's YaRN rope scaling (the tiny fixture keeps the real model's: factor 40, mscale 1). Measured: HF diffs 2e-6..1e-5 (SmolLM2 1.4e-5); packed vs unpacked <= 6.7e-6 (SmolLM2 2.5e-5).
 """
 import pytest
 

@@ -5,19 +5,15 @@ CPU lm_head must be re-packed after every weight sync.
 
 One uninterrupted 5-step run checks: weights change every step, vLLM samples from the weights
 being trained (rollout-vs-train log-prob difference after each sync, fp32, temperature 1), and
-the metrics JSONL holds every key the run promises. In a second run one training worker (the
-``ray::HybridWorker`` process, not the run's whole process tree) is SIGKILLed in the middle of
-step 3: the run stops with WorkerDied naming the rank, within a bound, and leaves no process.
-Then one shard of the newest checkpoint (step 2) is truncated to half its size: ``--resume``
-warns naming that checkpoint and file, falls back to step 1's, and its steps 2 to 5 repeat the
-first run's.
+the metrics JSONL holds every key the run promises. Then one shard of its newest checkpoint
+(step 5) is truncated to half its size: ``--resume`` warns naming that checkpoint and file, falls
+back to step 4's, and its step 5 repeats the first run's. (A training worker killed mid-step:
+tests/e2e/test_slurm_e2e.py kills a whole node, with the rank it runs, during step 2.)
 """
 import os
-import signal
-import time
 
 import pytest
-from e2e_common import ProcessWatch, metrics, recipe, start
+from e2e_common import metrics, recipe, start
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 RECIPE = recipe("  kl_coef: 0.01", steps=5, save_every=1, tensorboard=True)
@@ -57,40 +53,22 @@ def test_vllm_samples_from_trained_weights(full_run):
     assert rows[-1]["sync/version"] == 5
 
 
-def test_resume_after_sigkill_mid_step_repeats_metrics(full_run):
+def test_resume_skips_a_damaged_checkpoint_and_repeats_the_step(full_run):
     tmp, reference = full_run
-    log, root = tmp / "killed.log", tmp / "killed" / "checkpoints"
-    proc = start(tmp, "killed", RECIPE)
-    with ProcessWatch(proc.pid) as watch:
-        deadline = time.time() + 1200
-        while not (root / "step_00000002").is_dir():   # step 2's checkpoint is complete: step 3 starts
-            assert proc.poll() is None and time.time() < deadline, log.read_text()[-5000:]
-            time.sleep(0.2)
-        time.sleep(1)
-        worker = next(pid for pid, cmds in list(watch.cmds.items()) if any("ray::HybridWorker" in c for c in cmds))
-        os.kill(worker, signal.SIGKILL)
-        t0 = time.time()
-        code = proc.wait(timeout=300)
-        seconds = time.time() - t0
-    final = log.read_text().strip().splitlines()[-1]
-    assert code == 1 and seconds < 60, (code, seconds, log.read_text()[-5000:])
-    assert f"WorkerDied: training worker rank 0 (pid {worker} on " in final and " died during " in final, final
-    left = watch.wait_gone()
-    assert not left, "\n".join(left)
-    assert [r["step"] for r in metrics(tmp / "killed")][:2] == [1, 2]   # and step 3's partial row
-    # damage the newest checkpoint: --resume must skip it, naming it, and use step 1's
-    shard = max((f for f in (root / "step_00000002").rglob("*.distcp")), key=lambda f: f.stat().st_size)
+    log, root = tmp / "full.log", tmp / "full" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000004", "step_00000005"]   # keep_last: 2
+    # damage the newest checkpoint: --resume must skip it, naming it, and use step 4's
+    shard = max((f for f in (root / "step_00000005").rglob("*.distcp")), key=lambda f: f.stat().st_size)
     os.truncate(shard, shard.stat().st_size // 2)
     offset = len(log.read_text())
-    resumed = start(tmp, "killed", RECIPE, "--resume")
+    resumed = start(tmp, "full", RECIPE, "--resume")
     assert resumed.wait(timeout=1500) == 0, log.read_text()[-5000:]
     terminal = log.read_text()[offset:]
-    assert f"{root / 'step_00000002'}: {shard.relative_to(root / 'step_00000002')}: " in terminal, terminal[-3000:]
-    assert f"resumed from {root / 'step_00000001'} (step 1)" in terminal, terminal[-3000:]
-    rows = {r["step"]: r for r in metrics(tmp / "killed")}   # a repeated step: the resumed run's row
-    assert sorted(rows) == [1, 2, 3, 4, 5]
-    for step in (2, 3, 4, 5):
-        for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/weight_checksum",
-                    "response_length/mean", "actor/kl"):
-            ref, got = reference[step - 1][key], rows[step][key]
-            assert abs(ref - got) <= 1e-5 * max(1.0, abs(ref)), (step, key, ref, got)
+    assert f"{root / 'step_00000005'}: {shard.relative_to(root / 'step_00000005')}: " in terminal, terminal[-3000:]
+    assert f"resumed from {root / 'step_00000004'} (step 4)" in terminal, terminal[-3000:]
+    rows = metrics(tmp / "full")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 5]   # the repeated step appends its row
+    for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/weight_checksum", "response_length/mean",
+                "actor/kl"):
+        ref, got = reference[4][key], rows[-1][key]
+        assert abs(ref - got) <= 1e-5 * max(1.0, abs(ref)), (key, ref, got)

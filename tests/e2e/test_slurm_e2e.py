@@ -17,6 +17,8 @@ generates).
    from step 1 and trains steps 2 and 3: ranks on both nodes (by Slurm node name), rollout-vs-train
    log-prob gap below 1e-4 on every step, bytes moved by gloo between the nodes (and by shared
    memory within n1), exit code 0, and no Ray or vLLM process of either job left.
+
+And a node whose Ray never joins is named by the job, which fails before megarl starts.
 """
 import json
 import os
@@ -53,10 +55,10 @@ def ray_port() -> int:
             return base
 
 
-def sbatch(cluster, tmp_path: Path, recipe_file: Path, *extra: str) -> str:
+def sbatch(cluster, tmp_path: Path, recipe_file: Path, *extra: str, **env) -> str:
     env = {"MEGARL_VENV": sys.prefix, "MEGARL_RAY_PORT": str(ray_port()), "MEGARL_RAY_NODE_PORT_STRIDE": str(STRIDE),
            "MEGARL_RAY_TMPDIR": tempfile.mkdtemp(prefix="rs-", dir="/tmp"), "MEGARL_LOG_DIR": str(tmp_path),
-           "PYTHONPATH": f"{HERE}:{os.environ.get('PYTHONPATH', '')}"}
+           "PYTHONPATH": f"{HERE}:{os.environ.get('PYTHONPATH', '')}", **env}
     return cluster.submit("--nodes=2", f"--output={tmp_path}/job-%j.out", str(REPO / "launch/slurm/megarl.sbatch"),
                           str(recipe_file), *extra, env=env, cwd=tmp_path)
 
@@ -138,3 +140,20 @@ def test_node_failure_then_resume_on_two_nodes(slurm_cluster, tmp_path):  # noqa
     # nothing of either job is left: Ray's daemons and workers, the engine, the steps
     for job in (first, second):
         wait_for(lambda job=job: not job_processes(job), 30, f"the end of job {job}'s processes")
+
+
+def test_a_node_that_does_not_join_is_named(slurm_cluster, tmp_path):  # noqa: F811
+    """Both nodes' Ray on the same ports of one host: n2's raylet cannot bind them and never joins;
+    the job ends within MEGARL_RAY_WAIT_S naming n2, before megarl starts, and leaves nothing."""
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text("model:\n  path: fixture:tiny-llama\n")   # never read: the job ends before
+    t = time.time()
+    job = sbatch(slurm_cluster, tmp_path, recipe_file, MEGARL_RAY_NODE_PORT_STRIDE="0", MEGARL_RAY_WAIT_S="10")
+    info = slurm_cluster.wait_ended(job, 120)
+    log = job_log(tmp_path, job)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "1:0", (info, log[-3000:])
+    assert re.search(r"megarl: error: (node\(s\) n2 \(127\.0\.0\.12\) did not join the Ray cluster within 10 s|"
+                     r"Ray did not start on node\(s\) n2 )", log), log[-3000:]
+    assert "megarl: job exit code 1" in log and "joined the Ray cluster" not in log, log[-3000:]
+    assert time.time() - t < 90, time.time() - t
+    wait_for(lambda: not job_processes(job), 30, f"the end of job {job}'s processes")

@@ -82,6 +82,20 @@ def test_fixes_f2_to_f5_deepseek_v3():
         _config(bad)
 
 
+def test_fix_f7_deepseek_v3_yarn_reaches_megatron():
+    """The tiny fixture keeps the real model's YaRN rope scaling; megatron's MLA gets all of it."""
+    hf = _hf("deepseek_v3")
+    assert hf.rope_parameters["rope_type"] == "yarn"
+    config = _config(hf)
+    assert (config.rope_type, config.rotary_scaling_factor, config.mscale, config.mscale_all_dim,
+            config.beta_fast, config.beta_slow, config.original_max_position_embeddings) == (
+        "yarn", 40, 1.0, 1.0, 32, 1, 4096)
+    # written by transformers 5 with rope_type only (no legacy "type" key)
+    only_type = copy.deepcopy(hf)
+    only_type.rope_parameters = {k: v for k, v in hf.rope_parameters.items() if k != "type"}
+    assert _config(only_type).rope_type == "yarn"
+
+
 def test_fix_f6_qwen3_moe_router():
     hf = _hf("qwen3_moe")
     assert _config(hf).moe_router_pre_softmax is (not hf.norm_topk_prob)

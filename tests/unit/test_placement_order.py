@@ -1,0 +1,16 @@
+"""Training ranks are numbered node by node, the controller's node first (megarl.trainer.placement.rank_order)."""
+from megarl.trainer.placement import rank_order
+
+IPS = {"a": "10.0.0.2", "b": "10.0.0.10", "c": "10.0.0.9"}
+
+
+def test_ranks_follow_nodes_with_the_controllers_first():
+    # Ray's PACK put bundles 0, 2 on node b, 1, 3 on node a; the controller runs on node b
+    assert rank_order({0: "b", 1: "a", 2: "b", 3: "a"}, 4, here="b", ips=IPS) == [0, 2, 1, 3]
+    # the controller on a node without bundles (a CPU-only head): nodes by address, numerically
+    assert rank_order({0: "b", 1: "c", 2: "a", 3: "b"}, 4, here="z", ips=IPS) == [2, 1, 0, 3]
+
+
+def test_extra_bundles_are_not_ranks():
+    # split placement: bundles beyond world_size belong to the engines
+    assert rank_order({0: "a", 1: "b", 2: "a"}, 2, here="b", ips=IPS) == [1, 0]
