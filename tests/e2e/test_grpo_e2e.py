@@ -66,8 +66,9 @@ def test_resume_skips_a_damaged_checkpoint_and_repeats_the_step(full_run):
     terminal = log.read_text()[offset:]
     assert f"{root / 'step_00000005'}: {shard.relative_to(root / 'step_00000005')}: " in terminal, terminal[-3000:]
     assert f"resumed from {root / 'step_00000004'} (step 4)" in terminal, terminal[-3000:]
+    assert "step 5/5" in terminal, terminal[-3000:]
     rows = metrics(tmp / "full")
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 5]   # the repeated step appends its row
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]   # the resumed run rewrote step 5's row
     for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/weight_checksum", "response_length/mean",
                 "actor/kl"):
         ref, got = reference[4][key], rows[-1][key]
