@@ -8,9 +8,9 @@ prompt log-probs equal the Megatron engine's ``forward_logprobs`` within 1e-4 (D
 since megarl.compat.vllm_cpu V1 restored the rotary embedding of vLLM's CPU MLA); after one norm
 is changed in Megatron, verification raises WeightSyncError naming the vLLM parameter. Options come
 from the ``bridge:`` config section (bridge.verify=true, bridge.transport=auto). Both ranks run on one
-node, so auto writes through shared memory (no message, no gloo byte); for qwen2 pp2@nodes each rank
-claims a node of its own and auto sends what crosses ranks by gloo (stage 2's layers reach rank 0 as
-messages).
+node, so auto writes through shared memory between them (no message, no gloo byte; DeepSeek pp2);
+for qwen2 pp2@nodes each rank claims a node of its own and auto sends what crosses ranks by gloo
+(stage 2's layers reach rank 0 as messages).
 """
 import os
 import re
@@ -22,7 +22,7 @@ from launch import run_workers
 
 CASES = {
     # LAYOUT@nodes: that layout with every rank on a node of its own (gloo sends instead of shm writes)
-    "qwen2-vtp1": ("qwen2", 1, "tp1,pp2,pp2@nodes"),
+    "qwen2-vtp1": ("qwen2", 1, "tp1,pp2@nodes"),
     "deepseek_v3-vtp1": ("deepseek_v3", 1, "tp2.ep2.etp1,pp2"),
     "deepseek_v3-vtp2": ("deepseek_v3", 2, "tp2.ep2.etp1"),
 }
