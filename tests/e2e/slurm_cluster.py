@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,35 +33,22 @@ def why_unavailable() -> str | None:
     return None
 
 
-def environ(pid: int) -> dict:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
-
-
-def alive(pid: int) -> bool:
-    """Exists and is not a zombie (this sandbox's PID 1 reaps late)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except OSError:
-        return False
-
-
-def pids() -> list[int]:
-    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+def live_processes(**env) -> list[psutil.Process]:
+    """Running processes (not zombies: this sandbox's PID 1 reaps late) whose environment holds
+    every ``env`` item."""
+    out = []
+    for p in psutil.process_iter(["environ", "status"]):
+        have = p.info["environ"] or {}
+        if p.info["status"] != psutil.STATUS_ZOMBIE and all(have.get(k) == v for k, v in env.items()):
+            out.append(p)
+    return out
 
 
 def job_processes(job_id: str, node: str | None = None) -> list[int]:
     """Live processes of a Slurm job (its tasks and what they started: Ray's daemons and workers,
     vLLM), found by the job id in their environment; only those on ``node`` when given."""
-    out = []
-    for pid in pids():
-        env = environ(pid)
-        if env.get("SLURM_JOB_ID") == job_id and (node is None or env.get("SLURMD_NODENAME") == node) and alive(pid):
-            out.append(pid)
-    return out
+    where = {"SLURMD_NODENAME": node} if node is not None else {}
+    return [p.pid for p in live_processes(SLURM_JOB_ID=job_id, **where)]
 
 
 class SlurmCluster:
@@ -95,35 +82,18 @@ class SlurmCluster:
     def kill_node(self, node: str, job_id: str) -> list[int]:
         """The node dies: its slurmd, the job's processes on it (with everything they started) and
         their slurmstepd, SIGKILLed. Returns the pids killed."""
-        slurmd = int((self.root / "run" / f"slurmd-{node}.pid").read_text())
-        tasks = job_processes(job_id, node)
-        stepds = set()
-        for pid in tasks:
+        slurmd = psutil.Process(int((self.root / "run" / f"slurmd-{node}.pid").read_text()))
+        tasks = live_processes(SLURM_JOB_ID=job_id, SLURMD_NODENAME=node)
+        stepds = {t.parent() for t in tasks if t.parent() is not None and t.parent().name() == "slurmstepd"}
+        # and everything the tasks started (Ray's workers, vLLM's processes)
+        below = {c for t in tasks for c in t.children(recursive=True)} - set(tasks)
+        victims = [slurmd, *stepds, *tasks, *sorted(below, key=lambda p: p.pid)]
+        for p in victims:
             try:
-                ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-                if Path(f"/proc/{ppid}/cmdline").read_bytes().startswith(b"slurmstepd"):
-                    stepds.add(ppid)
-            except (OSError, ValueError):
+                p.kill()
+            except psutil.NoSuchProcess:
                 pass
-        children: dict = {}
-        for pid in pids():
-            try:
-                children.setdefault(int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(pid)
-            except (OSError, ValueError):
-                pass
-        below, todo = set(), list(tasks)
-        while todo:   # and everything they started (Ray's workers, vLLM's processes)
-            for child in children.get(todo.pop(), []):
-                if child not in below:
-                    below.add(child)
-                    todo.append(child)
-        victims = [slurmd, *stepds, *tasks, *sorted(below - set(tasks))]
-        for pid in victims:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        return victims
+        return [p.pid for p in victims]
 
     def start_node(self, node: str) -> None:
         subprocess.run([str(SCRIPTS / "start_cluster.sh"), str(self.root), "--node", node], env=self.env,
@@ -151,6 +121,6 @@ def slurm_cluster():
         s = subprocess.run([str(SCRIPTS / "stop_cluster.sh"), str(root)], capture_output=True, text=True,
                            timeout=180)
         assert s.returncode == 0, f"stop_cluster.sh left processes running:\n{s.stderr[-3000:]}"
-        left = [p for p in pids() if environ(p).get("_SLURM_LOCAL_DAEMON_OF") == str(root) and alive(p)]
+        left = [p.pid for p in live_processes(_SLURM_LOCAL_DAEMON_OF=str(root))]
         assert not left, f"processes of the test Slurm cluster still running: {left}"
         shutil.rmtree(root, ignore_errors=True)

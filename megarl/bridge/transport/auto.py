@@ -24,7 +24,7 @@ class AutoTransport:
     storage = "shm"
 
     def __init__(self, rank: int, group=None, nodes=None):
-        self.rank, self.group, self.nodes = rank, group, nodes
+        self.nodes = nodes
         self.shm = ShmTransport(rank, group, nodes)
         network = NcclTransport if dist.is_initialized() and dist.get_backend(group) == "nccl" else GlooTransport
         self.backend = network.backend
