@@ -219,7 +219,7 @@ def check_sections(cfg: MegaRLConfig) -> None:
 
 def model_hf_config(path: str) -> dict | None:
     """config.json of the model, if it can be read without building anything."""
-    from megarl.models.fixtures import FIXTURES, fixture_dir, tiny_config
+    from megarl.models.fixtures import FIXTURES, fixture_config, fixture_dir
 
     if path.startswith("fixture:"):
         name = path[len("fixture:"):]
@@ -227,7 +227,7 @@ def model_hf_config(path: str) -> dict | None:
             return None
         folder = fixture_dir(name)
         if not (folder / "config.json").exists():
-            return tiny_config(name[len("tiny-"):]).to_dict() if name.startswith("tiny-") else None
+            return fixture_config(name).to_dict() if name != "smollm2" else None
     else:
         folder = Path(path)
     cfg_file = folder / "config.json"

@@ -10,6 +10,12 @@
   kv_lora_rank 512 and qk_rope_head_dim 64 (the only shape vLLM's CPU MLA kernel supports),
   group-limited routing (n_group 2, topk_group 1), a dense first layer and the real model's YaRN
   rope scaling (factor 40 over 4096 positions, mscale 1).
+* ``mini-deepseek_v3``: DeepSeek-V3's structure at a size the CPU runs through the whole loop
+  (tests/e2e/test_deepseek_e2e.py, configs/deepseek_v3_mini_cpu.yaml): 3 layers (the first dense,
+  then MoE: 3 does not split evenly over 2 pipeline stages, as 61 does not over 16), 16 routed
+  experts in 4 groups of which 2 are kept per token (DeepSeek-V3: 256 in 8, 4 kept), 4 experts per
+  token plus a shared expert, sigmoid scores with a non-zero correction bias, the real YaRN rope
+  scaling and one multi-token-prediction layer declared (not built, as for the real model).
 
 The cache root is ``$MEGARL_CACHE`` or ``~/.cache/megarl``; a fixture is rebuilt only when its
 folder lacks the ``.complete`` marker (written last, after an atomic rename of the folder).
@@ -25,7 +31,7 @@ from pathlib import Path
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
-FIXTURES = ("smollm2",) + tuple(f"tiny-{f}" for f in TINY_FAMILIES)
+FIXTURES = ("smollm2",) + tuple(f"tiny-{f}" for f in TINY_FAMILIES) + ("mini-deepseek_v3",)
 SEED = 1234
 # Larger than HF's 0.02 so random logits are peaked enough that greedy argmax is not decided by
 # float noise between implementations (top-2 gaps ~0.3 nats instead of ~0.07).
@@ -91,7 +97,7 @@ def ensure_fixture(name: str, rebuild: bool = False) -> Path:
         if name == "smollm2":
             _build_smollm2(staging)
         else:
-            _build_tiny(name[len("tiny-"):], staging)
+            _build_random(name, staging)
         (staging / ".complete").write_text(_marker(name))
         if out.exists():
             shutil.rmtree(out)
@@ -179,11 +185,25 @@ def tiny_config(family: str):
     raise ValueError(f"unknown tiny family {family!r}; known: {', '.join(TINY_FAMILIES)}")
 
 
-def _build_tiny(family: str, out: Path):
+def fixture_config(name: str):
+    """HF config of a random-weight fixture (``tiny-<family>`` or ``mini-deepseek_v3``)."""
+    if name == "mini-deepseek_v3":
+        fields = tiny_config("deepseek_v3").to_dict()
+        fields.pop("layer_types", None)
+        fields.update(num_hidden_layers=3, n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4,
+                      num_nextn_predict_layers=1)
+        return type(tiny_config("deepseek_v3"))(**fields)
+    if not name.startswith("tiny-"):
+        raise ValueError(f"{name!r} is not a random-weight fixture")
+    return tiny_config(name[len("tiny-"):])
+
+
+def _build_random(name: str, out: Path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    cfg = tiny_config(family)
+    cfg = fixture_config(name)
+    family = cfg.model_type
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     if family == "deepseek_v3":
