@@ -17,7 +17,7 @@ def test_unknown_fixture_lists_known():
     with pytest.raises(ValueError) as exc:
         fixtures.fixture_dir("tiny-gpt2")
     assert str(exc.value) == ("unknown fixture 'tiny-gpt2'; known fixtures: smollm2, tiny-llama, tiny-qwen2, "
-                              "tiny-qwen3, tiny-qwen3_moe, tiny-deepseek_v3")
+                              "tiny-qwen3, tiny-qwen3_moe, tiny-deepseek_v3, mini-deepseek_v3")
 
 
 def test_tiny_fixture_build_is_deterministic(tmp_path, monkeypatch):
