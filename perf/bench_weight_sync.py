@@ -30,10 +30,11 @@ DEEPSEEK_V3_671B = dict(
     n_routed_experts=256, n_shared_experts=1, moe_intermediate_size=2048, intermediate_size=18432,
     q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
     num_attention_heads=128, num_key_value_heads=128, vocab_size=129280, tie_word_embeddings=False)
-# 61 layers do not split evenly over 16 / 12 stages: the first stages take one layer more
+# 61 layers do not split evenly over 16 / 12 stages: megatron's uneven first/last stages take the
+# remainder (PP16: 3 + 14 x 4 + 2; PP12: 6 + 11 x 5)
 TRAIN_671B = {
-    "PP16 x EP16 (256 dev)": dict(world_size=256, pp=16, ep=16, etp=1, layers_per_stage=(4,) * 13 + (3,) * 3),
-    "TP8 PP12 EP8 (96 dev)": dict(world_size=96, tp=8, pp=12, ep=8, etp=1, layers_per_stage=(6,) + (5,) * 11),
+    "PP16 x EP16 (256 dev)": dict(world_size=256, pp=16, ep=16, etp=1, first_stage_layers=3, last_stage_layers=2),
+    "TP8 PP12 EP8 (96 dev)": dict(world_size=96, tp=8, pp=12, ep=8, etp=1, first_stage_layers=6),
 }
 # (training layout, vLLM TP): engines colocated on the training devices, as many as fit
 LAYOUTS_671B = [("PP16 x EP16 (256 dev)", 32), ("PP16 x EP16 (256 dev)", 8), ("TP8 PP12 EP8 (96 dev)", 32)]
@@ -65,8 +66,7 @@ def plan_671b() -> list[str]:
     for train, tp in LAYOUTS_671B:
         kw = TRAIN_671B[train]
         t = time.time()
-        src = MegatronLayout(Topology(**{k: v for k, v in kw.items() if k != "layers_per_stage"}),
-                             layers_per_stage=kw["layers_per_stage"])
+        src = MegatronLayout(Topology(**kw))
         world = src.topology.world_size
         dst = VllmLayout.colocated(tp, world)
         lb = link_bytes(mapping, src, dst, devices_per_node=DEVICES_PER_NODE, itemsize=2)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Iterator
 
 from megarl.bridge.mapping import FamilyMapping, MegatronTensor, Piece, box_numel, compose, full_box
 from megarl.bridge.mapping.base import intersect, shard_segments, translate
@@ -52,31 +52,15 @@ FORMATS = ("vllm_shard", "hf_full")
 
 @dataclass(frozen=True)
 class MegatronLayout:
-    """The training layout: a :class:`~megarl.parallel.Topology` (sizes, their validation and
-    Megatron's rank coordinates live there) plus, for uneven pipelines, the layers of each stage."""
+    """The training layout: a :class:`~megarl.parallel.Topology` (sizes, their validation,
+    Megatron's rank coordinates and the pipeline split, uneven first/last stages included)."""
 
     topology: Topology
-    layers_per_stage: Optional[tuple] = None
-    """Uneven pipelines: decoder layers of each stage (None: even split; with vpp > 1 even only)."""
 
     def stage_of(self, t: MegatronTensor, num_layers: int) -> int:
-        pp, vpp = self.topology.pp, self.topology.vpp_size
         if t.layer is None:
-            return 0 if t.name.startswith("embedding.") else pp - 1
-        if self.layers_per_stage is not None:
-            if len(self.layers_per_stage) != pp or sum(self.layers_per_stage) != num_layers:
-                raise ValueError(f"MegatronLayout.layers_per_stage={self.layers_per_stage} does not split "
-                                 f"{num_layers} layers over pp={pp} stages")
-            end = 0
-            for stage, n in enumerate(self.layers_per_stage):
-                end += n
-                if t.layer < end:
-                    return stage
-        if num_layers % (pp * vpp):
-            raise ValueError(f"{num_layers} layers do not split evenly over pp*vpp={pp * vpp}; "
-                             "set MegatronLayout.layers_per_stage")
-        per_chunk = num_layers // (pp * vpp)
-        return (t.layer // per_chunk) % pp
+            return 0 if t.name.startswith("embedding.") else self.topology.pp - 1
+        return self.topology.stage_of_layer(t.layer, num_layers)
 
     def holders(self, t: MegatronTensor, num_layers: int) -> dict:
         """(tp rank, ep rank) shard key -> global ranks holding that shard (replicas, ascending)."""

@@ -1,7 +1,8 @@
 """The typed configuration: one dataclass per component, a docstring under every field.
 
 A recipe is YAML with one mapping per section (``topology``, ``model``, ``rollout``,
-``algorithm``, ``data``, ``trainer``, ``checkpoint``, ``logging``, ``bridge``); any field can be
+``algorithm``, ``data``, ``trainer``, ``checkpoint``, ``logging``, ``bridge``, and ``cluster`` /
+``plan``, which only ``megarl plan`` reads); any field can be
 overridden on the command line as ``section.field=value``. :mod:`megarl.config.loader` turns both
 into a :class:`MegaRLConfig` and reports every mistake with its full key path.
 
@@ -33,7 +34,8 @@ class TopologyConfig:
     tp: int = 1
     """Tensor-parallel size of the Megatron policy; must divide attention and KV heads."""
     pp: int = 1
-    """Pipeline-parallel stages; pp*vpp must divide the number of layers."""
+    """Pipeline-parallel stages; pp*vpp must divide the number of layers, unless first_stage_layers /
+    last_stage_layers take the remainder."""
     vpp: Optional[int] = None
     """Virtual pipeline chunks per stage (interleaved 1F1B); null for none."""
     ep: int = 1
@@ -44,12 +46,20 @@ class TopologyConfig:
     """Context-parallel size: each packed sequence is split across cp ranks."""
     sp: bool = False
     """Sequence parallelism (needs tp > 1)."""
+    first_stage_layers: Optional[int] = None
+    """Decoder layers on the first pipeline stage (all its vpp chunks together; a multiple of vpp),
+    for layer counts pp*vpp does not divide: the stages in between split the rest evenly
+    (DeepSeek-V3's 61 layers at pp=16: 3, with last_stage_layers 2); null: an even share."""
+    last_stage_layers: Optional[int] = None
+    """Decoder layers on the last pipeline stage (see first_stage_layers); null: an even share."""
 
     def to_topology(self):
         """The validated :class:`megarl.parallel.Topology` of these sizes."""
         from megarl.parallel.topology import Topology
 
-        return Topology(self.world_size, self.tp, self.pp, self.vpp, self.ep, self.etp, self.cp, self.sp)
+        return Topology(world_size=self.world_size, tp=self.tp, pp=self.pp, vpp=self.vpp, ep=self.ep, etp=self.etp,
+                        cp=self.cp, sp=self.sp, first_stage_layers=self.first_stage_layers,
+                        last_stage_layers=self.last_stage_layers)
 
     def validate(self):
         from megarl.parallel.topology import TopologyError
@@ -396,6 +406,39 @@ class BridgeConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """The machines a recipe is meant for. Only ``megarl plan`` reads this section (a run uses the
+    devices it finds); the numbers per GPU type are in :mod:`megarl.planner.hardware`."""
+
+    gpu: Literal["h100", "h200", "h20", "gb200"] = "h100"
+    """GPU type (a key of megarl.planner.hardware.GPUS): its memory, FLOPS and bandwidths are what
+    megarl plan sizes the recipe against."""
+    gpus_per_node: Optional[int] = None
+    """GPUs per node (host); null: the usual system of cluster.gpu (DGX/HGX 8, GB200 compute tray 4).
+    Host memory and the offloaded state are counted per node."""
+    host_memory_gib: Optional[float] = None
+    """Host memory per node in GiB that offloaded training state and sleeping vLLM weights may use;
+    null: the usual system's (DGX H100/H200 2 TB, GB200 tray 2 x 480 GB)."""
+
+    def validate(self):
+        _positive(self, "gpus_per_node", "host_memory_gib")
+
+
+@dataclass
+class PlanConfig:
+    """Workload assumptions of ``megarl plan``'s step-time estimate (a run measures them)."""
+
+    mean_prompt_tokens: Optional[int] = None
+    """Mean prompt length in tokens (chat template included); null: rollout.max_prompt_tokens."""
+    mean_response_tokens: Optional[int] = None
+    """Mean generated length in tokens; null: rollout.max_response_tokens. Generation lasts as long
+    as the longest response (rollout.max_response_tokens when any sample is clipped)."""
+
+    def validate(self):
+        _positive(self, "mean_prompt_tokens", "mean_response_tokens")
+
+
+@dataclass
 class MegaRLConfig:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     """Parallel layout of the Megatron policy."""
@@ -415,6 +458,11 @@ class MegaRLConfig:
     """Metrics and progress output."""
     bridge: BridgeConfig = field(default_factory=BridgeConfig)
     """Megatron -> vLLM weight sync."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """The machines the recipe is meant for (read by megarl plan)."""
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    """Workload assumptions of megarl plan's step-time estimate."""
 
 
-SECTIONS = ("topology", "model", "rollout", "algorithm", "data", "trainer", "checkpoint", "logging", "bridge")
+SECTIONS = ("topology", "model", "rollout", "algorithm", "data", "trainer", "checkpoint", "logging", "bridge", "cluster",
+            "plan")

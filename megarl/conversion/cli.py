@@ -14,13 +14,18 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vpp", type=int, default=None)
     g.add_argument("--ep", type=int, default=1)
     g.add_argument("--etp", type=int, default=None)
+    g.add_argument("--first-stage-layers", type=int, default=None,
+                   help="decoder layers on the first pipeline stage (uneven pipelines, e.g. 61 layers at --pp 16)")
+    g.add_argument("--last-stage-layers", type=int, default=None,
+                   help="decoder layers on the last pipeline stage (uneven pipelines)")
 
 
 def _topology(args):
     from megarl.parallel.topology import Topology
 
     return Topology(world_size=int(os.environ.get("WORLD_SIZE", "1")), tp=args.tp, pp=args.pp, vpp=args.vpp,
-                    ep=args.ep, etp=args.etp)
+                    ep=args.ep, etp=args.etp, first_stage_layers=args.first_stage_layers,
+                    last_stage_layers=args.last_stage_layers)
 
 
 def _run(argv, parser: argparse.ArgumentParser, body) -> int:

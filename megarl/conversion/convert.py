@@ -93,7 +93,9 @@ def hf_to_megatron(hf_folder: str, out: str, topology: Topology, keep_mtp: bool 
     t_fill = time.time()
     meta = {"model_type": cfg["model_type"], "dtype": dtype, "source": os.path.abspath(hf_folder),
             "layout": {"world_size": topology.world_size, "tp": topology.tp, "pp": topology.pp,
-                       "vpp": topology.vpp, "ep": topology.ep, "etp": topology.etp},
+                       "vpp": topology.vpp, "ep": topology.ep, "etp": topology.etp,
+                       "first_stage_layers": topology.first_stage_layers,
+                       "last_stage_layers": topology.last_stage_layers},
             "dequantized_fp8": any(reader.is_fp8(n) for n in reader.tensors),
             "dropped_mtp_tensors": len(mtp), "format": "megatron-core dist_checkpointing torch_dist"}
     save_checkpoint(model, out, hf_folder, meta)
@@ -105,7 +107,8 @@ def hf_to_megatron(hf_folder: str, out: str, topology: Topology, keep_mtp: bool 
     stats = {"seconds": {"build": round(t_build - t0, 2), "fill": round(t_fill - t_build, 2),
                          "save": round(time.time() - t_fill, 2)},
              "bytes_read_per_rank": read_total, "dropped_mtp_tensors": len(mtp), "memory": mem}
-    _log(f"{hf_folder} -> {out} at tp={topology.tp} pp={topology.pp} ep={topology.ep}: dtype {dtype}, "
+    stages = f" (layers per stage {list(topology.stage_layers(cfg['num_hidden_layers']))})" if topology.uneven else ""
+    _log(f"{hf_folder} -> {out} at tp={topology.tp} pp={topology.pp}{stages} ep={topology.ep}: dtype {dtype}, "
          f"read {[round(b / 2**20, 1) for b in read_total]} MiB per rank"
          + (f", dropped {len(mtp)} MTP tensors" if mtp else ""))
     _log("peak RSS per rank (MiB): " + ", ".join(f"{r['self_mib']:.0f}" for r in mem["per_rank"])

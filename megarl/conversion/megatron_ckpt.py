@@ -8,8 +8,10 @@ boxes of its shards); this module checks an HF folder against the mapping before
 The checkpoint folder (:func:`save_checkpoint`) is megatron-core ``dist_checkpointing``
 (torch_dist) of ``{"model<i>": chunk_i.sharded_state_dict()}`` plus, beside it, the source HF
 config / tokenizer files and ``megarl_conversion.json`` (layout written with, dtype, source, MTP
-handling). ShardedTensor keys are global, so :func:`load_megatron_checkpoint` loads it at any
-tp / pp / vpp / ep / etp (dist_checkpointing reshards).
+handling). ShardedTensor keys are global (a decoder layer is placed by its global layer number,
+from megatron's own layer offset, in its key or its offset in the stacked layer axis), so
+:func:`load_megatron_checkpoint` loads it at any tp / pp / vpp / ep / etp and any first/last
+pipeline stage split, even or uneven (dist_checkpointing reshards).
 """
 from __future__ import annotations
 

@@ -16,7 +16,9 @@ Steps of :func:`build_model`:
 Megatron settings chosen here (and why): ``calculate_per_token_loss=False`` with the loss
 scaling described in :mod:`megarl.engine.policy`; ``variable_seq_lengths=True`` (packed rows
 differ per micro-batch); ``batch_p2p_comm=False`` on CPU (gloo swaps VPP messages otherwise);
-sequence parallelism only when ``topology.sp``; MoE dispatcher ``alltoall`` (mbridge default).
+sequence parallelism only when ``topology.sp``; uneven first/last pipeline stages
+(``num_layers_in_first/last_pipeline_stage``) only when the topology sets them; MoE dispatcher
+``alltoall`` (mbridge default).
 """
 from __future__ import annotations
 
@@ -143,6 +145,10 @@ def _config_overrides(options: ModelOptions, topology: Topology) -> dict:
             extra.update(recompute_method="uniform", recompute_num_layers=1)
     if topology.vpp_size > 1:
         extra["overlap_p2p_comm"] = False   # simple, deterministic p2p; batch_p2p_comm stays False
+    if topology.first_stage_layers is not None:
+        extra["num_layers_in_first_pipeline_stage"] = topology.first_stage_layers
+    if topology.last_stage_layers is not None:
+        extra["num_layers_in_last_pipeline_stage"] = topology.last_stage_layers
     extra.update(options.config_overrides)
     return extra
 
@@ -155,7 +161,7 @@ def build_model(options: ModelOptions, groups: ParallelGroups, *, ddp: bool = Fa
     layout (reduce-scatter for the distributed optimizer, else all-reduce).
     """
     from megarl.bridge.mapping import get_mapping
-    from megarl.compat import setup_cpu
+    from megarl.compat import megatron_fixes, setup_cpu
     from megarl.engine.export import fill_from_hf
     from megarl.models.fixtures import resolve_model_path
     from megarl.models.registry import make_bridge
@@ -163,6 +169,7 @@ def build_model(options: ModelOptions, groups: ParallelGroups, *, ddp: bool = Fa
     from transformers import AutoConfig
 
     setup_cpu()
+    megatron_fixes.apply()
     topology = groups.topology
     check_layout(options.path, topology)
     folder = resolve_model_path(options.path)

@@ -37,6 +37,8 @@ class ModelDims:
     attention_bias: bool = False
     """HF ``attention_bias`` (MLA: always False)."""
     num_experts: int = 0
+    num_experts_per_tok: int = 0
+    """Routed experts each token goes to (HF ``num_experts_per_tok``; 0 for a dense model)."""
     moe_intermediate_size: int = 0
     first_k_dense_replace: int = 0
     shared_expert_intermediate_size: int = 0
@@ -73,7 +75,8 @@ class ModelDims:
             intermediate_size=int(get("intermediate_size") or 0),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             attention_bias=bool(get("attention_bias", False)) and not mla,
-            num_experts=int(experts), moe_intermediate_size=moe_intermediate,
+            num_experts=int(experts), num_experts_per_tok=int(get("num_experts_per_tok") or 0) if experts else 0,
+            moe_intermediate_size=moe_intermediate,
             first_k_dense_replace=int(get("first_k_dense_replace") or 0),
             shared_expert_intermediate_size=int(get("n_shared_experts") or 0) * moe_intermediate,
             q_lora_rank=int(get("q_lora_rank") or 0), kv_lora_rank=int(get("kv_lora_rank") or 0),

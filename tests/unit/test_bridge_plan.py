@@ -1,5 +1,6 @@
-"""Pure tests of the weight-bridge plan: coverage, locality, PP/EP ownership, execution of the plan
-on synthetic shards, bytes by link type, and the DeepSeek-V3 671B byte counts (shapes only)."""
+"""Pure tests of the weight-bridge plan: coverage, locality, PP/EP ownership (uneven first/last
+pipeline stages and vpp included), execution of the plan on synthetic shards, bytes by link type,
+and the DeepSeek-V3 671B byte counts (shapes only, 61 layers at PP16: 3 + 14 x 4 + 2)."""
 import time
 from collections import defaultdict
 
@@ -19,7 +20,8 @@ DSV3 = dict(model_type="deepseek_v3", num_hidden_layers=4, hidden_size=16, num_a
             n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=16, qk_rope_head_dim=4,
             qk_nope_head_dim=4, v_head_dim=4, vocab_size=128, tie_word_embeddings=False)
 LAYOUTS = [dict(world_size=2), dict(world_size=2, tp=2), dict(world_size=2, pp=2),
-           dict(world_size=2, tp=2, ep=2, etp=1), dict(world_size=4, tp=2, pp=2), dict(world_size=4, ep=4, etp=1)]
+           dict(world_size=2, tp=2, ep=2, etp=1), dict(world_size=4, tp=2, pp=2), dict(world_size=4, ep=4, etp=1),
+           dict(world_size=4, tp=2, pp=2, first_stage_layers=1)]
 
 
 def _coverage(mapping, src, dst):
@@ -87,6 +89,31 @@ def test_pp_stages_send_only_their_layers():
             assert src.topology.coords(tr.src_rank)["pp"] == t.layer // 2
 
 
+@pytest.mark.parametrize("layout,stages", [
+    (dict(world_size=4, tp=2, pp=2, first_stage_layers=1), [0, 1, 1, 1, 1, 1]),
+    (dict(world_size=2, pp=2, last_stage_layers=1), [0, 0, 0, 0, 0, 1]),
+    (dict(world_size=6, pp=3, first_stage_layers=1, last_stage_layers=1), [0, 1, 1, 1, 1, 2]),
+    (dict(world_size=2, pp=2, vpp=2, first_stage_layers=4), [0, 0, 1, 0, 0, 1]),
+], ids=["first1", "last1", "pp3.first1.last1", "vpp2.first4"])
+@pytest.mark.parametrize("cfg", [QWEN2, DSV3], ids=["qwen2", "deepseek_v3"])
+def test_uneven_stages_send_each_layer_from_its_stage(cfg, layout, stages):
+    """6 layers at uneven pipeline splits: every transfer of layer i leaves a rank of stage
+    ``stages[i]`` (megatron's split, tests/unit/test_topology_uneven.py), the embedding leaves
+    stage 0, the head the last stage, and every destination element is still written once."""
+    mapping = get_mapping(dict(cfg, num_hidden_layers=6))
+    src = MegatronLayout(Topology(**layout))
+    layers = {t.name: t.layer for t in mapping.megatron_tensors()}
+    planner, cov = _coverage(mapping, src, VllmLayout.colocated(2, src.topology.world_size))
+    sent_by = defaultdict(set)
+    for tr in planner.transfers():
+        layer = layers[tr.tensor]
+        key = "embedding" if tr.tensor.startswith("embedding.") else "head" if layer is None else layer
+        sent_by[key].add(src.topology.coords(tr.src_rank)["pp"])
+    last = src.topology.pp - 1
+    assert dict(sent_by) == {"embedding": {0}, "head": {last}, **{i: {s} for i, s in enumerate(stages)}}
+    assert all((c == 1).all() for c in cov.values())
+
+
 def test_ep_ranks_send_only_their_experts():
     mapping = get_mapping(MOE)
     src = MegatronLayout(Topology(4, ep=4, etp=1))
@@ -108,12 +135,14 @@ def test_no_rank_receives_more_than_its_shard():
 
 
 @pytest.mark.parametrize("cfg", [QWEN2, MOE, DSV3], ids=["qwen2", "qwen3_moe", "deepseek_v3"])
-def test_executing_plan_on_synthetic_shards_gives_vllm_shards(cfg):
-    """Run the plan by hand: shards of random HF weights -> destination tensors == hf_to_vllm_shard."""
+@pytest.mark.parametrize("first", [None, 1], ids=["even", "first1"])
+def test_executing_plan_on_synthetic_shards_gives_vllm_shards(cfg, first):
+    """Run the plan by hand: shards of random HF weights -> destination tensors == hf_to_vllm_shard
+    (pipeline stages of 2 + 2 layers, and uneven 1 + 3)."""
     mapping = get_mapping(cfg)
     g = torch.Generator().manual_seed(0)
     hf = {n: torch.randn(s, generator=g) for n, s in mapping.hf_shapes().items()}
-    src = MegatronLayout(Topology(4, tp=2, pp=2, ep=2, etp=1))
+    src = MegatronLayout(Topology(4, tp=2, pp=2, ep=2, etp=1, first_stage_layers=first))
     dst = VllmLayout.colocated(2, 4)
     planner = Planner(mapping, src, dst)
     shards = {}
@@ -141,12 +170,6 @@ def test_buckets_respect_load_groups_and_budget():
     buckets = planner.buckets(bucket_bytes=1)   # every group alone
     assert [b.groups for b in buckets] == [["embedding"], ["layer0"], ["layer1"], ["layer2"], ["layer3"], ["head"]]
     assert len(planner.buckets(bucket_bytes=1 << 30)) == 1
-
-
-DSV3_671B = dict(model_type="deepseek_v3", hidden_size=7168, num_hidden_layers=61, first_k_dense_replace=3,
-                 n_routed_experts=256, n_shared_experts=1, moe_intermediate_size=2048, intermediate_size=18432,
-                 q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-                 num_attention_heads=128, num_key_value_heads=128, vocab_size=129280, tie_word_embeddings=False)
 
 
 @pytest.mark.parametrize("cfg", [MOE, DSV3], ids=["qwen3_moe", "deepseek_v3"])
@@ -188,24 +211,25 @@ DSV3_671B = dict(model_type="deepseek_v3", hidden_size=7168, num_hidden_layers=6
                  n_routed_experts=256, n_shared_experts=1, moe_intermediate_size=2048, intermediate_size=18432,
                  q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
                  num_attention_heads=128, num_key_value_heads=128, vocab_size=129280, tie_word_embeddings=False)
-STAGE_LAYERS_671B = (4,) * 13 + (3,) * 3     # 61 layers over PP16: the first stages take one layer more
+# 61 layers over PP16: megatron's uneven first/last stages, 3 + 14 x 4 + 2 (stage 0 holds the three
+# dense layers, first_k_dense_replace=3)
+TOPOLOGY_671B = Topology(256, pp=16, ep=16, etp=1, first_stage_layers=3, last_stage_layers=2)
 
 
 @pytest.fixture(scope="module")
 def dsv3_671b():
     mapping = get_mapping(DSV3_671B)
-    src = MegatronLayout(Topology(256, pp=16, ep=16, etp=1), layers_per_stage=STAGE_LAYERS_671B)
+    src = MegatronLayout(TOPOLOGY_671B)
     return mapping, src, baseline_bytes_per_device(mapping, src, itemsize=2)
 
 
 def _stage_bytes(mapping, tp):
     """Bytes of one vLLM TP shard per training stage: (dense, routed experts) lists of 16."""
-    stage_of_layer = [s for s, n in enumerate(STAGE_LAYERS_671B) for _ in range(n)]
     dense, expert = [0] * 16, [0] * 16
     for name, shape in mapping.vllm_shapes(tp).items():
         n = torch.Size(shape).numel() * 2
         if name.startswith("model.layers."):
-            stage = stage_of_layer[int(name.split(".")[2])]
+            stage = TOPOLOGY_671B.stage_of_layer(int(name.split(".")[2]), 61)
         else:
             stage = 0 if name.startswith("model.embed_tokens.") else 15
         (expert if ".mlp.experts." in name else dense)[stage] += n
@@ -237,14 +261,15 @@ def test_deepseek_v3_671b_link_bytes_from_shapes_only(dsv3_671b, tp):
     shard = sum(torch.Size(s).numel() for s in mapping.vllm_shapes(tp).values()) * 2
     dense, expert = _stage_bytes(mapping, tp)
     assert sum(dense) + sum(expert) == shard and all(x % 16 == 0 for x in expert)
-    assert expert[0] > 0      # stage 0 (layers 0-3) has one MoE layer: first_k_dense_replace=3
+    assert TOPOLOGY_671B.stage_layers(61) == (3,) + (4,) * 14 + (2,)
+    assert expert[0] == 0 and all(expert[1:])    # stage 0 holds layers 0-2, the dense ones
     for d in range(256):
         s, x16 = d // 16, expert[d // 16] // 16
         assert got.recv["local"][d] == dense[s] + x16 > 0, d
         assert got.recv["intra_node"][d] == 7 * x16, d
         assert got.recv["inter_node"][d] == shard - dense[s] - 8 * x16, d
         assert got.device_total(d) == shard, d                  # each device gets exactly its vLLM shard
-        assert got.sent["intra_node"][d] == 7 * x16, d
+        assert got.sent["intra_node"].get(d, 0) == 7 * x16, d     # stage 0 has no experts to send
         assert got.sent["inter_node"][d] == 15 * dense[s] + 248 * x16, d
     assert [got.engine_total(k) for k in range(256 // tp)] == [tp * shard] * (256 // tp)
     # the naive export (every full tensor gathered to every rank) moves >= 5x (TP8) / 20x (TP32) more

@@ -59,7 +59,8 @@ def test_experts_and_layers_constraints():
         "(model fixture:tiny-qwen3_moe)")
     assert error_of(["model.path=fixture:tiny-llama", "topology.world_size=4", "topology.pp=4"]) == (
         "invalid value for config key 'topology.pp': got 4, expected pp*vpp (= 4) dividing "
-        "num_hidden_layers=2 (model fixture:tiny-llama)")
+        "num_hidden_layers=2; no topology.first_stage_layers / last_stage_layers pair splits 2 layers over pp=4 "
+        "either (every stage needs at least one layer) (model fixture:tiny-llama)")
 
 
 def test_section_rules():

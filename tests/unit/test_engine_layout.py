@@ -36,6 +36,15 @@ def test_bad_dense_layouts(qwen2, topo, text):
     assert text in str(err.value)
 
 
+def test_uneven_pipeline_stages(qwen2):
+    """The 2-layer fixture at pp=2 with explicit 1 + 1 stages passes; 2 + 1 names the field (the
+    rules and megatron agreement: test_topology_uneven.py)."""
+    check_layout(qwen2, Topology(world_size=2, pp=2, first_stage_layers=1, last_stage_layers=1))
+    with pytest.raises(TopologyError, match=r"^topology.last_stage_layers=1 is invalid: expected num_hidden_layers - "
+                                            r"first_stage_layers = 2 - 2 = 0 "):
+        check_layout(qwen2, Topology(world_size=2, pp=2, first_stage_layers=2, last_stage_layers=1))
+
+
 def test_bad_moe_layouts(moe):
     with pytest.raises(TopologyError, match="a divisor of the number of experts \\(8\\)"):
         check_layout(moe, Topology(world_size=3, ep=3))

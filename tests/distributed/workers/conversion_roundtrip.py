@@ -1,29 +1,35 @@
 """HF -> Megatron -> HF round trips, verify, and resharded loads, in one torchrun launch.
 
 Usage: conversion_roundtrip.py FAMILIES LAYOUT MOE_LAYOUT RELOAD_FAMILIES RELOAD_LAYOUTS WORKDIR
-  FAMILIES         comma-separated fixture names (tiny-llama, ..., smollm2); ``name@layout`` overrides the
-                   layout (SmolLM2 has 9 heads / 3 KV heads: no tp=2)
+  FAMILIES         comma-separated fixture names (tiny-llama, ..., smollm2) or ``tiny-<family>-<N>l``
+                   (a random N-layer variant of the tiny family, built in a temp dir); ``name@layout``
+                   overrides the layout (SmolLM2 has 9 heads / 3 KV heads: no tp=2)
   LAYOUT           layout the checkpoint is written and read back with ('tp2.pp2')
   MOE_LAYOUT       the same for MoE families ('tp2.ep2')
-  RELOAD_FAMILIES  families whose checkpoint is also loaded at RELOAD_LAYOUTS
+  RELOAD_FAMILIES  families whose checkpoint is also loaded at RELOAD_LAYOUTS; ``name:a+b`` loads
+                   that one at layouts a and b instead
   RELOAD_LAYOUTS   comma-separated layouts ('-' = all sizes 1)
   WORKDIR          checkpoints and HF outputs are written under it (kept for the caller)
 
 Reports per family: tensors compared, names of tensors not bit-identical, verify's weight and
-log-prob results, and per reload layout max |log-probs(HF-loaded engine) - log-probs(after loading
-the checkpoint into an engine whose parameters were zeroed)|.
+log-prob results, the layout stored in the checkpoint's metadata, and per reload layout max
+|log-probs(HF-loaded engine) - log-probs(after loading the checkpoint into an engine whose
+parameters were zeroed)|.
 """
 import gc
 import json
 import os
+import re
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from engine_common import fixture, groups_for, init, make_batch, micro_batches, parse_layout, report
-from megarl.conversion import HFCheckpoint, hf_to_megatron, load_megatron_checkpoint, megatron_to_hf, verify
+from engine_common import (deeper_variant, fixture, groups_for, init, make_batch, micro_batches, parse_layout,
+                           remove_dir, report)
+from megarl.conversion import (HFCheckpoint, hf_to_megatron, load_megatron_checkpoint, megatron_to_hf, read_meta,
+                               verify)
 from megarl.engine import ModelOptions, reference_engine
 from megarl.models.registry import get_family
 from megarl.parallel.groups import destroy_process_groups
@@ -48,14 +54,18 @@ def main():
     rank, world = init()
     families = sys.argv[1].split(",")
     layout, moe_layout = sys.argv[2], sys.argv[3]
-    reload_families = set(filter(None, sys.argv[4].split(",")))
-    reload_layouts = [s.replace("-", "") for s in sys.argv[5].split(",") if s]
+    default_reload = [s for s in sys.argv[5].split(",") if s]
+    reload_layouts = {}
+    for entry in filter(None, sys.argv[4].split(",")):
+        name, _, own = entry.partition(":")
+        reload_layouts[name] = [s.replace("-", "") for s in (own.split("+") if own else default_reload)]
     workdir = sys.argv[6]
     out = {"world": world}
     for entry in families:
         name, _, override = entry.partition("@")
         t0 = time.time()
-        src = fixture(name)
+        variant = re.fullmatch(r"tiny-(\w+)-(\d+)l", name)
+        src = deeper_variant(variant[1], int(variant[2])) if variant else fixture(name)
         cfg = json.load(open(os.path.join(src, "config.json")))
         spec = override or (moe_layout if get_family(cfg["model_type"]).is_moe else layout)
         topo = parse_layout(spec, world)
@@ -66,12 +76,13 @@ def main():
         if rank == 0:
             count, bad = compare_folders(src, hf_out)
             out[f"{name}|tensors"], out[f"{name}|not_identical"] = count, bad
+        out[f"{name}|layout"] = read_meta(ckpt)["layout"]
         res = verify(src, ckpt, groups_for(spec, world))
         out[f"{name}|verify"] = {"ok": res.ok, "weight_diffs": res.weight_diffs, "num_weights": res.num_weights,
                                  "logprob_max_diff": res.logprob_max_diff}
-        if name in reload_families:
+        if name in reload_layouts:
             ids, prompts = make_batch(cfg["vocab_size"])
-            for target in reload_layouts:
+            for target in reload_layouts[name]:
                 engine = reference_engine(ModelOptions(path=src), groups_for(target, world))
                 ref = logprobs(engine, ids, prompts)
                 with torch.no_grad():
@@ -84,6 +95,8 @@ def main():
                 del engine
                 gc.collect()
         destroy_process_groups()
+        if variant:
+            remove_dir(src)
         out[f"{name}|seconds"] = round(time.time() - t0, 1)
         if rank == 0:
             print(f"{name}: {json.dumps({k: v for k, v in out.items() if k.startswith(name)})}", flush=True)

@@ -29,12 +29,17 @@ def init():
     return dist.get_rank(), dist.get_world_size()
 
 
+# spec keys that are not Topology field names: uneven first/last pipeline stages
+LAYOUT_KEYS = {"first": "first_stage_layers", "last": "last_stage_layers"}
+
+
 def parse_layout(spec: str, world: int) -> Topology:
-    """'tp2.pp2.vpp2.ep2.etp1.cp2' (any subset, '.'-separated) -> Topology."""
+    """'tp2.pp2.vpp2.ep2.etp1.cp2.sp1' (any subset, '.'-separated) -> Topology; 'first1' / 'last1':
+    1 decoder layer on the first / last pipeline stage ('pp2.first1')."""
     kw = {}
     for part in filter(None, spec.split(".")):
         key = part.rstrip("0123456789")
-        kw[key] = bool(int(part[len(key):])) if key == "sp" else int(part[len(key):])
+        kw[LAYOUT_KEYS.get(key, key)] = bool(int(part[len(key):])) if key == "sp" else int(part[len(key):])
     return Topology(world_size=world, **kw)
 
 
@@ -66,8 +71,9 @@ def hf_logprobs(path: str, ids, prompts) -> torch.Tensor:
 
 
 def deeper_variant(family: str, num_layers: int) -> str:
-    """A tiny random model of ``family`` with ``num_layers`` layers (for pp*vpp > 2), written by
-    rank 0 into a temp dir shared by all ranks; returns the folder."""
+    """A tiny random model of ``family`` with ``num_layers`` layers (for layouts the 2-layer fixtures
+    cannot take: pp*vpp > 2, uneven pipeline stages), written by rank 0 into a temp dir shared by
+    all ranks; returns the folder."""
     path = [None]
     if dist.get_rank() == 0:
         from transformers import AutoModelForCausalLM

@@ -1,15 +1,19 @@
 """Engine log-probs vs transformers, for several families and layouts in one torchrun launch.
 
-Usage: engine_parity.py FAMILIES LAYOUTS [MOE_LAYOUTS] [VPP_LAYOUTS]
-  FAMILIES     comma-separated: tiny families (llama, qwen2, ...) or smollm2 (first layout only)
-  LAYOUTS      comma-separated layout specs for every family ('-' = all sizes 1)
-  MOE_LAYOUTS  extra layouts for MoE families only
-  VPP_LAYOUTS  layouts run on a 4-layer variant of each tiny family (built in a temp dir:
-               the fixtures have 2 layers, pp=2 x vpp=2 needs 4)
+Usage: engine_parity.py FAMILIES LAYOUTS [MOE_LAYOUTS] [VPP_LAYOUTS] [UNEVEN_LAYOUTS UNEVEN_FAMILIES]
+  FAMILIES         comma-separated: tiny families (llama, qwen2, ...) or smollm2 (first layout only)
+  LAYOUTS          comma-separated layout specs for every family ('-' = all sizes 1)
+  MOE_LAYOUTS      extra layouts for MoE families only
+  VPP_LAYOUTS      layouts run on a 4-layer variant of each tiny family (built in a temp dir:
+                   the fixtures have 2 layers, pp=2 x vpp=2 needs 4)
+  UNEVEN_LAYOUTS   layouts run on a 3-layer variant ('pp2.first1': 1 layer on the first stage,
+                   2 on the last; 3 layers cannot split evenly over pp=2)
+  UNEVEN_FAMILIES  the tiny families UNEVEN_LAYOUTS run for
 
 Reports per family and layout the max |engine - HF| over the response tokens of 3 packed
 sequences (split in 2 micro-batches), and at the first layout packed (THD, one row) vs unpacked
-(one sequence per micro-batch).
+(one sequence per micro-batch); for the uneven layouts also the global decoder layers each
+pipeline stage built.
 """
 import gc
 import json
@@ -17,6 +21,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 from engine_common import (deeper_variant, fixture, groups_for, hf_logprobs, init, make_batch,
                            micro_batches, remove_dir, report)
@@ -24,9 +29,21 @@ from megarl.engine import ModelOptions, SequenceBatch, reference_engine
 from megarl.models.registry import get_family
 
 
-def engine_logprobs(path, spec, world, ids, prompts, split=(2,)):
+def layers_by_stage(model) -> list:
+    """The global decoder layer numbers (0-based) each pipeline stage built (collective)."""
+    mine = (model.groups.pp_rank, sorted(layer.layer_number - 1 for m in model.modules for layer in m.decoder.layers))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return [layers for _, layers in sorted(dict(every).items())]
+
+
+def engine_logprobs(path, spec, world, ids, prompts, split=(2,), placement=None):
+    """Response log-probs of the engine at layout ``spec``; ``placement`` (a dict) receives the
+    engine's layers per stage under "stages"."""
     engine = reference_engine(ModelOptions(path=path), groups_for(spec, world))
     outs = engine.forward_logprobs(micro_batches(ids, prompts, split))
+    if placement is not None:
+        placement["stages"] = layers_by_stage(engine.model)
     del engine
     gc.collect()
     return torch.cat([o.logprobs_R for o in outs]).double()
@@ -38,6 +55,8 @@ def main():
     layouts = [s for s in sys.argv[2].split(",") if s]
     moe_layouts = [s for s in (sys.argv[3] if len(sys.argv) > 3 else "").split(",") if s]
     vpp_layouts = [s for s in (sys.argv[4] if len(sys.argv) > 4 else "").split(",") if s]
+    uneven_layouts = [s for s in (sys.argv[5] if len(sys.argv) > 5 else "").split(",") if s]
+    uneven_families = set((sys.argv[6] if len(sys.argv) > 6 else "").split(","))
     out = {"world": world}
     for family in families:
         t0 = time.time()
@@ -63,6 +82,15 @@ def main():
             for spec in vpp_layouts:
                 got = engine_logprobs(deep, spec, world, ids, prompts)
                 out[f"{name}-4l|{spec}"] = (got - ref4).abs().max().item()
+            remove_dir(deep)
+        if uneven_layouts and family in uneven_families:
+            deep = deeper_variant(family, 3)
+            ref3 = hf_logprobs(deep, ids, prompts)
+            for spec in uneven_layouts:
+                placement = {}
+                got = engine_logprobs(deep, spec, world, ids, prompts, placement=placement)
+                out[f"{name}-3l|{spec}"] = (got - ref3).abs().max().item()
+                out[f"{name}-3l|{spec}|stages"] = placement["stages"]
             remove_dir(deep)
         out[f"{name}|seconds"] = round(time.time() - t0, 1)
         if rank == 0:
