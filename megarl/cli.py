@@ -8,6 +8,7 @@
     megarl convert {hf-to-megatron,megatron-to-hf,verify} ...   checkpoint conversion (one process;
                                                        use torchrun conversion/*.py for several)
     megarl checkpoint verify DIR                       check training checkpoints against their manifests
+    megarl plan RECIPE [key=value ...]                 memory and step time of a recipe: no GPU, no weights
 """
 from __future__ import annotations
 
@@ -227,6 +228,32 @@ def _cmd_checkpoint(args) -> int:
     return 1 if damaged else 0
 
 
+def _cmd_plan(args) -> int:
+    """Exit 0 when the recipe fits, 1 when it does not (each component over budget named) or a
+    rank's model cannot be built, 2 for a config error (:mod:`megarl.planner.plan`)."""
+    from megarl.config import load_config
+
+    import warnings
+
+    cfg = load_config(args.recipe, args.overrides)
+    # megatron-core and mbridge warn about Apex, Transformer Engine and settings of a GPU run: not a plan's concern
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope|fp32 routing).*")
+    from megarl.planner.plan import PlanError, format_plan, make_plan   # imports torch and megatron-core
+
+    t0 = time.time()
+    try:
+        plan = make_plan(cfg, args.recipe or "")
+    except (PlanError, RuntimeError) as err:
+        print(f"megarl plan: cannot plan {args.recipe}: {err}", file=sys.stderr)
+        return 1
+    print(format_plan(plan, cfg))
+    print(f"(planned in {time.time() - t0:.1f} s)")
+    if plan.problems:
+        print("megarl plan: the recipe does not fit: " + "; ".join(plan.problems), file=sys.stderr)
+        return 1
+    return 0
+
+
 _VERBOSE = ("show Ray, vLLM, megatron and library output on the terminal (default: in "
             "<trainer.run_dir>/logs/, the terminal shows megarl's own lines only)")
 
@@ -275,6 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--out", help="PNG path (default: <run_dir>/curves.png)")
     p.set_defaults(func=_cmd_plot)
+
+    p = sub.add_parser("plan", help="memory per device and step time of a recipe (no GPU, no weights)")
+    p.add_argument("recipe", help="YAML recipe")
+    p.add_argument("overrides", nargs="*", help="section.field=value")
+    p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("checkpoint", help="check training checkpoints (files, sizes, checksums)")
     p.add_argument("action", choices=["verify"])

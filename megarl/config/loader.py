@@ -4,6 +4,11 @@ OmegaConf parses the YAML, the ``key=value`` overrides (YAML value grammar) and 
 interpolations; the schema walk here checks every key and type itself so that each error names
 the full key path, the offending value and what is expected, and suggests the closest valid key
 for a typo.
+
+A relative ``model.path`` written in a recipe file that names a folder next to the recipe is
+taken relative to the recipe (``configs/grpo_*.yaml`` say ``models/deepseek-v3``), so a recipe
+works from any working directory; otherwise, and on the command line, paths are relative to the
+working directory.
 """
 from __future__ import annotations
 
@@ -155,6 +160,7 @@ def load_config(recipe: str | os.PathLike | None = None, overrides: list[str] = 
             raise ConfigError("", f"config file {str(path)!r} is not valid YAML: {err}") from None
         if not isinstance(OmegaConf.to_container(base), dict):
             raise ConfigError("", f"config file {str(path)!r} must hold a mapping of sections")
+        _model_path_next_to_recipe(base, path.parent)
     try:
         merged = OmegaConf.merge(base, _parse_overrides(list(overrides)))
         data = OmegaConf.to_container(merged, resolve=True)
@@ -166,6 +172,15 @@ def load_config(recipe: str | os.PathLike | None = None, overrides: list[str] = 
     if check_model:
         cross_validate(cfg)
     return cfg
+
+
+def _model_path_next_to_recipe(base, folder: Path) -> None:
+    """A recipe's relative ``model.path`` naming a folder next to the recipe -> that folder."""
+    model = base.get("model")
+    value = model.get("path") if hasattr(model, "get") else None
+    if isinstance(value, str) and not value.startswith("fixture:") and not os.path.isabs(value) \
+            and (folder / value).is_dir():
+        model["path"] = str(folder / value)
 
 
 def resolve_presets(cfg: MegaRLConfig) -> MegaRLConfig:

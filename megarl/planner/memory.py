@@ -1,0 +1,142 @@
+"""Memory per device and per node of a recipe: the arithmetic, pure (no torch), unit-tested.
+
+Training state of one rank, from its parameter counts (:class:`megarl.planner.ranks.RankCount`):
+
+* **parameters**: ``(dense + expert) x bytes(model.dtype)``;
+* **gradients**: ``(dense + expert) x 4``: megatron-core DDP keeps fp32 main grads in one
+  contiguous buffer on every rank (:func:`megarl.engine.build.wrap_ddp`: ``grad_reduce_in_fp32``);
+* **optimizer state** (megatron's distributed optimizer, always on in megarl): per parameter
+  an fp32 master copy (4 bytes; none when the model is fp32 already) plus Adam's two fp32 moments
+  (8; SGD: none, megarl's SGD has no momentum), sharded over the ranks that hold the same
+  parameter: dense over ``dp x cp``, routed experts over the expert-data-parallel size
+  ``world / (etp x ep x pp)``.
+
+**Activations** (bytes kept for the backward pass), per token of a micro-batch on one device
+(``trainer.max_tokens_per_micro_batch``, the per-device packed row), in bf16 elements (2 bytes):
+``s = 1/tp`` with sequence parallelism, else 1 (the h-wide tensors), ``t = 1/tp`` (head- and
+ffn-split tensors), ``e = 1/etp`` (expert tensors):
+
+* attention, GQA: ``2h*s`` (norm input, QKV input) ``+ (2*heads*hd + 2*kv*hd)*t`` (q, k, v and the
+  attention output; flash attention keeps no score matrix);
+  MLA: ``2h*s + 2*q_lora + (kv_lora + rope) + kv_lora`` (the latent tensors, not split)
+  ``+ heads*(2*(nope + rope) + 2*v)*t`` (q, k, v, output);
+* dense MLP (gated): ``2h*s`` (norm input, fc1 input) ``+ 3*ffn*t`` (fc1 output: gate and up; fc2
+  input);
+* MoE layer: ``2h*s`` (norm input, router input) ``+ topk*(h + 3*ffn_e)*e`` (each routed copy of
+  the token: expert input, fc1 output, fc2 input) ``+ 3*ffn_shared*t`` (shared expert)
+  ``+ 2*experts`` (fp32 router scores).
+
+Recompute: ``none`` and ``selective`` keep every layer's activations (megatron's selective
+recompute re-runs core attention only, whose flash-attention activations are the q, k, v already
+counted, so it saves nothing here); ``full`` (uniform, one layer per checkpoint) keeps each layer's
+input (``h*s`` elements per token) and, during the backward, one layer's full activations.
+
+Pipeline: 1F1B keeps the activations of several micro-batches in flight on a stage: stage
+``p`` of ``pp`` holds ``min(M, pp - p)`` micro-batches' worth of its layers; with vpp chunks
+(megatron's interleaved schedule) ``min(M*vpp, 2*(pp - p - 1) + (vpp - 1)*pp + 1)`` chunk
+micro-batches of ``layers/vpp`` layers each; ``M`` is the micro-batch count of one training
+step on one data-parallel rank. The last stage also holds the logits of one micro-batch:
+``tokens * vocab/tp * 10`` bytes (bf16 logits, their fp32 log-softmax and its fp32 gradient).
+
+**vLLM** (per GPU of an engine of ``rollout.tp`` GPUs): weights ``total params x 2 / rollout.tp``
+(bf16; experts sharded over the engine's ranks either way); KV cache per token and layer:
+MLA keeps one latent vector ``(kv_lora + rope) x 2`` bytes on every rank (not split by TP),
+GQA ``2 x max(1, kv/tp) x hd x 2`` bytes (KV heads split, or replicated when tp > kv). vLLM takes
+``rollout.gpu_memory_utilization`` of the device; its KV cache gets what the weights leave of
+that (its profiling run's activation workspace is not modelled).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+LOGIT_BYTES_PER_ELEMENT = 10
+"""bf16 logits (2) + fp32 log-softmax (4) + fp32 gradient (4)."""
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """Bytes of one rank's training state (device or host, depending on the phase)."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def train_state(dense: int, expert: int, *, dtype: str, optimizer: str, dp_cp: int, expert_dp: int) -> TrainState:
+    """Parameters, fp32 main grads and distributed-optimizer state of a rank holding ``dense``
+    and ``expert`` parameters (module docstring)."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype={dtype!r}, expected one of {sorted(DTYPE_BYTES)}")
+    master = 4 if dtype != "float32" else 0
+    moments = {"adam": 8, "sgd": 0}[optimizer]
+    per_param = master + moments
+    n = dense + expert
+    return TrainState(params=n * DTYPE_BYTES[dtype], grads=n * 4,
+                      optimizer=-(-dense * per_param // dp_cp) + -(-expert * per_param // expert_dp))
+
+
+def layer_activation_elements(dims, layer: int, tp: int, etp: int, sp: bool) -> float:
+    """bf16 elements per token that layer ``layer`` keeps for the backward (module docstring)."""
+    s = 1 / tp if sp else 1.0
+    t, e = 1 / tp, 1 / etp
+    h, heads = dims.hidden_size, dims.num_attention_heads
+    if dims.kv_lora_rank:
+        qk = dims.qk_nope_head_dim + dims.qk_rope_head_dim
+        attention = (2 * h * s + 2 * dims.q_lora_rank + dims.kv_lora_rank + dims.qk_rope_head_dim + dims.kv_lora_rank
+                     + heads * (2 * qk + 2 * dims.v_head_dim) * t)
+    else:
+        attention = 2 * h * s + (2 * heads * dims.head_dim + 2 * dims.num_kv_heads * dims.head_dim) * t
+    if dims.is_moe_layer(layer):
+        mlp = (2 * h * s + dims.num_experts_per_tok * (h + 3 * dims.moe_intermediate_size) * e
+               + 3 * dims.shared_expert_intermediate_size * t + 2 * dims.num_experts)
+    else:
+        mlp = 2 * h * s + 3 * dims.intermediate_size * t
+    return attention + mlp
+
+
+def in_flight_micro_batches(stage: int, pp: int, vpp: int, micro_batches: int) -> float:
+    """Micro-batches whose activations stage ``stage`` holds at its peak, in units of the whole
+    stage's layers (chunk micro-batches / vpp under the interleaved schedule)."""
+    if vpp <= 1:
+        return float(min(micro_batches, pp - stage))
+    chunks = min(micro_batches * vpp, 2 * (pp - stage - 1) + (vpp - 1) * pp + 1)
+    return chunks / vpp
+
+
+def activation_bytes(dims, layers: list[int], *, tokens: int, tp: int, etp: int, sp: bool, recompute: str,
+                     in_flight: float, last_stage: bool) -> int:
+    """Peak activation bytes of a stage holding decoder ``layers`` for micro-batches of ``tokens``
+    tokens per device, ``in_flight`` of them at once (module docstring)."""
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute={recompute!r}, expected none, selective or full")
+    per_layer = [layer_activation_elements(dims, i, tp, etp, sp) for i in layers]
+    if recompute == "full":
+        s = 1 / tp if sp else 1.0
+        elements = in_flight * len(layers) * dims.hidden_size * s + (max(per_layer) if per_layer else 0)
+    else:
+        elements = in_flight * sum(per_layer)
+    total = 2 * tokens * elements
+    if last_stage:
+        total += tokens * (dims.vocab_size / tp) * LOGIT_BYTES_PER_ELEMENT
+    return int(total)
+
+
+def kv_bytes_per_token(dims, rollout_tp: int, dtype_bytes: int = 2) -> int:
+    """KV-cache bytes one token takes on one GPU of a vLLM engine, all layers."""
+    if dims.kv_lora_rank:
+        per_layer = (dims.kv_lora_rank + dims.qk_rope_head_dim) * dtype_bytes
+    else:
+        heads = max(1, dims.num_kv_heads // rollout_tp)
+        per_layer = 2 * heads * dims.head_dim * dtype_bytes
+    return per_layer * dims.num_layers
+
+
+def vllm_weight_bytes(total_params: int, rollout_tp: int, dtype_bytes: int = 2) -> int:
+    """bf16 weights of one GPU of a vLLM engine of ``rollout_tp`` GPUs."""
+    return -(-total_params * dtype_bytes // rollout_tp)

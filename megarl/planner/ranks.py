@@ -1,0 +1,196 @@
+"""Build each distinct rank's real megatron-core model on the meta device and count its parameters.
+
+No GPU, no weights, no other process: the rank's whole world is faked. For one representative
+global rank of each distinct kind, :func:`count_rank` runs, in this process,
+
+1. ``torch.distributed.init_process_group("fake", ...)`` with torch's ``FakeStore`` at the full
+   ``world_size`` and that rank (collectives return at once, nothing is sent);
+2. megatron-core's ``initialize_model_parallel`` for the recipe's layout with
+   ``create_gloo_process_groups=False`` (a gloo group needs a real rendezvous; megarl's own
+   :func:`megarl.parallel.groups.build_process_groups` creates them, so it is not used here);
+3. the model through megarl's build path: the family's mbridge bridge
+   (:func:`megarl.models.registry.make_bridge`) with the engine's TransformerConfig overrides
+   (:func:`megarl.engine.build._config_overrides`, which carries the uneven first/last pipeline
+   stages) and ``bridge.get_model`` under ``torch.device("meta")``: every parameter has its real
+   shape and no storage;
+4. a count per parameter kind, then ``destroy_model_parallel`` and ``destroy_process_group``.
+
+Which ranks differ: the parameters of a rank depend on its pipeline stage only (tp, cp, dp and
+ep ranks of one stage hold shards of the same sizes): the decoder layers on the stage (with vpp,
+its chunks' layers), dense or MoE, and whether it holds the embedding (first stage) or the
+output layer (last stage). Stages with the same (dense layers, MoE layers, first, last) are one
+kind; one rank of each kind is built (the first global rank of its first stage).
+
+Counted per rank: ``dense`` (replicated over data parallel: attention, norms, dense MLPs, shared
+experts, routers, embedding, output layer) and ``expert`` (routed experts, sharded over ep);
+``embedding`` and ``output`` are also reported apart. DeepSeek-V3's multi-token-prediction block
+is never built (:mod:`megarl.models.mbridge_fixes` F4: RL uses no MTP loss), so it is in no count.
+The model total sums each stage kind's parameters times the
+ranks that hold distinct shards of them: a tensor-parallel parameter (megatron's
+``tensor_model_parallel`` attribute) times tp (etp for experts), a routed expert times ep.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import time
+from dataclasses import dataclass, field
+
+from megarl.parallel.topology import Topology
+
+
+class RankBuildError(RuntimeError):
+    """A rank's model could not be built; the message says which rank and why."""
+
+
+@dataclass(frozen=True)
+class StageKind:
+    """Pipeline stages whose ranks hold the same parameter shapes."""
+
+    stages: tuple[int, ...]
+    """The pp stages of this kind."""
+    dense_layers: int
+    moe_layers: int
+    first: bool
+    last: bool
+
+    @property
+    def label(self) -> str:
+        where = f"pp stage {self.stages[0]}" if len(self.stages) == 1 else \
+            f"pp stages {self.stages[0]}..{self.stages[-1]} ({len(self.stages)})"
+        parts = [f"{self.dense_layers} dense" if self.dense_layers else "", f"{self.moe_layers} MoE" if self.moe_layers
+                 else "", "embedding" if self.first else "", "output layer" if self.last else ""]
+        return f"{where}: " + " + ".join(p for p in parts if p)
+
+
+@dataclass
+class RankCount:
+    """The parameters one rank of a :class:`StageKind` holds."""
+
+    kind: StageKind
+    rank: int
+    """The global rank that was built."""
+    dense: int = 0
+    """Parameters replicated over data parallel (everything but routed experts)."""
+    expert: int = 0
+    """Routed-expert parameters (sharded over ep, replicated over expert data parallel)."""
+    embedding: int = 0
+    output: int = 0
+    model_dense: int = 0
+    """Distinct dense parameters of the stage across its tp shards (tp-sharded ones x tp)."""
+    model_expert: int = 0
+    """Distinct routed-expert parameters of the stage across ep (and etp) shards."""
+    seconds: float = 0.0
+    """Time taken to set up the groups and build this rank's model."""
+    chunks: list = field(default_factory=list)
+    """Parameters per virtual pipeline chunk."""
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+def stage_kinds(topology: Topology, dims) -> list[StageKind]:
+    """The distinct kinds of pipeline stage of ``topology`` for a model of ``dims``
+    (:class:`~megarl.models.dims.ModelDims`), in stage order."""
+    layers: dict[int, list[int]] = {s: [] for s in range(topology.pp)}
+    for layer in range(dims.num_layers):
+        layers[topology.stage_of_layer(layer, dims.num_layers)].append(layer)
+    groups: dict[tuple, list[int]] = {}
+    for stage, held in layers.items():
+        moe = sum(dims.is_moe_layer(i) for i in held)
+        key = (len(held) - moe, moe, stage == 0, stage == topology.pp - 1)
+        groups.setdefault(key, []).append(stage)
+    return [StageKind(tuple(stages), *key) for key, stages in groups.items()]
+
+
+def first_rank_of_stage(topology: Topology, stage: int) -> int:
+    """The global rank with tp = cp = dp = 0 on pipeline stage ``stage`` (megatron's rank order
+    tp-cp-ep-dp-pp: the pipeline coordinate varies slowest)."""
+    return stage * (topology.world_size // topology.pp)
+
+
+def _init_fake_world(topology: Topology, rank: int) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=topology.world_size)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=topology.tp,
+        pipeline_model_parallel_size=topology.pp,
+        virtual_pipeline_model_parallel_size=topology.vpp if topology.vpp_size > 1 else None,
+        context_parallel_size=topology.cp,
+        expert_model_parallel_size=topology.ep,
+        expert_tensor_parallel_size=topology.expert_tp,
+        create_gloo_process_groups=False,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+
+
+def _teardown_fake_world() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _count(count: RankCount, chunks: list, topology: Topology) -> None:
+    for chunk in chunks:
+        in_chunk = 0
+        for name, param in chunk.named_parameters():
+            n = param.numel()
+            in_chunk += n
+            sharded = bool(getattr(param, "tensor_model_parallel", False))
+            if ".mlp.experts." in name:
+                count.expert += n
+                count.model_expert += n * topology.ep * (topology.expert_tp if sharded else 1)
+            else:
+                count.dense += n
+                count.model_dense += n * (topology.tp if sharded else 1)
+            if "embedding" in name:
+                count.embedding += n
+            if "output_layer" in name:
+                count.output += n
+        count.chunks.append(in_chunk)
+
+
+def count_rank(folder: str, hf_config, topology: Topology, kind: StageKind, options) -> RankCount:
+    """Build rank :func:`first_rank_of_stage` of ``kind`` on the meta device under a fake world
+    and count its parameters. ``options`` is the engine's
+    :class:`~megarl.engine.build.ModelOptions` (dtype, recompute, router losses)."""
+    import torch
+
+    from megarl.engine.build import _DTYPES, _config_overrides, _restore_attention_env
+    from megarl.models.registry import make_bridge
+
+    rank = first_rank_of_stage(topology, kind.stages[0])
+    count = RankCount(kind=kind, rank=rank)
+    t0 = time.time()
+    try:
+        _init_fake_world(topology, rank)
+    except Exception as err:
+        _teardown_fake_world()
+        raise RankBuildError(f"rank {rank} ({kind.label}): megatron could not set up the process groups of "
+                             f"tp={topology.tp} pp={topology.pp} ep={topology.ep} cp={topology.cp} at "
+                             f"world_size={topology.world_size}: {type(err).__name__}: {err}") from err
+    try:
+        dtype = _DTYPES[options.dtype]
+        # perform_initialization stays on: megatron's CPU init is what marks tensor-parallel
+        # weights (tensor_model_parallel); on meta tensors it computes nothing
+        bridge = make_bridge(hf_config, dtype, _config_overrides(options, topology))
+        _restore_attention_env()
+        with torch.device("meta"), contextlib.redirect_stdout(io.StringIO()):
+            chunks = bridge.get_model(wrap_with_ddp=False, bf16=dtype == torch.bfloat16, fp16=False,
+                                      use_cpu_initialization=True, init_model_with_meta_device=True)
+        _count(count, chunks, topology)
+    except Exception as err:
+        raise RankBuildError(f"rank {rank} ({kind.label}) of {folder}: megatron-core could not build the model: "
+                             f"{type(err).__name__}: {err}") from err
+    finally:
+        _teardown_fake_world()
+    count.seconds = time.time() - t0
+    return count
