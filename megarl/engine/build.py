@@ -95,14 +95,19 @@ class BuiltModel:
 
     @property
     def modules(self) -> list:
-        """The chunks without the DDP wrapper."""
+        """The chunks without their wrappers (DDP; bf16: megatron's Float16Module)."""
         return [_unwrap(c) for c in self.chunks]
 
 
 def _unwrap(chunk):
+    """The GPTModel inside ``chunk``: DDP and, in bf16, megatron's ``Float16Module`` come off (names
+    under either start with ``module.``, which no weight mapping knows)."""
     from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.transformer.module import Float16Module
 
-    return chunk.module if isinstance(chunk, DDP) else chunk
+    while isinstance(chunk, (DDP, Float16Module)):
+        chunk = chunk.module
+    return chunk
 
 
 def read_hf_config(path: str) -> dict:
