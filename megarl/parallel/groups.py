@@ -89,14 +89,7 @@ def build_process_groups(topology: Topology, seed: int = 1234) -> ParallelGroups
                             f"the number of running processes ({dist.get_world_size()})")
     destroy_process_groups()
     before = _live_groups()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=topology.tp,
-        pipeline_model_parallel_size=topology.pp,
-        virtual_pipeline_model_parallel_size=topology.vpp if topology.vpp_size > 1 else None,
-        context_parallel_size=topology.cp,
-        expert_model_parallel_size=topology.ep,
-        expert_tensor_parallel_size=topology.expert_tp,
-    )
+    ps.initialize_model_parallel(**topology.megatron_sizes())
     _OWN_GROUPS.extend(_live_groups() - before)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -107,6 +107,13 @@ class Topology:
     def vpp_size(self) -> int:
         return self.vpp or 1
 
+    def megatron_sizes(self) -> dict:
+        """The sizes as keyword arguments of megatron-core's ``initialize_model_parallel``."""
+        return dict(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+                    virtual_pipeline_model_parallel_size=self.vpp if self.vpp_size > 1 else None,
+                    context_parallel_size=self.cp, expert_model_parallel_size=self.ep,
+                    expert_tensor_parallel_size=self.expert_tp)
+
     def coords(self, rank: int) -> dict:
         """Megatron coordinates of global rank ``rank``: tp, cp, dp, pp (dense) and etp, ep, edp."""
         if not 0 <= rank < self.world_size:

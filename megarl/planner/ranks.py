@@ -117,15 +117,7 @@ def _init_fake_world(topology: Topology, rank: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=topology.world_size)
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=topology.tp,
-        pipeline_model_parallel_size=topology.pp,
-        virtual_pipeline_model_parallel_size=topology.vpp if topology.vpp_size > 1 else None,
-        context_parallel_size=topology.cp,
-        expert_model_parallel_size=topology.ep,
-        expert_tensor_parallel_size=topology.expert_tp,
-        create_gloo_process_groups=False,
-    )
+    ps.initialize_model_parallel(**topology.megatron_sizes(), create_gloo_process_groups=False)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
 
