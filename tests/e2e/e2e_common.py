@@ -69,15 +69,23 @@ def tied_tiny_llama(folder: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     model.config.tie_word_embeddings = True
     model.tie_weights()
-    model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(src).save_pretrained(folder)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))   # complete or absent
+    model.save_pretrained(staging)
+    AutoTokenizer.from_pretrained(src).save_pretrained(staging)
+    os.replace(staging, folder)
     return folder
 
 
+def session_tied_llama() -> Path:
+    """The tied tiny llama of this test session (built once, in the session's temp dir)."""
+    return tied_tiny_llama(Path(tempfile.gettempdir()) / f"megarl-tied-llama-{os.getpid()}")
+
+
 def write_recipe(tmp_path: Path, name: str, recipe_text: str) -> Path:
-    """``tmp_path/name.yaml``: ``recipe_text`` with {run_dir} (``tmp_path/name``) and {model} filled in."""
+    """``tmp_path/name.yaml``: ``recipe_text`` with {run_dir} (``tmp_path/name``) and {model} filled in
+    (the tied tiny llama is built once per test session, in the session's temp dir)."""
     recipe = tmp_path / f"{name}.yaml"
-    model = tied_tiny_llama(tmp_path / "tied-llama")
+    model = session_tied_llama()
     recipe.write_text(recipe_text.format(run_dir=tmp_path / name, model=model))
     return recipe
 

