@@ -1,5 +1,8 @@
 """Every upstream megatron-core site that megarl.compat patches still exists in the installed
-version; if one moved or was fixed upstream this fails and names the patch to revisit."""
+version; if one moved or was fixed upstream this fails and names the patch to revisit. The sites
+are read from megatron-core's source files, not from the live modules: another test of the same
+process may already have patched them (setup_cpu)."""
+import ast
 import importlib
 import inspect
 
@@ -14,7 +17,10 @@ def test_patched_site_still_upstream(site):
     assert hasattr(module, site.attr), (
         f"{site.patch}: {site.module}.{site.attr} is gone upstream; revisit megarl/compat/megatron_cpu.py")
     if site.needle:
-        source = inspect.getsource(getattr(module, site.attr))
+        tree = ast.parse(inspect.getsource(module))
+        defs = [node for node in tree.body if getattr(node, "name", None) == site.attr]
+        assert defs, f"{site.patch}: no top-level definition of {site.attr} in {site.module}'s source"
+        source = ast.get_source_segment(inspect.getsource(module), defs[-1])
         assert site.needle in source, (
             f"{site.patch}: {site.module}.{site.attr} no longer contains {site.needle!r}: the upstream "
             "bug may be fixed or moved; revisit the patch")
