@@ -3,7 +3,7 @@
     megarl fixtures [NAME ...] [--rebuild] [--verify]   build offline model fixtures
     megarl config [RECIPE] [key=value ...]             validate, print and save a resolved config
     megarl generate [RECIPE] [key=value ...]           sample from the model with vLLM
-    megarl plot RUN_DIR                                PNG curves from <run_dir>/metrics.jsonl
+    megarl plot RUN_DIR                                PNG curves and timeline of a run
     megarl train [RECIPE] [key=value ...] [--resume]   RL training (GRPO by default) on Ray
     megarl convert {hf-to-megatron,megatron-to-hf,verify} ...   checkpoint conversion (one process;
                                                        use torchrun conversion/*.py for several)
@@ -194,9 +194,12 @@ def _cmd_convert(args) -> int:
 
 
 def _cmd_plot(args) -> int:
-    from megarl.observability.plot import plot_run
+    from megarl.observability.plot import plot_run, plot_timeline
 
     print(f"written {plot_run(args.run_dir, args.out)}")
+    timeline = plot_timeline(args.run_dir, last_steps=args.timeline_steps)
+    if timeline is not None:
+        print(f"written {timeline}")
     return 0
 
 
@@ -298,9 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the converter (see --help)")
     p.set_defaults(func=_cmd_convert)
 
-    p = sub.add_parser("plot", help="write PNG curves (reward, length, KL, phase times) of a run")
+    p = sub.add_parser("plot", help="write PNG curves (reward, length, KL, phase times) and the timeline of a run")
     p.add_argument("run_dir")
     p.add_argument("--out", help="PNG path (default: <run_dir>/curves.png)")
+    p.add_argument("--timeline-steps", type=int, default=20,
+                   help="the last steps drawn in <run_dir>/timeline.png (default 20)")
     p.set_defaults(func=_cmd_plot)
 
     p = sub.add_parser("plan", help="memory per device and step time of a recipe (no GPU, no weights)")

@@ -2,8 +2,9 @@
 
 advantages (GRPO, Dr.GRPO, RLOO, REINFORCE++, GAE), losses (PPO clip / clip-higher / dual-clip,
 GSPO, value loss, aggregation modes), kl (k1/k2/k3, loss or reward penalty, controllers),
-dapo (dynamic sampling, overlong shaping), registry (by name or dotted path). The packed layout
-shared by all of them is described in :mod:`megarl.algorithms.packed`.
+dapo (dynamic sampling, overlong shaping), offpolicy (rollout-training mismatch: TIS, masked IS,
+IcePop, metrics), registry (by name or dotted path). The packed layout shared by all of them is
+described in :mod:`megarl.algorithms.packed`.
 """
 
 from megarl.algorithms.advantages import AdvantageResult

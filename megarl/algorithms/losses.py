@@ -12,6 +12,9 @@ Common options: ``agg_mode`` (see :data:`AGG_MODES`), ``clip_eps_low``, ``clip_e
 The last two replace the local token / sequence counts in the aggregation denominators: pass the
 global counts of a step when it is split into micro-batches, so that summing the micro-batch
 losses gives the loss of the whole step (verl's "global token" normalisation).
+``is_weights_T`` (policy losses): per-token importance weights of the rollout-training mismatch
+correction (:mod:`megarl.algorithms.offpolicy`), detached, multiplying the per-token loss before
+aggregation; the tokens the correction drops are left out of ``mask_T`` (and of the counts).
 
 Algorithms and deviations:
 - PPO (Schulman et al. 2017) per token: r = exp(logp - logp_old),
@@ -150,9 +153,11 @@ def ppo_policy_loss(
     max_response_length: int | None = None,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
+    is_weights_T: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate per token; ``clip_eps_high=None`` means symmetric (= ``clip_eps_low``)."""
-    _check_shapes(mask_T, cu_seqlens_N1, old_logprobs_T=old_logprobs_T, advantages_T=advantages_T, entropy_T=entropy_T, logprobs_T=logprobs_T)
+    _check_shapes(mask_T, cu_seqlens_N1, old_logprobs_T=old_logprobs_T, advantages_T=advantages_T, entropy_T=entropy_T,
+                  logprobs_T=logprobs_T, is_weights_T=is_weights_T)
     clip_eps_high = _check_eps(clip_eps_low, clip_eps_high)
     if dual_clip_c is not None and dual_clip_c <= 1.0:
         raise ValueError(f"dual_clip_c must be > 1 (it caps negative-advantage losses at -A * c), got {dual_clip_c}")
@@ -169,6 +174,8 @@ def ppo_policy_loss(
         dual_T = (advantages_T < 0) & (loss_T > cap_T)
         loss_T = torch.where(advantages_T < 0, torch.minimum(loss_T, cap_T), loss_T)
         metrics["dual_clip_frac"] = masked_mean(dual_T.to(ratio_T.dtype).detach(), mask_T)
+    if is_weights_T is not None:
+        loss_T = loss_T * is_weights_T.detach().to(loss_T.dtype)
     return _finish(loss_T, mask_T, cu_seqlens_N1, agg_mode, entropy_T, entropy_coef, max_response_length, num_tokens, num_seqs, metrics)
 
 
@@ -187,9 +194,11 @@ def gspo_policy_loss(
     max_response_length: int | None = None,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
+    is_weights_T: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO: clip the length-normalised sequence ratio exp(mean_t log r_t) instead of token ratios."""
-    _check_shapes(mask_T, cu_seqlens_N1, old_logprobs_T=old_logprobs_T, advantages_T=advantages_T, entropy_T=entropy_T, logprobs_T=logprobs_T)
+    _check_shapes(mask_T, cu_seqlens_N1, old_logprobs_T=old_logprobs_T, advantages_T=advantages_T, entropy_T=entropy_T,
+                  logprobs_T=logprobs_T, is_weights_T=is_weights_T)
     clip_eps_high = _check_eps(clip_eps_low, clip_eps_high)
     advantages_T = advantages_T.detach()
     mask_f = mask_T.to(logprobs_T.dtype)
@@ -204,6 +213,8 @@ def gspo_policy_loss(
     loss_T = torch.maximum(unclipped_T, clipped_T)
     metrics = _ratio_metrics(ratio_T, log_ratio_T, mask_T)
     metrics["clip_frac"] = masked_mean((clipped_T > unclipped_T).to(ratio_T.dtype).detach(), mask_T)
+    if is_weights_T is not None:
+        loss_T = loss_T * is_weights_T.detach().to(loss_T.dtype)
     return _finish(loss_T, mask_T, cu_seqlens_N1, agg_mode, entropy_T, entropy_coef, max_response_length, num_tokens, num_seqs, metrics)
 
 

@@ -138,6 +138,13 @@ class RolloutConfig:
     sleep mode on CPU: ignored there."""
     enforce_eager: bool = True
     """Disable CUDA graphs / torch.compile in vLLM (faster start, required on CPU CI)."""
+    delay_per_token_s: float = 0.0
+    """Benchmarks and tests: seconds every engine sleeps per generation step (one token for each
+    running sequence), emulating slower rollout devices of their own; 0 off."""
+    weight_noise_std: float = 0.0
+    """Tests: after every weight sync, each loaded tensor gets Gaussian noise of this std times
+    its own RMS, so the rollout policy differs from the trained one (the rollout-training
+    mismatch that algorithm.rollout_correction corrects); 0 off."""
 
     def validate(self):
         _positive(self, "dp", "tp", "ep", "n", "max_prompt_tokens", "max_response_tokens", "kv_cache_gib",
@@ -155,6 +162,7 @@ class RolloutConfig:
             raise ConfigValueError("gpu_memory_utilization", self.gpu_memory_utilization, "a number in (0, 1]")
         if self.sleep_level not in (0, 1, 2):
             raise ConfigValueError("sleep_level", self.sleep_level, "0 (off), 1 or 2")
+        _positive(self, "delay_per_token_s", "weight_noise_std", allow_zero=True)
 
 
 @dataclass
@@ -215,6 +223,24 @@ class AlgorithmConfig:
     """PPO critic learning rate (same optimizer and schedule as the policy); null: trainer.lr."""
     value_clip: Optional[float] = 0.2
     """PPO critic: clip range of the value loss around the rollout's values; null disables it."""
+    rollout_correction: Literal["none", "tis", "mask", "icepop"] = "none"
+    """Correction for samples that the rollout policy (vLLM: another precision, kernels, or an
+    older policy version off-policy) drew instead of the trained one; w = pi_train / pi_rollout
+    of the sampled tokens (the trainer's recomputed log-probs over vLLM's). tis: truncated
+    importance sampling, the loss weighted by min(w, correction_cap); mask: tokens (or sequences)
+    whose w leaves [correction_low, correction_high] are dropped, the rest unweighted; icepop:
+    two-sided masking, tokens whose w leaves the band are dropped and the rest weighted by w.
+    none: only the mismatch metrics (rollout_corr/*), logged every step in every mode.
+    megarl/algorithms/offpolicy.py."""
+    correction_level: Literal["token", "sequence"] = "token"
+    """tis and mask: the ratio of each token, or of each whole sequence (the product of its token
+    ratios); icepop is token-level."""
+    correction_cap: float = 2.0
+    """tis: the largest importance weight."""
+    correction_low: float = 0.5
+    """mask and icepop: the band's lower end."""
+    correction_high: float = 2.0
+    """mask and icepop: the band's upper end."""
 
     def validate(self):
         _positive(self, "clip_low", "clip_high", "ppo_epochs", "mini_batches", "max_sampling_tries")
@@ -236,6 +262,14 @@ class AlgorithmConfig:
             raise ConfigValueError("critic_lr", self.critic_lr, "null or a number > 0")
         if self.value_clip is not None and self.value_clip <= 0:
             raise ConfigValueError("value_clip", self.value_clip, "null or a number > 0")
+        _positive(self, "correction_cap", "correction_low", "correction_high")
+        if self.correction_low >= 1.0 or self.correction_high <= 1.0:
+            raise ConfigValueError("correction_low" if self.correction_low >= 1.0 else "correction_high",
+                                   self.correction_low if self.correction_low >= 1.0 else self.correction_high,
+                                   "a band around 1: correction_low < 1 < correction_high")
+        if self.rollout_correction == "icepop" and self.correction_level != "token":
+            raise ConfigValueError("correction_level", self.correction_level, "'token' with "
+                                   "rollout_correction='icepop' (IcePop masks tokens)")
 
 
 @dataclass
@@ -307,6 +341,21 @@ class TrainerConfig:
     """Colocated: move Megatron params, grads and optimizer state to host memory while vLLM
     generates (frees device memory for the KV cache; on CPU it only exercises the path). Must be
     false with rollout.placement=split."""
+    mode: Literal["on_policy", "one_step_off", "async"] = "on_policy"
+    """on_policy: every step generates with the current weights, then trains. one_step_off: step
+    k+1's samples are generated while step k trains (with the weights before step k's update),
+    then the new weights are synced: samples are one policy version old. async: the fleet
+    generates continuously into a bounded buffer and every step trains on the first finished
+    groups; a weight sync pauses the engines' requests and resumes them from their generated
+    prefix (partial rollouts: a sample's tokens may come from several versions, each recorded).
+    Pair the off-policy modes with algorithm.rollout_correction. docs: README, 'Trainer modes'."""
+    max_staleness: int = 1
+    """async: the largest allowed gap between the policy version a step trains (its weights
+    before the update) and the oldest version that produced a token of a sample; older samples
+    are dropped (counted in async/dropped_stale) and their prompts are not trained."""
+    buffer_groups: Optional[int] = None
+    """async: the most prompt groups generated or in flight ahead of training; null: data.prompts_per_step
+    * (max_staleness + 1)."""
     max_skipped_updates: int = 3
     """An optimizer update whose loss or gradient is NaN or inf on any rank is skipped on all ranks
     (weights and optimizer state unchanged, the LR schedule does not advance) and counted in
@@ -320,6 +369,8 @@ class TrainerConfig:
                   "logprob_diff_threshold", "max_skipped_updates", allow_zero=True)
         if self.min_lr > self.lr:
             raise ConfigValueError("min_lr", self.min_lr, f"a value <= lr ({self.lr})")
+        _positive(self, "max_staleness", allow_zero=True)
+        _positive(self, "buffer_groups")
         for name in ("adam_beta1", "adam_beta2"):
             if getattr(self, name) >= 1:
                 raise ConfigValueError(name, getattr(self, name), "a number in (0, 1)")

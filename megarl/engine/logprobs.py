@@ -40,8 +40,8 @@ class SequenceBatch:
     ``extras`` holds packed per-response-token tensors ``[R]`` (advantages, old log-probs, masks,
     ...) in the order of ``cu_seqlens_N1``; the engine does not read them, ``loss_fn`` does.
     ``num_global_tokens`` / ``num_global_sequences`` are filled by ``PolicyEngine.train_step``:
-    the response-token (masked by ``extras['mask_T']`` when present) and sequence counts of the
-    whole step, summed over micro-batches and DP ranks.
+    the response-token and sequence counts of the whole step, summed over micro-batches and DP
+    ranks; with ``extras['mask_T']``, the masked-in tokens and the sequences that have one.
     """
 
     input_ids: list

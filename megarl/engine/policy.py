@@ -11,10 +11,12 @@ Loss convention (``train_step``)
 response tokens (whole sequences, also under CP) and returns that micro-batch's *share of the
 step loss*: the step loss is the SUM of the returned losses over micro-batches and DP ranks.
 To normalise, ``batch.num_global_tokens`` / ``batch.num_global_sequences`` hold the step's
-response-token count (masked by ``extras['mask_T']`` when present) and sequence count over all
-micro-batches and DP ranks (e.g. pass them as ``num_tokens`` / ``num_seqs`` to
-:func:`megarl.algorithms.losses.aggregate_loss`). The returned ``loss`` is that sum; metrics are
-averaged over micro-batches and DP ranks.
+response-token count and sequence count over all micro-batches and DP ranks, both under
+``extras['mask_T']`` when present: the masked-in tokens, and the sequences with at least one
+(e.g. pass them as ``num_tokens`` / ``num_seqs`` to :func:`megarl.algorithms.losses.aggregate_loss`,
+whose own sequence means skip fully masked sequences too; a rollout correction that drops whole
+sequences, :mod:`megarl.algorithms.offpolicy`, must not leave them in the denominator). The
+returned ``loss`` is that sum; metrics are averaged over micro-batches and DP ranks.
 
 How this maps onto megatron's scaling: with ``calculate_per_token_loss=False`` the schedule
 multiplies the loss by ``cp / num_microbatches`` and DDP averages gradients over dp*cp ranks;
@@ -245,12 +247,13 @@ class PolicyEngine:
             raise RuntimeError("train_step on a frozen (reference) engine; build it with trainable=True")
         micro_batches = self._check_micro_batches(micro_batches)
         g, topo = self.groups, self.groups.topology
-        counts = torch.tensor([sum(_masked_tokens(b) for b in micro_batches),
+        counts = torch.tensor([sum(_masked_counts(b)[0] for b in micro_batches),
                                sum(len(b.input_ids) for b in micro_batches),
-                               sum(b.num_tokens for b in micro_batches)], dtype=torch.float64)
+                               sum(b.num_tokens for b in micro_batches),
+                               sum(_masked_counts(b)[1] for b in micro_batches)], dtype=torch.float64)
         dist.all_reduce(counts, group=g.pgs.dp)
         for b in micro_batches:
-            b.num_global_tokens, b.num_global_sequences = int(counts[0]), int(counts[1])
+            b.num_global_tokens, b.num_global_sequences = int(counts[0]), int(counts[3])
         scale = len(micro_batches) * topo.dp
 
         def loss_func(mb: PackedMicroBatch, output):
@@ -374,6 +377,10 @@ def check_train_layout(path: str, topology: Topology) -> None:
     check_model_layout(read_hf_config(path), topology, train=True)
 
 
-def _masked_tokens(batch: SequenceBatch) -> int:
+def _masked_counts(batch: SequenceBatch) -> tuple[int, int]:
+    """(response tokens, sequences with at least one response token) inside ``extras['mask_T']``."""
     mask = batch.extras.get("mask_T")
-    return int(mask.sum()) if mask is not None else batch.num_response_tokens
+    if mask is None:
+        return batch.num_response_tokens, len(batch.input_ids)
+    per_seq = [int(m.sum()) for m in torch.split(mask.bool(), batch.response_lengths)]
+    return sum(per_seq), sum(n > 0 for n in per_seq)

@@ -60,9 +60,12 @@ def make_value_loss_fn(cfg: AlgorithmConfig, max_response_tokens: int):
 def make_loss_fn(cfg: AlgorithmConfig, max_response_tokens: int, kl_coef: float = 0.0):
     """``loss_fn(logprobs_R, batch) -> (loss, metrics)`` for :meth:`PolicyEngine.train_step`.
 
-    ``batch.extras`` holds ``old_logprobs_T``, ``advantages_T``, ``mask_T`` and, with a KL loss,
-    ``ref_logprobs_T``. Denominators are the step's global counts, so micro-batch losses sum to
-    the loss of the whole step.
+    ``batch.extras`` holds ``old_logprobs_T``, ``advantages_T``, ``mask_T``, with a KL loss
+    ``ref_logprobs_T``, and with ``algorithm.rollout_correction`` ``is_weights_T`` (the importance
+    weights of :func:`megarl.algorithms.offpolicy.correct_rollout`, multiplying the policy loss
+    per token; its corrected ``mask_T`` leaves the dropped tokens out of the policy, entropy and
+    KL terms and of the engine's global token count). Denominators are the step's global counts,
+    so micro-batch losses sum to the loss of the whole step.
     """
     from megarl.algorithms import kl_loss
 
@@ -76,9 +79,11 @@ def make_loss_fn(cfg: AlgorithmConfig, max_response_tokens: int, kl_coef: float 
         ex, cu = batch.extras, batch.cu_seqlens_N1
         counts = dict(num_tokens=batch.num_global_tokens, num_seqs=batch.num_global_sequences,
                       max_response_length=max_response_tokens)
+        # only when present: a policy loss given by dotted path need not know the option
+        weights = {"is_weights_T": ex["is_weights_T"]} if "is_weights_T" in ex else {}
         loss, metrics = policy_loss(logprobs_R, ex["old_logprobs_T"], ex["advantages_T"], ex["mask_T"], cu,
                                     agg_mode=cfg.loss_agg_mode, entropy_T=ex.get("entropy_T"),
-                                    entropy_coef=cfg.entropy_coef, **clip, **counts)
+                                    entropy_coef=cfg.entropy_coef, **clip, **counts, **weights)
         metrics = dict(metrics)
         if kl_coef > 0 and cfg.kl_mode == "loss":
             kl, kl_metrics = kl_loss(logprobs_R, ex["ref_logprobs_T"], ex["mask_T"], cu, kind=cfg.kl_estimator,

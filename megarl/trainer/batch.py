@@ -28,6 +28,10 @@ class Rollout:
     """The prompt row's keyword arguments for the reward function: ``data_source`` and the other
     columns (:class:`megarl.tasks.PromptRecord`); empty when the rollout was built without them."""
     rewards: list[float] = field(default_factory=list)
+    sample_ids: list[str] = field(default_factory=list)
+    """A unique name per sample, from its prompt's origin (:mod:`megarl.trainer.modes`)."""
+    token_versions: list[list[int]] = field(default_factory=list)
+    """Per response token, the policy version (optimizer steps of the run) that generated it."""
 
     @classmethod
     def from_generations(cls, prompt_ids, answers, generations, extras=None) -> "Rollout":

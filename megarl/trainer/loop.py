@@ -1,7 +1,12 @@
 """The RL controller: a single driver that runs the loop over Ray HybridWorkers.
 
     for step:  generate -> score -> old/ref log-probs (and critic values) -> advantages
-               -> (critic update) -> policy update -> weight sync -> metrics -> (eval) -> (checkpoint)
+               -> (rollout correction) -> (critic update) -> policy update -> weight sync -> metrics
+               -> (eval) -> (checkpoint)
+
+Where the samples come from and when the weights reach the engines is ``trainer.mode``'s
+(:mod:`megarl.trainer.modes`: on-policy, one step off, or asynchronous with partial rollouts);
+the rest of the step is the same in every mode.
 
 Everything the loop calls lives elsewhere (rollout side, worker group, batch helpers, algorithms,
 rewards, data plane); this file only orders it and, on success, error or interrupt alike, releases
@@ -15,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -53,7 +59,10 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
     from megarl.observability.console import run_console
     from megarl.rewards import RewardPool
     from megarl.trainer.algorithm import resolve
+    from megarl.algorithms.offpolicy import correct_rollout
+    from megarl.observability.timeline import Timeline
     from megarl.trainer.checkpoint import CheckpointManager
+    from megarl.trainer.modes import SampleLog, make_source, offpolicy_metrics
     from megarl.trainer.rollout import Rollouts
     from megarl.trainer.workers import WorkerGroup
 
@@ -71,19 +80,28 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
         kl_ctl = build_kl_controller("adaptive", init_kl_coef=cfg.algorithm.kl_coef, target_kl=cfg.algorithm.kl_target,
                                      horizon=10000) if cfg.algorithm.kl_target else \
             build_kl_controller("fixed", init_kl_coef=cfg.algorithm.kl_coef)
-        start = 0
+        start, source_state = 0, None
         # newest checkpoint that verifies and loads; damaged ones are skipped with a warning
         if (resume or cfg.checkpoint.resume) and \
                 (found := ckpt.newest_intact(group.load_checkpoint, group.hash_checkpoint_files)) is not None:
             start, folder = found
             kl_ctl.value = ckpt.metadata(folder).get("kl_coef", kl_ctl.value)
+            source_state = ckpt.metadata(folder).get("rollout_source")
             logging.getLogger("megarl").info(f"resumed from {folder} (step {start})")
         ckpt.clean_partials()
+        timeline = Timeline(run_dir / "timeline.jsonl", resume_step=start + 1)
+        group.timeline = timeline
+        sample_log = SampleLog(run_dir, resume_step=start + 1)
         adv_fn, adv_opts, _ = resolve(cfg.algorithm)
         log = cleanup.enter_context(MetricsLogger(
             run_dir, stdout=cfg.logging.stdout, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
             progress=cfg.logging.progress, total_steps=cfg.trainer.steps, resume_step=start + 1, stream=console))
         rewards = cleanup.enter_context(RewardPool(num_workers=1, timeout_s=cfg.data.reward_timeout_s))
+        source = make_source(cfg, rollouts, group, rewards, timeline, start, source_state)
+        cleanup.callback(source.close)   # before the engines stop: the producer must not see them die
+
+        def checkpoint_metadata() -> dict:
+            return {"kl_coef": kl_ctl.value, "rollout_source": source.state()}
 
         def phase(step: int, name: str, **fields) -> None:   # the progress line; what a stop waits for
             stop.step, stop.phase = step, name
@@ -92,8 +110,8 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
         def run_step(step: int, m: dict) -> None:
             timer = PhaseTimer()
             phase(step, "generate")
-            rollout, m_gen = rollouts.collect(step, rewards)   # times itself: generate, score
-            m.update(m_gen, **group.end_rollout())
+            rollout, m_gen = source.batch(step, lambda: stop.abandon_if_requested(m))   # times itself
+            m.update(m_gen, **offpolicy_metrics(rollout, step))
             stop.abandon_if_requested(m)                       # safe point: nothing updated yet
             phase(step, "logprobs", reward=m["reward/mean"])
             with timer("logprobs"):
@@ -101,8 +119,12 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
                 old_lp, entropy = group.logprobs(rollout, plan, reference=False)
                 ref_lp = group.logprobs(rollout, plan, reference=True)[0] if group.has_reference else None
                 values = group.values(rollout, plan) if group.has_critic else None
-            m.update(alarm_metrics(rollout, old_lp, cfg.trainer.logprob_diff_threshold))
+            m.update(alarm_metrics(rollout, old_lp, cfg.trainer.logprob_diff_threshold, step - 1))
+            sample_log.write(step, rollout, old_lp)
             per_sample, kl_rewards = {"old_logprobs_T": old_lp}, None
+            corrected, m_corr = correct_rollout(old_lp, rollout.sample_logprobs, cfg.algorithm)
+            per_sample.update(corrected)
+            m.update(m_corr)
             if ref_lp is not None:
                 per_sample["ref_logprobs_T"] = ref_lp
                 kl = [a - b for a, b in zip(old_lp, ref_lp)]   # k1 of the sampled tokens
@@ -122,20 +144,29 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
             with timer("train"):
                 m.update(group.train(rollout, plan, per_sample, kl_ctl.value))
             phase(step, "sync")
-            with timer("sync"):
-                m.update(group.sync_weights())
-            if after_sync is not None:
-                after_sync(group, step)
-            if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
-                with timer("eval"):
-                    m.update(rollouts.evaluate(rewards))
+
+            def sync() -> dict:   # and what needs the engines idle: probes, evaluation
+                with timer("sync"):
+                    out = group.sync_weights()
+                if after_sync is not None:
+                    after_sync(group, step)
+                if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
+                    with timer("eval"):
+                        out.update(rollouts.evaluate(rewards))
+                return out
+
+            m.update(source.after_update(step, sync))
             m.update(timer.pop())
+            now = time.monotonic()
+            m.update(timeline.step_metrics(step, window[0], now))
+            window[0] = now
             m["throughput/tokens_per_s"] = sum(rollout.lengths()) / max(1e-9, sum(
                 v for k, v in m.items() if k.startswith("time/")))
             m["actor/kl_coef"] = kl_ctl.value
             m.update(gpu_stats())
 
         stop.last_step = start
+        window = [time.monotonic()]   # the current step's timeline window starts where the last one ended
         for step in range(start + 1, cfg.trainer.steps + 1):
             if stop.requested:                                 # safe point between steps
                 break
@@ -149,13 +180,13 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
                 break
             stop.last_step = step
             if cfg.checkpoint.save_every and (step % cfg.checkpoint.save_every == 0 or step == cfg.trainer.steps):
-                group.save_checkpoint(ckpt, step, {"kl_coef": kl_ctl.value})
+                group.save_checkpoint(ckpt, step, checkpoint_metadata())
         if stop.requested and (done := stop.last_step) < cfg.trainer.steps:
             megarl_log.info(f"stopping after step {done} (interrupt)")
             stop.step, stop.phase = 0, "checkpoint and shutdown"
             if cfg.checkpoint.save_on_interrupt and done > 0 and done not in dict(ckpt.complete()):
                 megarl_log.info(f"writing the checkpoint of step {done} (checkpoint.save_on_interrupt)")
-                group.save_checkpoint(ckpt, done, {"kl_coef": kl_ctl.value})
+                group.save_checkpoint(ckpt, done, checkpoint_metadata())
             raise RunInterrupted(stop.signum, done, hard=False)
     return run_dir
 
@@ -181,10 +212,21 @@ def critic_metrics(values: list, returns: list) -> dict:
             "critic/explained_variance": 1.0 - float((r - v).var(unbiased=False)) / var_r if var_r > 0 else math.nan}
 
 
-def alarm_metrics(rollout: Rollout, train_lp: list, threshold: float) -> dict:
-    """|vLLM sampling log-prob - Megatron log-prob| of the sampled tokens; stop when too large."""
-    diff = torch.cat([(torch.tensor(v, dtype=torch.float64) - t.double()).abs()
-                      for v, t in zip(rollout.sample_logprobs, train_lp)])
+def alarm_metrics(rollout: Rollout, train_lp: list, threshold: float, version: int | None = None) -> dict:
+    """|vLLM sampling log-prob - Megatron log-prob| of the sampled tokens; stop when too large.
+
+    With ``version`` (the policy version being trained) and per-token versions in the rollout,
+    only the tokens that this version generated count: older ones differ by the updates since
+    (off-policy modes); a step with none of them reports NaN and cannot raise."""
+    diffs = []
+    for i, (v, t) in enumerate(zip(rollout.sample_logprobs, train_lp)):
+        d = (torch.tensor(v, dtype=torch.float64) - t.double()).abs()
+        if version is not None and rollout.token_versions:
+            d = d[torch.tensor(rollout.token_versions[i], dtype=torch.long) == version]
+        diffs.append(d)
+    diff = torch.cat(diffs)
+    if diff.numel() == 0:
+        return {"rollout/logprob_diff_mean": math.nan, "rollout/logprob_diff_max": math.nan}
     out = {"rollout/logprob_diff_mean": float(diff.mean()), "rollout/logprob_diff_max": float(diff.max())}
     if threshold and out["rollout/logprob_diff_mean"] > threshold:
         raise WeightSyncAlarm(

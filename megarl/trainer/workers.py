@@ -63,6 +63,8 @@ class WorkerGroup:
         self.offloaded_bytes = 0
         self.info, self.failed = [], False
         self.skipped_in_a_row = {"actor": 0, "critic": 0}
+        self.timeline = None
+        """A :class:`megarl.observability.timeline.Timeline`: each call's span per rank (lane rankR)."""
         # trainer.balance_cost=flops: the FLOPs coefficients come from the model's config.json
         self.budget = budget_from_config(cfg.trainer, read_hf_config(cfg.model.path))
         # last: from here on, anything that raises must release the placement
@@ -129,12 +131,18 @@ class WorkerGroup:
 
     def _fan_out(self, method: str, args_per_worker: list) -> list:
         """``method(*args)`` on every worker (``args_per_worker`` in rank order): their results."""
+        t0 = time.monotonic()
         refs = [getattr(w, method).remote(*args) for w, args in zip(self.workers, args_per_worker)]
-        return self._wait(refs, [self._who(rank) for rank in range(len(refs))], method)
+        done_at: list = [None] * len(refs)
+        out = self._wait(refs, [self._who(rank) for rank in range(len(refs))], method, done_at)
+        if self.timeline is not None:   # a rank is busy from the call until its own result is in
+            for rank, t in enumerate(done_at):
+                self.timeline.record(f"rank{rank}", method, t0, t or time.monotonic())
+        return out
 
-    def _wait(self, refs: list, names: list[str], phase: str) -> list:
+    def _wait(self, refs: list, names: list[str], phase: str, done_at: list | None = None) -> list:
         try:
-            return wait_all(refs, names, phase)
+            return wait_all(refs, names, phase, done_at=done_at)
         except BaseException:
             self.failed = True   # the shutdown will not wait long for actors that may be stuck
             raise
@@ -303,7 +311,8 @@ class WorkerGroup:
         return {rel: entry for part in parts for rel, entry in part.items()}
 
 
-def wait_all(refs: list, names: list[str], phase: str, grace_s: float = FAILURE_GRACE_S) -> list:
+def wait_all(refs: list, names: list[str], phase: str, grace_s: float = FAILURE_GRACE_S,
+             done_at: list | None = None) -> list:
     """``ray.get(refs)``, except that a failure is raised as soon as it happens, not when the list
     reaches it: the peers of a dead rank may block in a collective for gloo's whole timeout.
 
@@ -311,7 +320,8 @@ def wait_all(refs: list, names: list[str], phase: str, grace_s: float = FAILURE_
     raised for a dead actor (Ray's RayActorError). A method's own exception (Ray's RayTaskError,
     also an instance of the worker's exception class) is raised as it is, unless another actor's
     death, seen within ``grace_s`` seconds (``NODE_LOSS_GRACE_S`` when it is a lost connection to a
-    peer), explains it.
+    peer), explains it. ``done_at``, when given, gets the ``time.monotonic()`` at which each
+    result was seen.
     """
     import ray
 
@@ -326,6 +336,8 @@ def wait_all(refs: list, names: list[str], phase: str, grace_s: float = FAILURE_
             more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
             done += more
         for ref in done:
+            if done_at is not None:
+                done_at[index[ref]] = time.monotonic()
             try:
                 values[index[ref]] = ray.get(ref)
             except ray.exceptions.RayActorError as err:

@@ -1,0 +1,189 @@
+"""Rollout-training mismatch: importance weights, masks and metrics for samples the trainer did not draw.
+
+The samples of a step come from the rollout engine (vLLM), whose distribution mu differs from
+the trained policy pi even with the same weights (other kernels, another precision, a different
+reduction order) and more so off-policy (``trainer.mode`` one_step_off / async: an older policy
+version). The policy-gradient objective is an expectation under pi; a sample drawn from mu
+estimates it without bias only when weighted by w = pi(y) / mu(y):
+
+    grad E_pi[f] = E_mu[ w(y) f(y) grad log pi(y) ].
+
+Target and behaviour. ``train_logprobs`` are the trainer's log-probs recomputed before the update
+(``old_logprobs_T``), ``rollout_logprobs`` vLLM's of the same sampled tokens. This is decoupled PPO
+(Hilton et al. 2022; AReaL): the PPO ratio pi_theta / pi_prox and its clip stay against the
+trainer's own *proximal* policy (the one the clip range was tuned for, and whose log-probs are
+computed by the same kernels as the update), and the importance weight pi_prox / mu corrects the
+*behaviour* policy that drew the samples into the proximal one. Weighting against vLLM's
+log-probs inside the PPO ratio instead would clip the trust region around a policy the trainer
+never computes. The weights are constants of the step (detached): they re-weight the samples,
+they do not take gradients.
+
+Methods (``algorithm.rollout_correction``), w = exp(train - rollout) per token, log-ratio clamped
+to [-20, 20] as in :mod:`megarl.algorithms.losses`; a sequence's ratio is the product of its token
+ratios, exp(sum of masked token log-ratios):
+
+- ``tis``: truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
+  brings you off-policy RL training"): weight min(w, cap), per token or, at ``sequence`` level,
+  the sequence's min(prod w, cap) on all its tokens. No sample is dropped.
+- ``mask``: masked importance sampling, i.e. rejection: tokens (``token``) or whole sequences
+  (``sequence``) whose ratio leaves [low, high] are dropped from the loss, the rest weighted 1.
+  Sequence-level masked IS (rejecting whole samples the trainer finds far too unlikely or too
+  likely under its own policy): Liu et al. 2025, "When speed kills stability: demystifying RL
+  collapse from the training-inference mismatch".
+- ``icepop``: IcePop (inclusionAI Ling team, Ring-1T, 2025): two-sided token masking with
+  weighting, M(w) = w inside [low, high] and 0 outside (the token leaves the loss). Token level
+  only: a product of many token ratios almost never stays inside such a band.
+- ``none``: weight 1, nothing dropped; the metrics are still computed.
+
+Bias and variance. Only the untruncated, unmasked weight w (token level for a per-token
+objective, sequence level for a sequence objective) is unbiased; its variance is unbounded where
+mu puts little mass on what pi favours, and a sequence's product of token ratios grows
+exponentially with length. Truncation (tis) removes the part of the gradient above the cap:
+biased towards mu on the tokens pi likes far more than mu does, with weights bounded by cap.
+Masking drops the tokens or sequences outside the band: biased (the expectation runs over the
+band only), with bounded variance, and robust to a few samples whose log-probs are broken (a
+numerically diverged token gets no gradient at all instead of a capped one). Token-level weights
+are themselves a (standard) approximation for sequences: they correct each token's marginal
+without the ratio of the prefix that led to it. ``mismatch_metrics`` shows how far apart the two
+distributions are and how much each method drops.
+
+Layout: packed 1-D per-token tensors, see :mod:`megarl.algorithms.packed`.
+Shape legend: N sequences, T packed response tokens, N1 = N + 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megarl.algorithms.packed import broadcast_to_tokens, check_cu_seqlens, segment_sum
+
+__all__ = ["CORRECTION_MODES", "CORRECTION_LEVELS", "correction_weights", "mismatch_metrics", "correct_rollout"]
+
+CORRECTION_MODES = ("none", "tis", "mask", "icepop")
+CORRECTION_LEVELS = ("token", "sequence")
+_LOG_RATIO_CLAMP = 20.0   # as in megarl.algorithms.losses: exp stays finite in fp32
+
+
+def _log_ratio(train_logprobs_T: torch.Tensor, rollout_logprobs_T: torch.Tensor) -> torch.Tensor:
+    if train_logprobs_T.shape != rollout_logprobs_T.shape:
+        raise ValueError(f"rollout_logprobs_T must have the shape of train_logprobs_T {tuple(train_logprobs_T.shape)}, "
+                         f"got {tuple(rollout_logprobs_T.shape)}")
+    return (train_logprobs_T.detach() - rollout_logprobs_T.detach().to(train_logprobs_T.dtype))
+
+
+def correction_weights(
+    train_logprobs_T: torch.Tensor,
+    rollout_logprobs_T: torch.Tensor,
+    mask_T: torch.Tensor,
+    cu_seqlens_N1: torch.Tensor,
+    *,
+    mode: str,
+    level: str = "token",
+    cap: float = 2.0,
+    low: float = 0.5,
+    high: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights_T, keep_T): detached per-token loss weights (dtype of ``train_logprobs_T``) and the
+    corrected mask ``mask_T & kept`` (bool). Weights are 0 outside ``keep_T``. See the module
+    docstring for the modes; ``cap`` is tis's, ``low`` / ``high`` the band of mask and icepop."""
+    if mode not in CORRECTION_MODES:
+        raise ValueError(f"unknown rollout correction mode {mode!r}; known: {list(CORRECTION_MODES)}")
+    if level not in CORRECTION_LEVELS:
+        raise ValueError(f"unknown correction level {level!r}; known: {list(CORRECTION_LEVELS)}")
+    if mode == "icepop" and level != "token":
+        raise ValueError("icepop masks tokens: level must be 'token', got 'sequence'")
+    if mode == "tis" and not cap > 0:
+        raise ValueError(f"tis needs cap > 0, got {cap}")
+    if mode in ("mask", "icepop") and not 0 < low < high:
+        raise ValueError(f"{mode} needs a band 0 < low < high, got low={low}, high={high}")
+    if mask_T.shape != train_logprobs_T.shape:
+        raise ValueError(f"mask_T must have the packed shape {tuple(train_logprobs_T.shape)}, "
+                         f"got {tuple(mask_T.shape)}")
+    check_cu_seqlens(cu_seqlens_N1, num_tokens=mask_T.numel())
+    mask_b = mask_T.bool()
+    log_ratio_T = _log_ratio(train_logprobs_T, rollout_logprobs_T).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    if level == "sequence":
+        seq_log_ratio_N = segment_sum(log_ratio_T * mask_b.to(log_ratio_T.dtype), cu_seqlens_N1)
+        log_ratio_T = broadcast_to_tokens(seq_log_ratio_N.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP), cu_seqlens_N1)
+    ratio_T = torch.exp(log_ratio_T)
+    keep_T = mask_b
+    if mode == "tis":
+        weights_T = torch.exp(log_ratio_T.clamp(max=math.log(cap)))    # min(w, cap) without overflow
+    elif mode in ("mask", "icepop"):
+        keep_T = mask_b & (ratio_T >= low) & (ratio_T <= high)
+        weights_T = ratio_T if mode == "icepop" else torch.ones_like(ratio_T)
+    else:
+        weights_T = torch.ones_like(ratio_T)
+    return torch.where(keep_T, weights_T, torch.zeros_like(weights_T)), keep_T
+
+
+def mismatch_metrics(
+    train_logprobs_T: torch.Tensor,
+    rollout_logprobs_T: torch.Tensor,
+    mask_T: torch.Tensor,
+    keep_T: torch.Tensor | None = None,
+    weights_T: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """How far the rollout's distribution is from the trainer's on the sampled tokens of ``mask_T``.
+
+    ``rollout_corr/log_ratio_abs_mean`` / ``_max``: |log pi_train - log pi_rollout|;
+    ``rollout_corr/k3_kl``: mean of k3 = (r - 1) - log r, r = pi_train / pi_rollout, an unbiased
+    non-negative estimate of KL(rollout || train) from tokens the rollout sampled (the log-ratio
+    clamped to [-20, 20] before exp); ``rollout_corr/masked_frac``: the fraction of ``mask_T``'s
+    tokens that ``keep_T`` drops (0 without ``keep_T``); with ``weights_T``,
+    ``rollout_corr/weight_mean`` / ``_max`` over the kept tokens. All 0 on an empty mask.
+    """
+    mask_b = mask_T.bool()
+    log_ratio_T = _log_ratio(train_logprobs_T, rollout_logprobs_T).double()[mask_b]
+    out = {"rollout_corr/log_ratio_abs_mean": 0.0, "rollout_corr/log_ratio_abs_max": 0.0,
+           "rollout_corr/k3_kl": 0.0, "rollout_corr/masked_frac": 0.0}
+    n = log_ratio_T.numel()
+    if n:
+        clamped = log_ratio_T.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        out["rollout_corr/log_ratio_abs_mean"] = float(log_ratio_T.abs().mean())
+        out["rollout_corr/log_ratio_abs_max"] = float(log_ratio_T.abs().max())
+        out["rollout_corr/k3_kl"] = float((torch.expm1(clamped) - clamped).mean())
+        if keep_T is not None:
+            out["rollout_corr/masked_frac"] = float((mask_b & ~keep_T.bool()).sum()) / n
+    if weights_T is not None:
+        kept = weights_T.detach().double()[mask_b if keep_T is None else keep_T.bool()]
+        out["rollout_corr/weight_mean"] = float(kept.mean()) if kept.numel() else 0.0
+        out["rollout_corr/weight_max"] = float(kept.max()) if kept.numel() else 0.0
+    return out
+
+
+def correct_rollout(train_lp: list[torch.Tensor], rollout_lp: list[list[float]], cfg_algorithm):
+    """The driver's step: per-sample ``is_weights_T`` and corrected ``mask_T`` (bool) for the
+    workers' micro-batches, and the mismatch metrics (always, also with ``rollout_correction``
+    'none', which returns an empty dict of per-sample tensors).
+
+    ``train_lp``: the trainer's log-probs of each sample's response tokens ([R_i] tensors);
+    ``rollout_lp``: vLLM's of the same tokens; ``cfg_algorithm``: an
+    :class:`megarl.config.schema.AlgorithmConfig` (its ``rollout_correction`` and
+    ``correction_*`` fields). Every response token is in the base mask.
+    """
+    if len(train_lp) != len(rollout_lp):
+        raise ValueError(f"{len(train_lp)} samples of trainer log-probs but {len(rollout_lp)} of rollout log-probs")
+    for i, (t, r) in enumerate(zip(train_lp, rollout_lp)):
+        if t.numel() != len(r):
+            raise ValueError(f"sample {i}: {t.numel()} trainer log-probs but {len(r)} rollout log-probs "
+                             "(expected one per response token)")
+    lengths = [t.numel() for t in train_lp]
+    cu_N1 = torch.tensor([0] + lengths).cumsum(0)
+    train_T = torch.cat([t.detach().double().reshape(-1) for t in train_lp]) if train_lp else torch.zeros(0)
+    rollout_T = torch.tensor([x for r in rollout_lp for x in r], dtype=torch.float64)
+    mask_T = torch.ones(train_T.numel(), dtype=torch.bool)
+    a = cfg_algorithm
+    if a.rollout_correction == "none":
+        return {}, mismatch_metrics(train_T, rollout_T, mask_T)
+    weights_T, keep_T = correction_weights(train_T, rollout_T, mask_T, cu_N1, mode=a.rollout_correction,
+                                           level=a.correction_level, cap=a.correction_cap,
+                                           low=a.correction_low, high=a.correction_high)
+    metrics = mismatch_metrics(train_T, rollout_T, mask_T, keep_T, weights_T)
+    dtype = train_lp[0].dtype if train_lp else torch.float32
+    # clones, not views: a pickled view (to the workers) would carry the whole step's storage
+    per_sample = {"is_weights_T": [w.clone() for w in torch.split(weights_T.to(dtype), lengths)],
+                  "mask_T": [k.clone() for k in torch.split(keep_T, lengths)]}
+    return per_sample, metrics

@@ -1,0 +1,185 @@
+"""Who was busy when: spans per lane (a rollout engine, a training rank, the driver) and, per step,
+each lane's busy and idle seconds and how long generation and training overlapped.
+
+The controller records spans as they happen, ``timeline.span("engine0", "generate")`` around a
+call or ``timeline.record(lane, phase, start, end)`` afterwards, with ``time.monotonic()`` times,
+from any thread (a generation thread and the main thread record at once). At the end of a step
+``step_metrics(step, start, end)`` measures the window [start, end]:
+
+- ``timeline/<lane>_busy_s``: length of the union of the lane's spans clipped to the window (two
+  phases of one lane that overlap count once); ``timeline/<lane>_idle_s`` = window - busy. Every
+  lane seen so far gets both keys every step, so the metric columns stay the same.
+- ``timeline/generate_s`` and ``timeline/train_s``: the union over all ``engine*`` lanes and over
+  all ``rank*`` lanes; ``timeline/overlap_s``: the seconds in which some engine and some rank were
+  both busy (0 in on-policy mode, up to min(generate, train) when the two fully overlap);
+  ``timeline/step_s``: the window.
+
+A span that straddles two windows counts in both, clipped to each; a span still open (inside
+``span()``) counts as busy up to the window's end, and its later part in the next window. Spans
+that ended before the window's start are then forgotten, so memory holds about one step (window
+starts must not decrease).
+
+File (``<run_dir>/timeline.jsonl``, appended, one ``fsync`` per step so a killed run keeps every
+completed step): per step one window line ``{"step", "start", "end"}`` then one line per span
+overlapping the window, clipped: ``{"step", "lane", "phase", "start", "end"}``. Times are seconds
+from the Timeline's t0 with 3 decimals. t0 is its creation time, moved back when the file already
+holds lines so that times continue after the last one: a resumed run's bars follow the earlier
+ones instead of drawing over them (the down time between the two is not shown). ``resume_step=k``
+first drops the lines of steps >= k, like :class:`~megarl.observability.metrics.MetricsLogger`
+does for ``metrics.jsonl``. ``megarl plot`` draws the file as a Gantt chart
+(:func:`megarl.observability.plot.plot_timeline`).
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+ENGINE_PREFIX = "engine"
+"""Lanes named ``engine*`` are rollout engines (``timeline/generate_s``)."""
+RANK_PREFIX = "rank"
+"""Lanes named ``rank*`` are training ranks (``timeline/train_s``)."""
+
+Interval = tuple[float, float]
+
+
+def union(intervals: list[Interval]) -> list[Interval]:
+    """Sorted, disjoint intervals covering the same points as ``intervals``."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
+
+
+def length(intervals: list[Interval]) -> float:
+    """Total length of sorted, disjoint intervals."""
+    return sum(end - start for start, end in intervals)
+
+
+def intersection(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """Intersection of two lists of sorted, disjoint intervals (a two-pointer sweep)."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def read_timeline(path: str | os.PathLike) -> list[dict]:
+    """The lines of a timeline file. A torn last line (the run was killed while writing it) is
+    skipped; a bad line elsewhere raises ``ValueError`` naming the file and line."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}: line {number} is not JSON ({err}): {line[:80]!r}") from err
+    return rows
+
+
+class Timeline:
+    def __init__(self, path: str | os.PathLike | None, *, resume_step: int | None = None):
+        self.path = Path(path) if path is not None else None
+        self.t0 = time.monotonic()
+        self._lock = threading.Lock()          # guards the span lists (several recording threads)
+        self._file_lock = threading.Lock()     # one step's lines stay together in the file
+        self._spans: list[tuple[str, str, float, float]] = []
+        self._open: dict[int, tuple[str, str, float]] = {}
+        self._tokens = itertools.count()
+        self._lanes: set[str] = set()
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path is not None and self.path.exists():
+            rows = read_timeline(self.path)
+            if resume_step is not None:
+                rows = [r for r in rows if r["step"] < resume_step]
+                tmp = self.path.with_suffix(".jsonl.tmp")
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+                os.replace(tmp, self.path)
+            self.t0 -= max((r["end"] for r in rows), default=0.0)
+
+    def record(self, lane: str, phase: str, start: float, end: float) -> None:
+        """A finished span of ``lane`` (``time.monotonic()`` seconds)."""
+        if end < start:
+            raise ValueError(f"timeline span {lane}/{phase}: end {end} is before start {start}")
+        with self._lock:
+            self._lanes.add(lane)
+            self._spans.append((lane, phase, start, end))
+
+    @contextlib.contextmanager
+    def spans(self, lanes: list[str], phase: str) -> Iterator[None]:
+        """Records [enter, exit] on every lane of ``lanes`` (all ranks run a collective phase);
+        until the exit the spans are open and count as busy up to a window's end."""
+        start = time.monotonic()
+        with self._lock:
+            tokens = [next(self._tokens) for _ in lanes]
+            for token, lane in zip(tokens, lanes):
+                self._lanes.add(lane)
+                self._open[token] = (lane, phase, start)
+        try:
+            yield
+        finally:
+            end = time.monotonic()
+            with self._lock:
+                for token in tokens:
+                    lane, phase, start = self._open.pop(token)
+                    self._spans.append((lane, phase, start, end))
+
+    def span(self, lane: str, phase: str):
+        """``with timeline.span("engine0", "generate"): ...``"""
+        return self.spans([lane], phase)
+
+    def step_metrics(self, step: int, start: float, end: float) -> dict[str, float]:
+        """``timeline/*`` metrics of the window [start, end] (``time.monotonic()`` seconds) and
+        the step's lines in the file (see the module docstring)."""
+        if end < start:
+            raise ValueError(f"timeline step {step}: window end {end} is before its start {start}")
+        with self._lock:
+            spans = self._spans + [(lane, phase, s, end) for lane, phase, s in self._open.values()]
+            lanes = sorted(self._lanes)
+            self._spans = [sp for sp in self._spans if sp[3] > start]
+        clipped = sorted(((lane, phase, max(s, start), min(e, end)) for lane, phase, s, e in spans
+                          if min(e, end) > max(s, start)), key=lambda sp: (sp[2], sp[0]))
+        per_lane: dict[str, list[Interval]] = {lane: [] for lane in lanes}
+        for lane, _, s, e in clipped:
+            per_lane[lane].append((s, e))
+        busy = {lane: union(intervals) for lane, intervals in per_lane.items()}
+        engines = union([iv for lane, ivs in busy.items() if lane.startswith(ENGINE_PREFIX) for iv in ivs])
+        ranks = union([iv for lane, ivs in busy.items() if lane.startswith(RANK_PREFIX) for iv in ivs])
+        window = end - start
+        metrics = {"timeline/step_s": window, "timeline/generate_s": length(engines),
+                   "timeline/train_s": length(ranks), "timeline/overlap_s": length(intersection(engines, ranks))}
+        for lane, intervals in busy.items():
+            metrics[f"timeline/{lane}_busy_s"] = length(intervals)
+            metrics[f"timeline/{lane}_idle_s"] = window - length(intervals)
+        if self.path is not None:
+            self._write(step, start, end, clipped)
+        return metrics
+
+    def _write(self, step: int, start: float, end: float, clipped: list[tuple[str, str, float, float]]):
+        def rel(t: float) -> float:
+            return round(t - self.t0, 3)
+
+        lines = [{"step": step, "start": rel(start), "end": rel(end)}]
+        lines += [{"step": step, "lane": lane, "phase": phase, "start": rel(s), "end": rel(e)}
+                  for lane, phase, s, e in clipped]
+        with self._file_lock, open(self.path, "a") as fh:
+            fh.write("".join(json.dumps(line) + "\n" for line in lines))
+            fh.flush()
+            os.fsync(fh.fileno())

@@ -1,0 +1,407 @@
+"""Where a step's samples come from in each ``trainer.mode``, and when new weights reach the engines.
+
+Policy versions: version v is the policy after v optimizer steps of the run (the weights a
+checkpoint of step v holds). Step k trains the policy of version k - 1 into version k; a sample's
+*version gap* at step k is (k - 1) minus the oldest version that generated one of its tokens.
+
+- ``on_policy``: step k generates with version k - 1, trains, syncs: every gap is 0.
+- ``one_step_off``: when step k has its samples, step k+1's generation starts in a thread of the
+  driver (with version k - 1, the weights the engines hold) while step k computes log-probs and
+  trains; after the update the controller waits for that generation to end, then syncs version k.
+  Every gap is 1 (0 at the run's first step and at the first step after a resume, generated
+  synchronously). The engines are busy during training instead of idle; on shared devices
+  (colocated) both compete for them.
+- ``async``: a producer thread keeps the fleet generating, one request per sample
+  (:meth:`megarl.trainer.fleet.Fleet.generate_requests`), with at most ``trainer.buffer_groups``
+  prompt groups generated or in flight ahead of training. A group is scored when its
+  ``rollout.n`` samples are done and waits in the buffer; step k takes the first
+  ``data.prompts_per_step`` finished groups, dropping (and counting) the ones whose gap would
+  exceed ``trainer.max_staleness``. After the update, the controller pauses the engines: each
+  aborts its unfinished requests and returns their tokens and vLLM log-probs so far (partial
+  rollouts); it syncs the new weights, and the producer resumes every unfinished sample with its
+  generated prefix appended to the prompt and the remaining token budget. Each token records the
+  version that generated it (:attr:`megarl.trainer.batch.Rollout.token_versions`), so a sample may
+  hold tokens of several versions.
+
+Sample ids (:attr:`Rollout.sample_ids`) name a sample by where its prompt came from:
+``s<step>.g<group>.<j>`` (sample j of group g of step k's prompts) in the synchronous modes,
+``c<chunk>.g<i>.<j>`` in async (prompt i of the chunk ``PromptSource.batch(chunk)``: async draws
+prompts chunk after chunk, independently of steps). Every step appends its samples' ids, version
+gaps and per-version token counts to ``<run_dir>/samples.jsonl``.
+
+Checkpoints and resume: a checkpoint of step k holds version k. one_step_off regenerates step k+1's
+samples after a resume (with version k: a gap of 0 instead of 1). async saves, in the checkpoint's
+metadata, the prompt cursor and the ids of the groups generated or in flight but not trained; the
+resumed producer generates those groups again first (from scratch, with version k), then goes on
+from the cursor. Steps after k of the killed run are redone, so across the run's history (steps
+<= k of the first launch, the rest of the resumed one) no sample is trained twice and no step is
+skipped.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from megarl.trainer.batch import Rollout
+
+log = logging.getLogger("megarl")
+
+POLL_S = 0.2
+"""How often a waiting controller or producer looks at errors and stop requests."""
+
+
+def version_gaps(rollout: Rollout, step: int) -> list[int]:
+    """Per sample, (step - 1) minus the oldest version among its tokens (0 for an empty response)."""
+    return [step - 1 - min(v) if v else 0 for v in rollout.token_versions]
+
+
+def version_runs(versions: list[int]) -> list[list[int]]:
+    """``[[version, count], ...]``: the run-length form of a sample's per-token versions."""
+    runs: list[list[int]] = []
+    for v in versions:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return runs
+
+
+def offpolicy_metrics(rollout: Rollout, step: int) -> dict:
+    gaps = version_gaps(rollout, step)
+    return {"offpolicy/version_gap_max": max(gaps), "offpolicy/version_gap_mean": sum(gaps) / len(gaps),
+            "offpolicy/partial_samples": sum(len({*v}) > 1 for v in rollout.token_versions)}
+
+
+class SampleLog:
+    """``<run_dir>/samples.jsonl``: per step, every trained sample's id, version gap and version
+    runs, and the mean |vLLM - trainer| log-prob of its tokens per version run (the tokens of the
+    trained version must match, older ones need not). On resume, lines of steps >= the resumed
+    step are dropped (the file never holds a step twice)."""
+
+    def __init__(self, run_dir: Path, resume_step: int):
+        self.path = Path(run_dir) / "samples.jsonl"
+        if self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] < resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, step: int, rollout: Rollout, train_lp: list) -> None:
+        samples = []
+        for sid, versions, vllm_lp, lp in zip(rollout.sample_ids, rollout.token_versions, rollout.sample_logprobs,
+                                              train_lp):
+            diff = (torch.tensor(vllm_lp, dtype=torch.float64) - lp.double()).abs().tolist()
+            runs, at, run_diffs = version_runs(versions), 0, []
+            for _, count in runs:
+                run_diffs.append(sum(diff[at:at + count]) / count)
+                at += count
+            samples.append({"id": sid, "gap": step - 1 - min(versions) if versions else 0, "runs": runs,
+                            "run_logprob_diff": run_diffs})
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, "samples": samples}) + "\n")
+
+
+def make_source(cfg, rollouts, group, rewards, timeline, start: int, state: dict | None):
+    """The sample source of ``trainer.mode``; ``start``: the last completed step (the version the
+    engines hold); ``state``: what a checkpoint's metadata kept of it (:meth:`state`)."""
+    kind = {"on_policy": OnPolicy, "one_step_off": OneStepOff, "async": AsyncSource}[cfg.trainer.mode]
+    return kind(cfg, rollouts, group, rewards, timeline, start, state or {})
+
+
+class OnPolicy:
+    """Generate with the current weights, train, then sync (see the module docstring)."""
+
+    def __init__(self, cfg, rollouts, group, rewards, timeline, start: int, state: dict):
+        self.cfg, self.rollouts, self.group, self.rewards, self.timeline = cfg, rollouts, group, rewards, timeline
+        self.version = start
+
+    def _collect(self, step: int) -> tuple[Rollout, dict]:
+        """``rollouts.collect`` with the engines' current version; ids and versions filled in."""
+        version, t0 = self.version, time.monotonic()
+        rollout, m = self.rollouts.collect(step, self.rewards)
+        m.update(self.group.end_rollout())
+        self._engine_spans(t0, m)
+        seen: dict = {}
+        for g in rollout.group_ids:
+            seen[g] = seen.get(g, -1) + 1
+            rollout.sample_ids.append(f"s{step}.g{g}.{seen[g]}")
+        rollout.token_versions = [[version] * len(r) for r in rollout.response_ids]
+        return rollout, m
+
+    def _engine_spans(self, t0: float, m: dict) -> None:
+        """Engine k was busy from the call's start for its ``rollout/engine<k>_busy_s``."""
+        for key, busy in m.items():
+            if key.startswith("rollout/engine") and key.endswith("_busy_s") and busy:
+                self.timeline.record(key[len("rollout/"):-len("_busy_s")], "generate", t0, t0 + busy)
+
+    def batch(self, step: int, check_stop: Callable[[], None]) -> tuple[Rollout, dict]:
+        return self._collect(step)
+
+    def after_update(self, step: int, sync: Callable[[], dict]) -> dict:
+        """Run ``sync`` (the weight sync and what must follow it while the engines are idle);
+        from here on the engines hold version ``step``."""
+        m = sync()
+        self.version = step
+        return m
+
+    def state(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class OneStepOff(OnPolicy):
+    """Step k+1's generation overlaps step k's training (see the module docstring)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="megarl-one-step-off")
+        self.pending = None   # (step, future) of the generation running ahead
+
+    def batch(self, step: int, check_stop: Callable[[], None]) -> tuple[Rollout, dict]:
+        if self.pending is not None and self.pending[0] == step:
+            future = self.pending[1]
+            while not future.done():
+                check_stop()
+                time.sleep(POLL_S)
+            rollout, m = future.result()
+        else:
+            rollout, m = self._collect(step)
+        self.pending = None
+        if step < self.cfg.trainer.steps:
+            self.pending = (step + 1, self.pool.submit(self._collect, step + 1))
+        return rollout, m
+
+    def after_update(self, step: int, sync: Callable[[], dict]) -> dict:
+        if self.pending is not None:
+            self.pending[1].exception()   # generation ends before the weights change; its error surfaces in batch()
+        return super().after_update(step, sync)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Group:
+    """A prompt group of the async producer: its prompt and its samples' progress."""
+
+    def __init__(self, gid: str, record, prompt_ids: list[int], n: int):
+        self.gid, self.record, self.prompt_ids = gid, record, prompt_ids
+        self.samples = [{"token_ids": [], "logprobs": [], "versions": [], "done": False, "clipped": False}
+                        for _ in range(n)]
+        self.rewards: list[float] = []
+
+    def oldest(self) -> int:
+        return min((min(s["versions"]) for s in self.samples if s["versions"]), default=1 << 30)
+
+
+class AsyncSource(OnPolicy):
+    """A producer thread generates continuously into a bounded buffer (see the module docstring)."""
+
+    def __init__(self, cfg, rollouts, group, rewards, timeline, start: int, state: dict):
+        super().__init__(cfg, rollouts, group, rewards, timeline, start, state)
+        t, per_step = cfg.trainer, cfg.data.prompts_per_step
+        self.capacity = t.buffer_groups or per_step * (t.max_staleness + 1)
+        if self.capacity < per_step:
+            from megarl.config.errors import invalid_value
+
+            raise invalid_value("trainer.buffer_groups", t.buffer_groups,
+                                f"at least data.prompts_per_step={per_step} (a step's groups)")
+        self.cursor = list(state.get("cursor", [1, 0]))   # next prompt: (chunk, index in chunk)
+        self.requeue = deque(state.get("requeue", []))    # group ids to generate again first
+        if self.requeue:
+            log.info(f"async: generating again the {len(self.requeue)} group(s) that the checkpoint's run had "
+                     "generated or in flight but not trained")
+        self.groups: dict[str, _Group] = {}               # generating
+        self.ready: deque[_Group] = deque()               # scored, waiting for a step
+        self.lock = threading.Condition()
+        self.engines_busy = threading.Lock()              # held by the producer during a fleet call
+        self.pause = threading.Event()
+        self.closed, self.error = False, None
+        self.counts = {"dropped_stale": 0, "dropped_uninformative": 0, "score_errors": 0, "score_timeouts": 0}
+        self._chunk = (0, None)
+        self.thread = threading.Thread(target=self._produce, name="megarl-async-rollout", daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------------ producer thread
+    def _records(self, chunk: int):
+        if self._chunk[0] != chunk:
+            self._chunk = (chunk, self.rollouts.prompts.batch(chunk, self.cfg.data.prompts_per_step))
+        return self._chunk[1]
+
+    def _top_up(self) -> None:
+        """New groups until the buffer and the groups in flight reach ``capacity``."""
+        per_step = self.cfg.data.prompts_per_step
+        while len(self.groups) + len(self.ready) < self.capacity:
+            if self.requeue:
+                gid = self.requeue.popleft()
+                chunk, i = (int(x) for x in gid[1:].split(".g"))
+            else:
+                chunk, i = self.cursor
+                gid = f"c{chunk}.g{i}"
+                self.cursor = [chunk + 1, 0] if i + 1 == per_step else [chunk, i + 1]
+            record = self._records(chunk)[i]
+            self.groups[gid] = _Group(gid, record, self.rollouts.encode([record])[0], self.cfg.rollout.n)
+
+    def _requests(self) -> list[dict]:
+        r, out = self.cfg.rollout, []
+        for gid, g in self.groups.items():
+            chunk, i = (int(x) for x in gid[1:].split(".g"))
+            for j, s in enumerate(g.samples):
+                if not s["done"]:
+                    have = len(s["token_ids"])
+                    out.append({"id": (gid, j), "prompt_ids": g.prompt_ids + s["token_ids"],
+                                "max_tokens": r.max_response_tokens - have, "greedy": False,
+                                "seed": ((self.cfg.trainer.seed * 1_000_003 + chunk * 1009 + i) * 64 + j) * 4099 + have})
+        return out
+
+    def _extend(self, rid, sample: dict, done: bool) -> None:
+        s = self.groups[rid[0]].samples[rid[1]]
+        s["token_ids"] += sample["token_ids"]
+        s["logprobs"] += sample["logprobs"]
+        s["versions"] += [self.version] * len(sample["token_ids"])
+        s["done"], s["clipped"] = done, sample["clipped"]
+
+    def _on_done(self, pairs: list) -> None:
+        finished = []
+        for rid, sample in pairs:
+            self._extend(rid, sample, done=True)
+            g = self.groups[rid[0]]
+            if all(s["done"] for s in g.samples):
+                finished.append(g)
+        if finished:
+            self._score(finished)
+
+    def _score(self, finished: list[_Group]) -> None:
+        from megarl.algorithms.dapo import informative_group_mask
+
+        samples = [(g, s) for g in finished for s in g.samples]
+        texts = self.rollouts.tokenizer.batch_decode([s["token_ids"] for _, s in samples], skip_special_tokens=True)
+        extras = [{"data_source": g.record.data_source, **g.record.extra} for g, _ in samples]
+        result = self.rewards.score(self.cfg.data.reward, texts, [g.record.answer for g, _ in samples], extras=extras)
+        self.counts["score_errors"] += result.n_errors
+        self.counts["score_timeouts"] += result.n_timeouts
+        rewards = list(result.rewards)
+        with self.lock:
+            for g in finished:
+                g.rewards, rewards = rewards[:len(g.samples)], rewards[len(g.samples):]
+                del self.groups[g.gid]
+                if self.cfg.algorithm.dynamic_sampling and not bool(
+                        informative_group_mask(torch.tensor(g.rewards), torch.zeros(len(g.rewards), dtype=torch.long))[0]):
+                    self.counts["dropped_uninformative"] += 1
+                    continue
+                self.ready.append(g)
+            self.lock.notify_all()
+
+    def _produce(self) -> None:
+        try:
+            while not self.closed:
+                if self.pause.is_set():
+                    time.sleep(POLL_S / 4)
+                    continue
+                with self.lock:
+                    self._top_up()
+                    requests = self._requests()
+                    if not requests:   # the buffer is full: wait for a step to take groups
+                        self.lock.wait(POLL_S)
+                        continue
+                with self.engines_busy:
+                    if self.pause.is_set() or self.closed:
+                        continue
+                    t0 = time.monotonic()
+                    _, partial = self.group.fleet.generate_requests(requests, pause=self.pause, on_done=self._on_done)
+                    self._engine_spans(t0, self.group.fleet.metrics)
+                    with self.lock:
+                        for rid, sample in partial.items():
+                            self._extend(rid, sample, done=False)
+        except BaseException as err:   # noqa: BLE001 - handed to the controller's thread
+            with self.lock:
+                self.error = err
+                self.lock.notify_all()
+
+    # ------------------------------------------------------------------ controller thread
+    def _raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def batch(self, step: int, check_stop: Callable[[], None]) -> tuple[Rollout, dict]:
+        per_step, bound = self.cfg.data.prompts_per_step, self.cfg.trainer.max_staleness
+        taken: list[_Group] = []
+        dropped, t0 = 0, time.perf_counter()
+        while len(taken) < per_step:
+            with self.lock:
+                while not self.ready and self.error is None:
+                    self.lock.wait(POLL_S)
+                    if not self.ready:
+                        self.lock.release()
+                        try:
+                            check_stop()
+                        finally:
+                            self.lock.acquire()
+                self._raise_error()
+                g = self.ready.popleft()
+                buffered = len(self.ready)
+                self.lock.notify_all()
+            if step - 1 - g.oldest() > bound:
+                dropped += 1
+                continue
+            taken.append(g)
+        self.counts["dropped_stale"] += dropped
+        rollout = Rollout([], [], [], [], [], [])
+        for k, g in enumerate(taken):
+            for j, s in enumerate(g.samples):
+                rollout.prompt_ids.append(list(g.prompt_ids))
+                rollout.response_ids.append(s["token_ids"])
+                rollout.sample_logprobs.append(s["logprobs"])
+                rollout.group_ids.append(k)
+                rollout.answers.append(g.record.answer)
+                rollout.clipped.append(s["clipped"])
+                rollout.extras.append({"data_source": g.record.data_source, **g.record.extra})
+                rollout.rewards.append(g.rewards[j])
+                rollout.sample_ids.append(f"{g.gid}.{j}")
+                rollout.token_versions.append(list(s["versions"]))
+        from megarl.trainer.rollout import _sample_metrics
+
+        self.rollouts._counts = [self.counts["score_errors"], self.counts["score_timeouts"]]
+        m = self.rollouts.score(rollout, self.rewards)   # scored already: overlong shaping and metrics
+        m.update(_sample_metrics(rollout))
+        m.update({"time/generate_s": time.perf_counter() - t0, "rollout/num_samples": len(rollout),
+                  "async/dropped_stale": dropped, "async/dropped_stale_total": self.counts["dropped_stale"],
+                  "async/dropped_uninformative_total": self.counts["dropped_uninformative"],
+                  "async/buffered_groups": buffered, "async/generating_groups": len(self.groups)})
+        m.update(self.group.fleet.metrics)
+        return rollout, m
+
+    def after_update(self, step: int, sync: Callable[[], dict]) -> dict:
+        """Pause the engines (their requests come back as partials), sync, resume."""
+        t0 = time.monotonic()
+        self.pause.set()
+        try:
+            with self.engines_busy:
+                self._raise_error()
+                self.timeline.record("driver", "pause", t0, time.monotonic())
+                m = sync()
+                self.group.fleet.resume_all()
+                with self.lock:
+                    self.version = step
+        finally:
+            self.pause.clear()
+        return m
+
+    def state(self) -> dict:
+        """The prompt cursor and the groups generated or in flight but not trained (to generate again)."""
+        with self.lock:
+            return {"cursor": list(self.cursor),
+                    "requeue": list(self.requeue) + [g.gid for g in self.ready] + list(self.groups)}
+
+    def close(self) -> None:
+        self.closed = True
+        self.pause.set()
+        self.thread.join(timeout=10)

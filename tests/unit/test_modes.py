@@ -1,0 +1,191 @@
+"""The async sample source's bookkeeping (megarl/trainer/modes.py) around a scripted fleet.
+
+The fleet here is a stand-in that emits one token per request every few milliseconds and honours
+the pause event like the real one (tests/e2e/test_modes_e2e.py runs the real fleet, engines
+and trainer): it checks the controller logic only - per-token versions across a pause, the
+staleness bound, the checkpoint state and its replay, errors crossing the thread. Keys:
+trainer.mode=async, trainer.max_staleness (the bound), trainer.buffer_groups (groups generated
+ahead of training).
+"""
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from megarl.config.schema import MegaRLConfig
+from megarl.observability.timeline import Timeline
+from megarl.trainer.batch import Rollout
+from megarl.trainer.modes import AsyncSource, version_gaps, version_runs
+from megarl.trainer.rollout import Rollouts
+
+
+class ScriptedFleet:
+    """``generate_requests`` as the real fleet's: a token per request per tick, partials on pause."""
+
+    def __init__(self, tick_s=0.01, fail=False):
+        self.tick_s, self.fail, self.active, self.calls, self.resumed = tick_s, fail, False, [], 0
+        self.engines, self.metrics = [object()], {}
+
+    def generate_requests(self, requests, pause=None, on_done=None):
+        if self.fail:
+            raise RuntimeError("rollout engine 0 died during generate")
+        self.active = True
+        self.calls.append([r["id"] for r in requests])
+        have = {r["id"]: [] for r in requests}
+        budget = {r["id"]: r["max_tokens"] for r in requests}
+        try:
+            while have:
+                if pause is not None and pause.is_set():
+                    return {}, {rid: {"token_ids": t, "logprobs": [-0.5] * len(t), "clipped": False}
+                                for rid, t in have.items()}
+                time.sleep(self.tick_s)
+                for rid in list(have):
+                    have[rid].append(7)
+                    if len(have[rid]) == budget[rid]:
+                        tokens = have.pop(rid)
+                        on_done([(rid, {"token_ids": tokens, "logprobs": [-0.5] * len(tokens), "clipped": True})])
+            return {}, {}
+        finally:
+            self.active = False
+            self.metrics = {"rollout/engine0_busy_s": 0.01}
+
+    def resume_all(self):
+        self.resumed += 1
+
+
+class Tokenizer:
+    def __call__(self, text):
+        return SimpleNamespace(input_ids=[ord(c) % 50 for c in text[:6]])
+
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return ["x" * len(t) for t in ids]
+
+
+class Rewards:
+    def score(self, name, texts, answers, extras=None):
+        return SimpleNamespace(rewards=[float(i % 2) for i in range(len(texts))], n_errors=0, n_timeouts=0)
+
+
+def source(fleet, start=0, state=None, **trainer):
+    cfg = MegaRLConfig()
+    cfg.trainer.mode = "async"
+    cfg.data.prompts_per_step, cfg.data.use_chat_template = 2, False
+    cfg.rollout.n, cfg.rollout.max_response_tokens = 2, 20
+    for k, v in trainer.items():
+        setattr(cfg.trainer, k, v)
+    rollouts = Rollouts(cfg, sample_fn=None, tokenizer=Tokenizer())
+    return AsyncSource(cfg, rollouts, SimpleNamespace(fleet=fleet), Rewards(), Timeline(None), start, state or {})
+
+
+def no_stop():
+    pass
+
+
+def test_a_sync_pauses_requests_and_their_tokens_carry_both_versions():
+    fleet = ScriptedFleet()
+    src = source(fleet, max_staleness=1, buffer_groups=2)   # one step's groups: generation runs one step ahead
+    try:
+        first, m = src.batch(1, no_stop)
+        assert first.sample_ids == ["c1.g0.0", "c1.g0.1", "c1.g1.0", "c1.g1.1"]
+        assert all(v == [0] * 20 for v in first.token_versions) and m["async/dropped_stale"] == 0
+        time.sleep(0.05)                       # the next chunk is being generated
+        assert fleet.active
+
+        def sync():
+            assert not fleet.active            # the weights change only while no request runs
+            return {"sync/seconds": 0.0}
+
+        assert src.after_update(1, sync) == {"sync/seconds": 0.0}
+        assert fleet.resumed == 1
+        second, _ = src.batch(2, no_stop)
+        assert second.sample_ids == ["c2.g0.0", "c2.g0.1", "c2.g1.0", "c2.g1.1"]
+        for versions, tokens in zip(second.token_versions, second.response_ids):
+            assert len(versions) == len(tokens) == 20
+            runs = version_runs(versions)
+            assert [v for v, _ in runs] == [0, 1], runs   # paused mid-way: both versions, in order
+        assert version_gaps(second, 2) == [1, 1, 1, 1]
+        # the resumed requests were the paused ones, with their prefix and the remaining budget
+        resumed = fleet.calls[2]
+        assert sorted(resumed) == [("c2.g0", 0), ("c2.g0", 1), ("c2.g1", 0), ("c2.g1", 1)]
+    finally:
+        src.close()
+
+
+def test_samples_older_than_the_staleness_bound_are_dropped_and_counted():
+    fleet = ScriptedFleet()
+    src = source(fleet, max_staleness=0, buffer_groups=4)       # chunks 1 and 2 are generated together
+    try:
+        src.batch(1, no_stop)
+        deadline = time.time() + 10
+        while len(src.ready) < 2 and time.time() < deadline:   # chunk 2 finished with version 0
+            time.sleep(0.01)
+        src.after_update(1, dict)
+        second, m = src.batch(2, no_stop)
+        assert m["async/dropped_stale"] >= 2                     # chunk 2 (and chunk 3 if begun with version 0)
+        assert version_gaps(second, 2) == [0, 0, 0, 0]
+        assert not {i.split(".g")[0] for i in second.sample_ids} & {"c1", "c2"}
+    finally:
+        src.close()
+
+
+def test_the_checkpoint_state_regenerates_untrained_groups_first():
+    fleet = ScriptedFleet()
+    src = source(fleet, max_staleness=1, buffer_groups=2)
+    try:
+        src.batch(1, no_stop)
+        time.sleep(0.05)
+        src.after_update(1, dict)
+        state = src.state()
+    finally:
+        src.close()
+    assert state["cursor"] == [3, 0]
+    assert sorted(state["requeue"]) == ["c2.g0", "c2.g1"]   # in flight when the checkpoint was taken
+    again = source(ScriptedFleet(tick_s=0.001), start=1, state=state, max_staleness=1, buffer_groups=2)
+    try:
+        rollout, _ = again.batch(2, no_stop)
+        assert sorted({i.rsplit(".", 1)[0] for i in rollout.sample_ids}) == ["c2.g0", "c2.g1"]
+        assert all(v == [1] * 20 for v in rollout.token_versions)   # generated anew with the restored weights
+        third, _ = again.batch(3, no_stop)
+        assert {i.split(".g")[0] for i in third.sample_ids} == {"c3"}
+    finally:
+        again.close()
+
+
+def test_a_fleet_error_reaches_the_controller():
+    src = source(ScriptedFleet(fail=True))
+    try:
+        with pytest.raises(RuntimeError, match="rollout engine 0 died"):
+            src.batch(1, no_stop)
+    finally:
+        src.close()
+
+
+def test_a_stop_request_while_waiting_for_samples_is_raised():
+    src = source(ScriptedFleet(tick_s=1.0))
+    calls = []
+
+    def stop():
+        calls.append(1)
+        raise KeyboardInterrupt("stop")
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            src.batch(1, stop)
+        assert calls
+    finally:
+        src.close()
+
+
+def test_buffer_smaller_than_a_step_is_refused():
+    with pytest.raises(Exception, match="trainer.buffer_groups"):
+        source(ScriptedFleet(), buffer_groups=1)
+
+
+def test_rollout_select_keeps_ids_and_versions_aligned():
+    r = Rollout([[1], [2]], [[3], [4, 5]], [[-1.0], [-1.0, -2.0]], [0, 1], ["a", "b"], [False, True],
+                sample_ids=["s1.g0.0", "s1.g1.0"], token_versions=[[0], [0, 1]])
+    sub = r.select([1])
+    assert sub.sample_ids == ["s1.g1.0"] and sub.token_versions == [[0, 1]]
+    assert version_runs([0, 0, 1, 1, 1, 2]) == [[0, 2], [1, 3], [2, 1]]
+    assert threading.active_count() >= 1
