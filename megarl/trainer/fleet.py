@@ -8,6 +8,13 @@ prompts back as they finish, and ``on_done`` sees them at once (the caller score
 engines go on). Sampling seeds come with the prompts (functions of seed, step and prompt), so
 what is sampled does not depend on the number of engines or on the routing.
 
+Requests (:meth:`Fleet.generate_requests`, partial rollouts of ``trainer.mode: async``): one
+sample each, with its own prompt, seed and token budget, dealt in groups (by default, the requests
+of one prompt) the same way. A pause event stops the call: every engine is paused
+(:meth:`megarl.rollout.engine.EngineActor.pause`), returns its unfinished requests with what they
+generated so far, and stays paused until :meth:`Fleet.resume_all`, after the weight sync; the
+caller continues each from its prompt and generated prefix.
+
 Faults: an engine dies (its actor process, :class:`megarl.trainer.workers.WorkerDied`, or a vLLM
 worker process of it, :class:`megarl.rollout.vllm_engine.EngineDied`) or hangs (it reports at
 least every few seconds while busy; nothing for ``rollout.engine_timeout_s`` seconds is
@@ -25,6 +32,7 @@ another; the long tail shows as > 1; an engine given no prompt counts as idle), 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Callable, Optional
 
@@ -32,6 +40,8 @@ log = logging.getLogger("megarl")
 
 HEARTBEAT_S = 2.0
 """How often a busy engine reports at least (its progress message may be empty)."""
+PAUSE_POLL_S = 0.5
+"""How often :meth:`Fleet.generate_requests` looks at its pause event at least."""
 
 
 class EngineHung(RuntimeError):
@@ -61,27 +71,129 @@ class Fleet:
                  on_done: Optional[Callable[[list], None]] = None) -> list:
         """Per prompt, its samples (:func:`megarl.rollout.engine.samples_of`), in prompt order.
         ``on_done(pairs)`` is called with ``[(prompt index, samples), ...]`` as they finish."""
+        keys = [tuple(p) for p in prompt_ids]
+        local = {k: part for k, part in enumerate(self.router.assign([len(p) for p in prompt_ids], keys)) if part}
+        out: list = [None] * len(prompt_ids)
+
+        def launch(k: int):
+            local[k] = [i for i in local[k] if out[i] is None]
+            if not local[k]:
+                return None
+            return self.engines[k].generate_stream.options(num_returns="streaming").remote(
+                [prompt_ids[i] for i in local[k]], [seeds[i] for i in local[k]], greedy, heartbeat_s=HEARTBEAT_S)
+
+        def receive(k: int, item: dict) -> None:
+            pairs = [(local[k][j], samples) for j, samples in item["done"]]
+            for i, samples in pairs:
+                out[i] = samples
+                if not greedy:
+                    self.router.observe(keys[i], [len(s["token_ids"]) for s in samples])
+            if pairs and on_done is not None:
+                on_done(pairs)
+
+        stats, restarts, _ = self._stream(list(local), launch, receive,
+                                          unfinished=lambda k: f"{sum(out[i] is None for i in local[k])} unfinished "
+                                                               "prompt(s)")
+        missing = [i for i, o in enumerate(out) if o is None]
+        if missing:
+            raise RuntimeError(f"the rollout fleet returned no samples for {len(missing)} prompt(s), e.g. prompt "
+                               f"{missing[0]} (engine {next(k for k, p in local.items() if missing[0] in p)})")
+        self.metrics = dict(self._metrics(stats), **{"rollout/engine_restarts": restarts})
+        return out
+
+    def generate_requests(self, requests: list[dict], pause: Optional[threading.Event] = None,
+                          on_done: Optional[Callable[[list], None]] = None) -> tuple[dict, dict]:
+        """One sample per request (:meth:`megarl.rollout.engine.EngineActor.generate_requests`:
+        ``{"id", "prompt_ids", "seed", "max_tokens", "greedy"}``, ids unique; an optional
+        ``"group"``, default the prompt, keeps requests together on one engine). Returns
+        ``(done, partial)``: ``{id: sample}`` of the requests that finished, and of those that a
+        pause stopped (their tokens and log-probs so far). ``on_done(pairs)`` gets ``[(id, sample),
+        ...]`` as requests finish. ``pause``: once it is set (looked at every 0.5 s at least),
+        every engine is paused (:meth:`EngineActor.pause`), the call collects their partials and
+        returns; the engines stay paused until :meth:`resume_all`. Without a pause every request
+        ends in ``done``. Faults as :meth:`generate` (a restarted engine's unfinished requests
+        start again from their prompt); metrics (:attr:`metrics`) as :meth:`generate`."""
+        from megarl.rollout.router import lpt
+
+        ids = [q["id"] for q in requests]
+        if len(set(ids)) != len(ids):
+            twice = next(i for i in ids if ids.count(i) > 1)
+            raise ValueError(f"Fleet.generate_requests: request id {twice!r} appears {ids.count(twice)} times; "
+                             "expected unique ids")
+        # groups dealt by predicted work (LPT): the prompt once, each request's expected length within its budget
+        groups: dict = {}
+        for i, q in enumerate(requests):
+            groups.setdefault(q.get("group", tuple(q["prompt_ids"])), []).append(i)
+        keys = list(groups)
+        costs = [len(requests[groups[g][0]]["prompt_ids"]) +
+                 sum(min(requests[i]["max_tokens"], self.router.expected_response_len(g)) for i in groups[g])
+                 for g in keys]
+        local = {k: sorted(i for g in part for i in groups[keys[g]])
+                 for k, part in enumerate(lpt(costs, len(self.engines))) if part}
+        done, partial = {}, {}
+
+        def launch(k: int):
+            local[k] = [i for i in local[k] if ids[i] not in done]
+            if not local[k]:
+                return None
+            return self.engines[k].generate_requests.options(num_returns="streaming").remote(
+                [requests[i] for i in local[k]], heartbeat_s=HEARTBEAT_S)
+
+        def receive(k: int, item: dict) -> None:
+            for rid, sample in item["done"]:
+                done[rid] = sample
+            partial.update(item["partial"])
+            if item["done"] and on_done is not None:
+                on_done(item["done"])
+
+        stats, restarts, paused = self._stream(list(local), launch, receive, pause=pause,
+                                               unfinished=lambda k: f"{sum(ids[i] not in done for i in local[k])} "
+                                                                    "unfinished request(s) (from their prompts)")
+        missing = [i for i in ids if i not in done and i not in partial]
+        if missing:
+            raise RuntimeError(f"the rollout fleet returned nothing for {len(missing)} request(s), e.g. {missing[0]!r} "
+                               f"(engine {next(k for k, p in local.items() if any(ids[i] == missing[0] for i in p))})")
+        if partial and not paused:
+            raise RuntimeError(f"the rollout fleet returned {len(partial)} unfinished request(s), e.g. "
+                               f"{next(iter(partial))!r}, without a pause of this call: an engine was paused before "
+                               "it (Fleet.resume_all was not called after the last pause)")
+        for g in keys:   # a group that finished whole from its prompt tells the router its length
+            full = [done[ids[i]] for i in groups[g] if ids[i] in done and
+                    requests[i]["max_tokens"] == self.cfg.rollout.max_response_tokens and not requests[i]["greedy"]]
+            if full and len(full) == len(groups[g]):
+                self.router.observe(g, [len(s["token_ids"]) for s in full])
+        self.metrics = dict(self._metrics(stats), **{"rollout/engine_restarts": restarts})
+        return done, partial
+
+    def resume_all(self) -> None:
+        """:meth:`EngineActor.resume` on every engine (after a paused :meth:`generate_requests`
+        and the weight sync), waited for: a ``generate_requests`` sent after this returns is not
+        mistaken for paused."""
+        self.call_all("resume")
+
+    def _stream(self, engines: list[int], launch: Callable, receive: Callable, unfinished: Callable,
+                pause: Optional[threading.Event] = None) -> tuple[dict, int, bool]:
+        """Run one call's engine streams to their ends: ``launch(k)`` starts engine k's stream on
+        what it has left (None: nothing), ``receive(k, message)`` takes each message,
+        ``unfinished(k)`` words what a restart reissues. Dead and hung engines are restarted (see
+        the module docstring); ``pause`` set: every engine is paused once. Returns per engine
+        busy seconds and tokens (those of its dead streams included), the restarts, and whether
+        it paused the engines."""
         import ray
 
         from megarl.rollout.vllm_engine import EngineDied
         from megarl.trainer.workers import WorkerDied, _reason
 
-        keys = [tuple(p) for p in prompt_ids]
-        local = {k: part for k, part in enumerate(self.router.assign([len(p) for p in prompt_ids], keys)) if part}
-        out: list = [None] * len(prompt_ids)
-        streams, heard, restarts = {}, {}, 0
+        streams, heard, restarts, pausing = {}, {}, 0, False
         stats = {k: {"busy_s": 0.0, "tokens": 0} for k in range(len(self.engines))}
         carried = {k: dict(v) for k, v in stats.items()}   # what an engine's earlier (dead) streams reported
 
-        def launch(k: int) -> None:
-            todo = [i for i in local[k] if out[i] is None]
-            local[k] = todo
-            if todo:
-                streams[k] = self.engines[k].generate_stream.options(num_returns="streaming").remote(
-                    [prompt_ids[i] for i in todo], [seeds[i] for i in todo], greedy, heartbeat_s=HEARTBEAT_S)
-                heard[k] = time.monotonic()
-            else:
+        def start(k: int) -> None:
+            stream = launch(k)
+            if stream is None:
                 streams.pop(k, None)
+            else:
+                streams[k], heard[k] = stream, time.monotonic()
 
         def failed(k: int, err: Exception) -> None:
             nonlocal restarts
@@ -89,19 +201,29 @@ class Fleet:
             if self.restart is None or restarts >= limit:
                 raise err
             restarts += 1
-            unfinished = sum(out[i] is None for i in local[k])
             log.warning(f"{err} - restarting it ({restarts} of rollout.engine_restarts={limit} this call) and "
-                        f"reissuing its {unfinished} unfinished prompt(s)")
+                        f"reissuing its {unfinished(k)}")
             carried[k] = dict(stats[k])
             self.engines[k], self.infos[k] = self.restart(k)
-            launch(k)
+            if pausing:   # it stops at once, its requests partial
+                self.engines[k].pause.remote()
+            start(k)
 
-        for k in local:
-            launch(k)
+        def look_at_pause() -> None:
+            nonlocal pausing
+            if pause is not None and not pausing and pause.is_set():
+                pausing = True
+                for e in self.engines:   # not waited for: each stream's end is the answer
+                    e.pause.remote()
+
+        for k in engines:
+            start(k)
         timeout = self.cfg.rollout.engine_timeout_s
+        poll = min(1.0 if pause is None else PAUSE_POLL_S, timeout)
         while streams:
+            look_at_pause()
             gens = list(streams.items())
-            ready, _ = ray.wait([g for _, g in gens], num_returns=1, timeout=min(1.0, timeout))
+            ready, _ = ray.wait([g for _, g in gens], num_returns=1, timeout=poll)
             for k, g in gens:
                 if not any(r is g for r in ready) or streams.get(k) is not g:
                     continue
@@ -119,23 +241,13 @@ class Fleet:
                 heard[k] = time.monotonic()
                 stats[k] = {"busy_s": carried[k]["busy_s"] + item["busy_s"],
                             "tokens": carried[k]["tokens"] + item["tokens"]}
-                pairs = [(local[k][j], samples) for j, samples in item["done"]]
-                for i, samples in pairs:
-                    out[i] = samples
-                    if not greedy:
-                        self.router.observe(keys[i], [len(s["token_ids"]) for s in samples])
-                if pairs and on_done is not None:
-                    on_done(pairs)
+                receive(k, item)
+                look_at_pause()   # also between messages: receive runs the caller's on_done
             now = time.monotonic()
             for k in [k for k in streams if now - heard[k] > timeout]:
                 failed(k, EngineHung(f"{self.name(k)} reported no progress for {now - heard[k]:.0f} s during "
                                      f"generate (rollout.engine_timeout_s={timeout:g}): it is hung"))
-        missing = [i for i, o in enumerate(out) if o is None]
-        if missing:
-            raise RuntimeError(f"the rollout fleet returned no samples for {len(missing)} prompt(s), e.g. prompt "
-                               f"{missing[0]} (engine {next(k for k, p in local.items() if missing[0] in p)})")
-        self.metrics = dict(self._metrics(stats), **{"rollout/engine_restarts": restarts})
-        return out
+        return stats, restarts, pausing
 
     def _metrics(self, stats: dict) -> dict:
         from megarl.rollout.router import busy_ratio

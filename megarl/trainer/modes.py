@@ -257,7 +257,7 @@ class AsyncSource(OnPolicy):
             for j, s in enumerate(g.samples):
                 if not s["done"]:
                     have = len(s["token_ids"])
-                    out.append({"id": (gid, j), "prompt_ids": g.prompt_ids + s["token_ids"],
+                    out.append({"id": (gid, j), "group": gid, "prompt_ids": g.prompt_ids + s["token_ids"],
                                 "max_tokens": r.max_response_tokens - have, "greedy": False,
                                 "seed": ((self.cfg.trainer.seed * 1_000_003 + chunk * 1009 + i) * 64 + j) * 4099 + have})
         return out

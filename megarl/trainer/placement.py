@@ -76,7 +76,7 @@ class Placement:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from megarl import faults
-        from megarl.rollout.engine import EngineActor
+        from megarl.rollout.engine import engine_actor_class
         from megarl.trainer.worker import HybridWorker
 
         world, r = cfg.topology.world_size, cfg.rollout
@@ -114,6 +114,7 @@ class Placement:
         gpu_ids = ray.get([w.gpu_ids.remote() for w in self.workers]) if kind == "GPU" and not split else None
         # CPU: the host's cores split evenly over every vLLM TP rank of the fleet
         per_rank = max(1, cores // (r.dp * r.tp))
+        engine_actor = engine_actor_class()   # pause/resume in a concurrency group of their own
 
         def start_engine(k: int):
             if split:
@@ -122,8 +123,8 @@ class Placement:
             else:
                 where = dict(scheduling_strategy=on(order[k * r.tp]), num_cpus=0)
             devices = range(k * r.tp, (k + 1) * r.tp)
-            return ray.remote(EngineActor).options(runtime_env={"env_vars": {"OMP_NUM_THREADS": str(per_rank)}},
-                                                   **where).remote(
+            return engine_actor.options(runtime_env={"env_vars": {"OMP_NUM_THREADS": str(per_rank)}},
+                                        **where).remote(
                 cfg, k, cores=((k * r.tp * per_rank) % cores, r.tp * per_rank) if kind == "CPU" else None,
                 gpu_ids=[g for d in devices for g in gpu_ids[d]] if gpu_ids else None,
                 log_file=log_file(f"engine_{k}"))

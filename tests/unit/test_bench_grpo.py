@@ -40,7 +40,7 @@ def run_dir(tmp_path):
 def test_row_skips_step_one_and_counts_all_tokens(run_dir):
     row = bench_grpo.summarise(run_dir, gpu=None, recipe="configs/quickstart.yaml")
     assert row["steady_steps"] == "2-3" and row["steps"] == 3
-    assert (row["device"], row["gpus"], row["mode"]) == ("cpu", 2, "on-policy")   # CPU: the training ranks
+    assert (row["device"], row["gpus"], row["mode"]) == ("cpu", 2, "on_policy")   # CPU: the training ranks
     assert row["step_s"] == pytest.approx(7.0)
     assert row["tokens_per_step"] == pytest.approx(3100)
     assert row["tokens_per_s_per_gpu"] == pytest.approx(6200 / 14 / 2)
@@ -82,4 +82,4 @@ def test_results_are_appended_and_tabulated(run_dir, tmp_path):
     header = next(i for i, line in enumerate(table) if line.startswith("| date"))
     assert table[header].split(" | ")[4:8] == ["GPUs", "mode", "steps averaged", "step s"]
     body = table[header + 2:]
-    assert len(body) == 2 and all("| 2 | on-policy | 2-3 | 7.0 |" in line and "| n/a | n/a |" in line for line in body)
+    assert len(body) == 2 and all("| 2 | on_policy | 2-3 | 7.0 |" in line and "| n/a | n/a |" in line for line in body)

@@ -79,6 +79,13 @@ def test_section_rules():
     assert error_of(["rollout.placement=split", "trainer.offload_train_state=true"]) == (
         "invalid value for config key 'trainer.offload_train_state': got True, expected false with "
         "rollout.placement='split' (training and rollout do not share devices: nothing to make room for)")
+    assert error_of(["trainer.mode=one_step_off", "trainer.offload_train_state=true"]) == (
+        "invalid value for config key 'trainer.offload_train_state': got True, expected false with "
+        "trainer.mode='one_step_off' (the engines generate while Megatron trains: its state stays on the devices)")
+    assert error_of(["rollout.weight_noise_std=0.1", "bridge.verify=true"]).startswith(
+        "invalid value for config key 'rollout.weight_noise_std': got 0.1, expected 0 with bridge.verify=true")
+    assert error_of(["trainer.max_staleness=-1"]) == \
+        "invalid value for config key 'trainer.max_staleness': got -1, expected a non-negative number"
     assert error_of(["algorithm.value_clip=0"]) == \
         "invalid value for config key 'algorithm.value_clip': got 0.0, expected null or a number > 0"
 
