@@ -17,9 +17,10 @@ recipe and seeds):
   the scheduling right, one_step_off's step time is near the max, on_policy's near the sum.
 
 Usage:
-    python perf/bench_modes.py quickstart [--steps 12] [--modes on_policy,one_step_off]
+    python perf/bench_modes.py quickstart [--steps 12] [--modes on_policy:4,one_step_off:10]
     python perf/bench_modes.py split [--steps 6] [--delay 0.05] [--modes on_policy,one_step_off,async]
-Writes perf/results/modes_<experiment>_cpu_<date>.md (``--out``) and prints the table.
+``--modes``: comma-separated modes, each optionally ``:steps`` (default ``--steps``). Writes
+perf/results/modes_<experiment>_cpu_<date>.md (``--out``) and prints the table.
 """
 from __future__ import annotations
 
@@ -116,8 +117,9 @@ def main(argv=None) -> None:
         runs.mkdir(parents=True, exist_ok=True)
         recipe, steps, extra = tiny_recipe(runs / "recipe.yaml", model, args.delay), args.steps or 6, []
     results = []
-    for mode in args.modes.split(","):
-        rows = run_mode(recipe, mode, steps, runs / mode, extra)
+    for item in args.modes.split(","):
+        mode, _, n = item.partition(":")
+        rows = run_mode(recipe, mode, int(n) if n else steps, runs / mode, extra)
         results.append(summarise(mode, rows))
         print(table(results[-1:]), flush=True)
     text = table(results)
@@ -126,7 +128,7 @@ def main(argv=None) -> None:
             f"({os.cpu_count()} cores, CPU only). Seconds are per step, averaged over steps >= 2; "
             "generate_s / train_s are the union of the engines' / the training ranks' busy time "
             "(timeline), max_s and sum_s their max and sum; reward_first / reward_last: mean reward "
-            "of the first / last 5 steps.\n\n" + text + "\n")
+            "of the first / last 5 steps (half the steps when fewer than 10).\n\n" + text + "\n")
     out = Path(args.out) if args.out else ROOT / "perf" / "results" / f"modes_{args.experiment}_cpu_{stamp}.md"
     out.write_text(note)
     print(text)
