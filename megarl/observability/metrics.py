@@ -76,11 +76,7 @@ class MetricsLogger:
         self._t0 = time.time()
 
     def _truncate_from(self, step: int):
-        keep = [line for line in self.jsonl_path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] < step]
-        tmp = self.jsonl_path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, self.jsonl_path)
+        keep_steps_before(self.jsonl_path, read_jsonl(self.jsonl_path), step)
 
     def log(self, step: int, metrics: dict[str, float]):
         clean = {}
@@ -158,3 +154,15 @@ class MetricsLogger:
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def keep_steps_before(path: str | os.PathLike, rows: list[dict], step: int) -> list[dict]:
+    """Rewrite the per-step JSON-lines file ``path`` (its ``rows``, as read) with the rows of steps
+    before ``step`` only, atomically: a run resumed at ``step`` writes the later ones again, and
+    a file never holds a step twice. Returns the rows kept."""
+    path = Path(path)
+    kept = [r for r in rows if r["step"] < step]
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+    return kept

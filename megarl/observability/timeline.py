@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from megarl.observability.metrics import keep_steps_before
+
 ENGINE_PREFIX = "engine"
 """Lanes named ``engine*`` are rollout engines (``timeline/generate_s``)."""
 RANK_PREFIX = "rank"
@@ -108,10 +110,7 @@ class Timeline:
         if self.path is not None and self.path.exists():
             rows = read_timeline(self.path)
             if resume_step is not None:
-                rows = [r for r in rows if r["step"] < resume_step]
-                tmp = self.path.with_suffix(".jsonl.tmp")
-                tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-                os.replace(tmp, self.path)
+                rows = keep_steps_before(self.path, rows, resume_step)
             self.t0 -= max((r["end"] for r in rows), default=0.0)
 
     def record(self, lane: str, phase: str, start: float, end: float) -> None:

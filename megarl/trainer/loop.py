@@ -108,6 +108,7 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
             log.progress_line(step, name, **fields)
 
         def run_step(step: int, m: dict) -> None:
+            nonlocal window_start
             timer = PhaseTimer()
             phase(step, "generate")
             rollout, m_gen = source.batch(step, lambda: stop.abandon_if_requested(m))   # times itself
@@ -158,15 +159,15 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
             m.update(source.after_update(step, sync))
             m.update(timer.pop())
             now = time.monotonic()
-            m.update(timeline.step_metrics(step, window[0], now))
-            window[0] = now
+            m.update(timeline.step_metrics(step, window_start, now))
+            window_start = now
             m["throughput/tokens_per_s"] = sum(rollout.lengths()) / max(1e-9, sum(
                 v for k, v in m.items() if k.startswith("time/")))
             m["actor/kl_coef"] = kl_ctl.value
             m.update(gpu_stats())
 
         stop.last_step = start
-        window = [time.monotonic()]   # the current step's timeline window starts where the last one ended
+        window_start = time.monotonic()   # a step's timeline window starts where the last one ended
         for step in range(start + 1, cfg.trainer.steps + 1):
             if stop.requested:                                 # safe point between steps
                 break

@@ -87,11 +87,11 @@ class SampleLog:
     step are dropped (the file never holds a step twice)."""
 
     def __init__(self, run_dir: Path, resume_step: int):
+        from megarl.observability.metrics import keep_steps_before, read_jsonl
+
         self.path = Path(run_dir) / "samples.jsonl"
         if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] < resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            keep_steps_before(self.path, read_jsonl(self.path), resume_step)
 
     def write(self, step: int, rollout: Rollout, train_lp: list) -> None:
         samples = []
@@ -190,10 +190,12 @@ class OneStepOff(OnPolicy):
 
 
 class _Group:
-    """A prompt group of the async producer: its prompt and its samples' progress."""
+    """A prompt group of the async producer: prompt ``index`` of ``chunk`` (its id
+    ``c<chunk>.g<index>``), and its samples' progress."""
 
-    def __init__(self, gid: str, record, prompt_ids: list[int], n: int):
-        self.gid, self.record, self.prompt_ids = gid, record, prompt_ids
+    def __init__(self, chunk: int, index: int, record, prompt_ids: list[int], n: int):
+        self.chunk, self.index, self.gid = chunk, index, f"c{chunk}.g{index}"
+        self.record, self.prompt_ids = record, prompt_ids
         self.samples = [{"token_ids": [], "logprobs": [], "versions": [], "done": False, "clipped": False}
                         for _ in range(n)]
         self.rewards: list[float] = []
@@ -241,25 +243,23 @@ class AsyncSource(OnPolicy):
         per_step = self.cfg.data.prompts_per_step
         while len(self.groups) + len(self.ready) < self.capacity:
             if self.requeue:
-                gid = self.requeue.popleft()
-                chunk, i = (int(x) for x in gid[1:].split(".g"))
+                chunk, i = (int(x) for x in self.requeue.popleft()[1:].split(".g"))   # c<chunk>.g<i>
             else:
                 chunk, i = self.cursor
-                gid = f"c{chunk}.g{i}"
                 self.cursor = [chunk + 1, 0] if i + 1 == per_step else [chunk, i + 1]
             record = self._records(chunk)[i]
-            self.groups[gid] = _Group(gid, record, self.rollouts.encode([record])[0], self.cfg.rollout.n)
+            g = _Group(chunk, i, record, self.rollouts.encode([record])[0], self.cfg.rollout.n)
+            self.groups[g.gid] = g
 
     def _requests(self) -> list[dict]:
         r, out = self.cfg.rollout, []
         for gid, g in self.groups.items():
-            chunk, i = (int(x) for x in gid[1:].split(".g"))
             for j, s in enumerate(g.samples):
                 if not s["done"]:
                     have = len(s["token_ids"])
+                    seed = ((self.cfg.trainer.seed * 1_000_003 + g.chunk * 1009 + g.index) * 64 + j) * 4099 + have
                     out.append({"id": (gid, j), "group": gid, "prompt_ids": g.prompt_ids + s["token_ids"],
-                                "max_tokens": r.max_response_tokens - have, "greedy": False,
-                                "seed": ((self.cfg.trainer.seed * 1_000_003 + chunk * 1009 + i) * 64 + j) * 4099 + have})
+                                "max_tokens": r.max_response_tokens - have, "greedy": False, "seed": seed})
         return out
 
     def _extend(self, rid, sample: dict, done: bool) -> None:
@@ -337,41 +337,30 @@ class AsyncSource(OnPolicy):
         dropped, t0 = 0, time.perf_counter()
         while len(taken) < per_step:
             with self.lock:
-                while not self.ready and self.error is None:
-                    self.lock.wait(POLL_S)
-                    if not self.ready:
-                        self.lock.release()
-                        try:
-                            check_stop()
-                        finally:
-                            self.lock.acquire()
+                self.lock.wait_for(lambda: self.ready or self.error is not None, timeout=POLL_S)
                 self._raise_error()
-                g = self.ready.popleft()
+                g = self.ready.popleft() if self.ready else None
                 buffered = len(self.ready)
                 self.lock.notify_all()
+            if g is None:   # nothing finished yet: a stop request is honoured while waiting
+                check_stop()
+                continue
             if step - 1 - g.oldest() > bound:
                 dropped += 1
                 continue
             taken.append(g)
         self.counts["dropped_stale"] += dropped
-        rollout = Rollout([], [], [], [], [], [])
-        for k, g in enumerate(taken):
-            for j, s in enumerate(g.samples):
-                rollout.prompt_ids.append(list(g.prompt_ids))
-                rollout.response_ids.append(s["token_ids"])
-                rollout.sample_logprobs.append(s["logprobs"])
-                rollout.group_ids.append(k)
-                rollout.answers.append(g.record.answer)
-                rollout.clipped.append(s["clipped"])
-                rollout.extras.append({"data_source": g.record.data_source, **g.record.extra})
-                rollout.rewards.append(g.rewards[j])
-                rollout.sample_ids.append(f"{g.gid}.{j}")
-                rollout.token_versions.append(list(s["versions"]))
+        rollout = Rollout.from_generations([g.prompt_ids for g in taken], [g.record.answer for g in taken],
+                                           [g.samples for g in taken],
+                                           [{"data_source": g.record.data_source, **g.record.extra} for g in taken])
+        rollout.rewards = [r for g in taken for r in g.rewards]
+        rollout.sample_ids = [f"{g.gid}.{j}" for g in taken for j in range(len(g.samples))]
+        rollout.token_versions = [list(s["versions"]) for g in taken for s in g.samples]
         from megarl.trainer.rollout import _sample_metrics
 
-        self.rollouts._counts = [self.counts["score_errors"], self.counts["score_timeouts"]]
         m = self.rollouts.score(rollout, self.rewards)   # scored already: overlong shaping and metrics
-        m.update(_sample_metrics(rollout))
+        m.update(_sample_metrics(rollout), **{"reward/errors": self.counts["score_errors"],
+                                              "reward/timeouts": self.counts["score_timeouts"]})
         m.update({"time/generate_s": time.perf_counter() - t0, "rollout/num_samples": len(rollout),
                   "async/dropped_stale": dropped, "async/dropped_stale_total": self.counts["dropped_stale"],
                   "async/dropped_uninformative_total": self.counts["dropped_uninformative"],
