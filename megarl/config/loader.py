@@ -277,6 +277,11 @@ def cross_validate(cfg: MegaRLConfig) -> None:
     if hf is None:
         return
     dims = ModelDims.from_hf(hf)
+    if (cfg.algorithm.router_replay != "off" or cfg.rollout.return_routing) and not dims.num_experts:
+        key, value = (("algorithm.router_replay", cfg.algorithm.router_replay) if cfg.algorithm.router_replay != "off"
+                      else ("rollout.return_routing", True))
+        raise invalid_value(key, value, f"{'off' if key.startswith('algorithm') else 'false'} for model {path}: it "
+                            "has no MoE layer (no router whose routing could be returned or replayed)")
     try:
         cfg.topology.to_topology().check_model(dims)
     except TopologyError as err:

@@ -12,6 +12,7 @@ Each section validates its own values in ``validate()`` by raising
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -145,6 +146,15 @@ class RolloutConfig:
     """Tests: after every weight sync, each loaded tensor gets Gaussian noise of this std times
     its own RMS, so the rollout policy differs from the trained one (the rollout-training
     mismatch that algorithm.rollout_correction corrects); 0 off."""
+    weight_noise_match: str = ""
+    """Tests: with weight_noise_std, only the loaded tensors whose vLLM name matches this regular
+    expression get noise (e.g. 'mlp.gate.weight': the MoE routers only, so rollout and training
+    route tokens differently); empty: every tensor."""
+    return_routing: bool = False
+    """MoE models: vLLM returns, with every sample, the experts it routed each prompt and response
+    token to in every MoE layer (``routed_experts``, [tokens, MoE layers, top-k]); the routing
+    metrics (routing/*) then compare it with the trainer's own routing every step. Implied by
+    algorithm.router_replay='r3'."""
 
     def validate(self):
         _positive(self, "dp", "tp", "ep", "n", "max_prompt_tokens", "max_response_tokens", "kv_cache_gib",
@@ -163,6 +173,12 @@ class RolloutConfig:
         if self.sleep_level not in (0, 1, 2):
             raise ConfigValueError("sleep_level", self.sleep_level, "0 (off), 1 or 2")
         _positive(self, "delay_per_token_s", "weight_noise_std", allow_zero=True)
+        if self.weight_noise_match:
+            try:
+                re.compile(self.weight_noise_match)
+            except re.error as err:
+                raise ConfigValueError("weight_noise_match", self.weight_noise_match,
+                                       f"a Python regular expression ({err})") from None
 
 
 @dataclass
@@ -241,6 +257,15 @@ class AlgorithmConfig:
     """mask and icepop: the band's lower end."""
     correction_high: float = 2.0
     """mask and icepop: the band's upper end."""
+    router_replay: Literal["off", "r2", "r3"] = "off"
+    """MoE models: which routing the trainer's MoE layers use (megarl/engine/replay.py). off: their
+    own (top-k of the router's scores). r2: the old log-prob pass records the trainer's own
+    routing and the training passes replay it (the routing stays fixed while the weights move
+    within a step). r3 (rollout routing replay): vLLM returns the experts it routed every prompt
+    and response token to (rollout.return_routing), they travel with the tokens, and the old
+    log-prob and training passes replay them, so training uses exactly the rollout's experts; the
+    probabilities stay the trainer's (gathered from its router scores, so the router still
+    learns). A dense model is refused at load time."""
 
     def validate(self):
         _positive(self, "clip_low", "clip_high", "ppo_epochs", "mini_batches", "max_sampling_tries")
