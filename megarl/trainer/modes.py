@@ -268,6 +268,10 @@ class AsyncSource(OnPolicy):
         s["logprobs"] += sample["logprobs"]
         s["versions"] += [self.version] * len(sample["token_ids"])
         s["done"], s["clipped"] = done, sample["clipped"]
+        if "routed_experts" in sample:
+            # the request's prompt was the group's prompt + the sample's earlier tokens: its routing
+            # covers the whole sample ([len(prompt) + len(all tokens), ...]) and replaces the earlier
+            s["routed_experts"] = sample["routed_experts"]
 
     def _on_done(self, pairs: list) -> None:
         finished = []
