@@ -51,6 +51,11 @@ class SequenceBatch:
     extras: dict = field(default_factory=dict)
     num_global_tokens: Optional[int] = None
     num_global_sequences: Optional[int] = None
+    routing: Optional[list] = None
+    """MoE models: per sequence, an integer tensor ``[L, Lm, K]``: the experts each of its tokens
+    was routed to in each MoE layer (the rollout engine's routing, or the trainer's own recorded
+    one; -1 rows: unknown, the layer routes that token itself). :mod:`megarl.engine.replay`
+    compares it with, or replays it in, the model's routing."""
 
     def __post_init__(self):
         if len(self.input_ids) != len(self.prompt_lengths) or not self.input_ids:
@@ -60,6 +65,15 @@ class SequenceBatch:
             if ids.dim() != 1 or not 1 <= p < ids.numel():
                 raise ValueError(f"SequenceBatch: sequence {i} has {ids.numel()} tokens and prompt_length "
                                  f"{p}; expected 1 <= prompt_length < length (a non-empty response)")
+        if self.routing is not None:
+            if len(self.routing) != len(self.input_ids):
+                raise ValueError(f"SequenceBatch: routing for {len(self.routing)} sequences, expected "
+                                 f"{len(self.input_ids)}")
+            for i, (ids, r) in enumerate(zip(self.input_ids, self.routing)):
+                if r.dim() != 3 or r.shape[0] != ids.numel() or r.shape[1:] != self.routing[0].shape[1:]:
+                    raise ValueError(f"SequenceBatch: sequence {i} has {ids.numel()} tokens and routing of shape "
+                                     f"{tuple(r.shape)}; expected [{ids.numel()}, MoE layers, top-k], the same "
+                                     "layers and top-k for every sequence")
 
     @property
     def response_lengths(self) -> list[int]:
@@ -95,6 +109,10 @@ class PackedMicroBatch:
     cu_seqlens_padded_N1: torch.Tensor
     padding_mask_1T: torch.Tensor
     """True at alignment padding (kept out of MoE routing, aux and z losses)."""
+    routing_T: Optional[torch.Tensor] = None
+    """``batch.routing`` packed like the tokens, ``[T, Lm, K]`` int64 (-1 at padding)."""
+    index: int = 0
+    """Position of this micro-batch in the call (the replayer keeps per-micro-batch state)."""
 
     @property
     def num_packed_tokens(self) -> int:
@@ -114,9 +132,14 @@ def pack_micro_batch(batch: SequenceBatch, tp: int, cp: int, cp_rank: int, sp: b
     valid = pack_sequences([torch.ones(ids.numel(), dtype=torch.bool) for ids in seqs], tp=align_tp, cp=cp,
                            cp_rank=cp_rank, pad_value=False)
     params = PackedSeqParams(**packed_seq_params_kwargs(tok))
+    routing = None
+    if batch.routing is not None:
+        routing = pack_sequences([r.to(torch.int64) for r in batch.routing], tp=align_tp, cp=cp, cp_rank=cp_rank,
+                                 pad_value=-1).tokens_T
     return PackedMicroBatch(batch=batch, tokens_1T=tok.tokens_T[None], position_ids_1T=tok.position_ids_T[None],
                             labels_T=lab.tokens_T, packed_seq_params=params, cu_seqlens_N1=tok.cu_seqlens_N1,
-                            cu_seqlens_padded_N1=tok.cu_seqlens_padded_N1, padding_mask_1T=~valid.tokens_T[None])
+                            cu_seqlens_padded_N1=tok.cu_seqlens_padded_N1, padding_mask_1T=~valid.tokens_T[None],
+                            routing_T=routing)
 
 
 def vocab_parallel_logprobs(logits_TV: torch.Tensor, labels_T: torch.Tensor, tp_group,

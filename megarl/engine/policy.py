@@ -46,6 +46,7 @@ from megarl.engine.export import export_hf_weights, local_shards
 from megarl.engine.logprobs import PackedMicroBatch, SequenceBatch, pack_micro_batch, response_logprobs
 from megarl.engine.moe_stats import MoEStats
 from megarl.engine.offload import Offloader
+from megarl.engine.replay import RouterReplayer
 from megarl.engine.value import response_values
 from megarl.models.dims import check_model_layout
 from megarl.parallel.groups import ParallelGroups
@@ -105,6 +106,11 @@ class LogprobOutput:
     logprobs_R: torch.Tensor
     entropy_R: Optional[torch.Tensor]
     cu_seqlens_N1: torch.Tensor
+    routing_miss_R: Optional[torch.Tensor] = None
+    """routing ``compare`` / ``replay``: per response token, the MoE layers whose own routing
+    differed from the given one (:meth:`RouterReplayer.token_misses`)."""
+    routing: Optional[list] = None
+    """routing ``record``: per sequence, the routing the layers chose ``[L, Lm, K]``."""
 
 
 class PolicyEngine:
@@ -124,6 +130,9 @@ class PolicyEngine:
                                              distributed_optimizer=self.distributed_optimizer)
         self.config = self.model.config
         self.moe = MoEStats(self.model.modules, self.config, groups)
+        self.router = RouterReplayer(self.model.modules, self.config, groups)
+        self.routing_report: dict = {}
+        """The last call's :meth:`RouterReplayer.report` (MoE models, with a routing action)."""
         self.step_count = 0
         self.optimizer = None
         if trainable:
@@ -157,13 +166,20 @@ class PolicyEngine:
 
         g, topo = self.groups, self.groups.topology
         packed = [pack_micro_batch(b, topo.tp, topo.cp, g.cp_rank, topo.sp) for b in micro_batches]
+        for i, mb in enumerate(packed):
+            mb.index = i
+        self._packed = packed
 
         moe = bool(self.config.num_moe_experts)
 
         def forward_step(data_iterator: Iterator[PackedMicroBatch], model):
             mb = next(data_iterator)
             kwargs = {"padding_mask": self._padding_mask(mb, model)} if moe else {}
-            out = model(mb.tokens_1T, mb.position_ids_1T, None, packed_seq_params=mb.packed_seq_params, **kwargs)
+            self.router.begin(mb)
+            try:
+                out = model(mb.tokens_1T, mb.position_ids_1T, None, packed_seq_params=mb.packed_seq_params, **kwargs)
+            finally:
+                self.router.end()
             return out, partial(loss_func, mb)
 
         chunks = self.model.chunks
@@ -207,9 +223,15 @@ class PolicyEngine:
 
     # ---------------------------------------------------------------- public API
     @torch.no_grad()
-    def forward_logprobs(self, micro_batches, with_entropy: bool = False) -> list[LogprobOutput]:
+    def forward_logprobs(self, micro_batches, with_entropy: bool = False,
+                         routing: Optional[str] = None) -> list[LogprobOutput]:
         """Response-token log-probs (and entropy) of each micro-batch, on every rank (a critic:
-        its values, in ``logprobs_R``; see :meth:`forward_values`)."""
+        its values, in ``logprobs_R``; see :meth:`forward_values`).
+
+        MoE models, ``routing`` (:mod:`megarl.engine.replay`): ``compare`` the layers' own routing
+        with the micro-batches' ``routing``, ``replay`` it (compared first), or ``record`` the
+        layers' own (:attr:`LogprobOutput.routing`); :attr:`routing_report` then holds the
+        agreement."""
         micro_batches = self._check_micro_batches(micro_batches)
         for c in self.model.chunks:
             c.eval()
@@ -219,9 +241,21 @@ class PolicyEngine:
             return torch.zeros(()), {"logprobs": logprobs_R, "entropy": entropy_R}
 
         self.moe.reset()
+        self.router.start(routing, "logprob")
         outs = self._run(micro_batches, loss_func, forward_only=True)
         outs = self._from_last_stage([(o["logprobs"], o["entropy"]) for o in outs] if outs else None)
-        return [LogprobOutput(lp, ent, b.cu_seqlens_N1) for (lp, ent), b in zip(outs, micro_batches)]
+        result = [LogprobOutput(lp, ent, b.cu_seqlens_N1) for (lp, ent), b in zip(outs, micro_batches)]
+        self.routing_report = {}
+        if self.router.action in ("compare", "replay"):
+            for out, miss in zip(result, self.router.token_misses(self._packed)):
+                out.routing_miss_R = miss
+        if self.router.action == "record":
+            for out, own in zip(result, self.router.recorded(self._packed)):
+                out.routing = own
+        if self.router.action is not None:
+            self.routing_report = self.router.report()
+        self.router.start(None, "logprob")
+        return result
 
     @torch.no_grad()
     def forward_values(self, micro_batches) -> list[torch.Tensor]:
@@ -230,9 +264,13 @@ class PolicyEngine:
             raise RuntimeError("forward_values on a policy engine; build it with ModelOptions(value_head=True)")
         return [o.logprobs_R for o in self.forward_logprobs(micro_batches)]
 
-    def train_step(self, micro_batches, loss_fn: Callable, with_entropy: bool = False) -> dict:
+    def train_step(self, micro_batches, loss_fn: Callable, with_entropy: bool = False,
+                   replay_routing: bool = False) -> dict:
         """One optimizer step over ``micro_batches`` (gradient accumulation); see the module doc.
         For a critic, ``loss_fn`` gets the values ``[R]`` in place of the log-probs.
+        ``replay_routing`` (MoE): the MoE layers use the micro-batches' ``routing``
+        (:mod:`megarl.engine.replay`; also in activation recomputes); the result then has
+        ``routing_replayed`` and ``routing_replay_mismatch`` (token-layers; 0 expected).
 
         Returns ``loss`` (summed over micro-batches and DP), ``grad_norm`` (before clipping),
         ``lr``, ``update_successful``, token counts and the averaged ``loss_fn`` metrics, plus MoE
@@ -270,8 +308,15 @@ class PolicyEngine:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.moe.reset()
+        self.router.start("replay" if replay_routing else None, "train")
         outs = self._run(micro_batches, loss_func, forward_only=False)
         result = self._reduce_reports(outs, len(micro_batches))
+        if self.router.action is not None:
+            self.router.check_drained()
+            report = self.router.report()
+            result.update(routing_replayed=report["routing_replayed"],
+                          routing_replay_mismatch=report["routing_replay_mismatch"])
+        self.router.start(None, "train")
         lr = self.optim.lr_at(self.step_count)
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
