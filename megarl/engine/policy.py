@@ -224,14 +224,16 @@ class PolicyEngine:
     # ---------------------------------------------------------------- public API
     @torch.no_grad()
     def forward_logprobs(self, micro_batches, with_entropy: bool = False,
-                         routing: Optional[str] = None) -> list[LogprobOutput]:
+                         routing: Optional[str] = None, record_routing: bool = False) -> list[LogprobOutput]:
         """Response-token log-probs (and entropy) of each micro-batch, on every rank (a critic:
         its values, in ``logprobs_R``; see :meth:`forward_values`).
 
-        MoE models, ``routing`` (:mod:`megarl.engine.replay`): ``compare`` the layers' own routing
-        with the micro-batches' ``routing``, ``replay`` it (compared first), or ``record`` the
-        layers' own (:attr:`LogprobOutput.routing`); :attr:`routing_report` then holds the
-        agreement."""
+        MoE models (:mod:`megarl.engine.replay`): ``routing`` ``compare`` the layers' own routing
+        with the micro-batches' ``routing`` or ``replay`` it (compared first; :attr:`routing_report`
+        then holds the agreement); ``record_routing``: return the layers' own routing
+        (:attr:`LogprobOutput.routing`); ``routing="record"`` is short for that alone."""
+        if routing == "record":
+            routing, record_routing = None, True
         micro_batches = self._check_micro_batches(micro_batches)
         for c in self.model.chunks:
             c.eval()
@@ -241,7 +243,7 @@ class PolicyEngine:
             return torch.zeros(()), {"logprobs": logprobs_R, "entropy": entropy_R}
 
         self.moe.reset()
-        self.router.start(routing, "logprob")
+        self.router.start(routing, "logprob", record=record_routing)
         outs = self._run(micro_batches, loss_func, forward_only=True)
         outs = self._from_last_stage([(o["logprobs"], o["entropy"]) for o in outs] if outs else None)
         result = [LogprobOutput(lp, ent, b.cu_seqlens_N1) for (lp, ent), b in zip(outs, micro_batches)]
@@ -249,7 +251,7 @@ class PolicyEngine:
         if self.router.action in ("compare", "replay"):
             for out, miss in zip(result, self.router.token_misses(self._packed)):
                 out.routing_miss_R = miss
-        if self.router.action == "record":
+        if self.router.record:
             for out, own in zip(result, self.router.recorded(self._packed)):
                 out.routing = own
         if self.router.action is not None:

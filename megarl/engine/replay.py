@@ -54,7 +54,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-ACTIONS = ("compare", "replay", "record")
+ACTIONS = ("compare", "replay")
 
 
 def moe_layer_numbers(config) -> list[int]:
@@ -86,7 +86,7 @@ class RouterReplayer:
         self.top_k = config.moe_router_topk
         self.fused = bool(getattr(config, "moe_router_fusion", False))
         self.action: Optional[str] = None
-        self._reset_call(None, None)
+        self._reset_call(None, None, False)
         for module in modules:
             for sub in module.modules():
                 if isinstance(sub, TopKRouter):
@@ -95,8 +95,8 @@ class RouterReplayer:
                     sub.register_forward_hook(self._check_routing_map)
 
     # ------------------------------------------------------------------ one engine call
-    def _reset_call(self, action, phase) -> None:
-        self.action, self.phase = action, phase
+    def _reset_call(self, action, phase, record: bool) -> None:
+        self.action, self.phase, self.record = action, phase, record
         n = len(self.moe_layers)
         self.agree_L = torch.zeros(n, dtype=torch.float64)
         self.valid_L = torch.zeros(n, dtype=torch.float64)
@@ -108,29 +108,32 @@ class RouterReplayer:
         self.targets: Optional[torch.Tensor] = None
         self.last: dict[int, tuple] = {}
 
-    def start(self, action: Optional[str], phase: str) -> None:
-        """Before an engine call: ``action`` is None (the layers route themselves, nothing
-        measured), ``compare`` (measure agreement with the micro-batches' routing), ``replay``
-        (compare, then use it) or ``record`` (keep the layers' own routing, :meth:`recorded`);
+    def start(self, action: Optional[str], phase: str, record: bool = False) -> None:
+        """Before an engine call: ``action`` is None (the layers route themselves), ``compare``
+        (measure agreement with the micro-batches' routing) or ``replay`` (compare, then use it);
+        ``record``: keep the layers' own routing (:meth:`recorded`; forward-only calls);
         ``phase``: ``logprob`` (forward only) or ``train``."""
         if action is not None and action not in ACTIONS:
             raise ValueError(f"RouterReplayer.start: action={action!r}, expected None or one of {ACTIONS}")
         if action == "replay" and self.fused:
             raise ValueError("routing replay needs megatron's unfused router (moe_router_fusion=False): the fused "
                              "TE router never asks for replayed experts")
-        self._reset_call(action if self.moe_layers else None, phase)
+        if record and phase != "logprob":
+            raise ValueError("RouterReplayer.start: record=True is for forward-only (logprob) calls")
+        self._reset_call(action if self.moe_layers else None, phase, record and bool(self.moe_layers))
 
     def begin(self, mb) -> None:
         """Around one micro-batch's model forward (``mb``: a PackedMicroBatch)."""
-        if self.action is None:
+        if self.action is None and not self.record:
             return
         T = mb.num_packed_tokens
         topo = self.groups.topology
         self.mb, self.slice = mb.index, (slice(self.groups.tp_rank * T // topo.tp, (self.groups.tp_rank + 1) * T // topo.tp)
                                          if self.sp else slice(0, T))
-        if self.action == "record":
+        if self.record:
             self.own.setdefault(mb.index, torch.full((T, len(self.moe_layers), self.top_k), -1, dtype=torch.int64))
-            self.targets = None
+        self.targets = None
+        if self.action is None:
             return
         if mb.routing_T is None:
             raise ValueError(f"routing {self.action}: micro-batch {mb.index} has no routing (SequenceBatch.routing)")
@@ -147,12 +150,11 @@ class RouterReplayer:
     def _topk(self, row, scores, topk, num_groups, group_topk, default):
         probs, idx = default(scores, topk, num_groups=num_groups, group_topk=group_topk)
         self.last.pop(row, None)
+        if self.record and self.mb is not None:
+            self.own[self.mb][self.slice, row] = idx.detach().to(torch.int64)
         if self.action is None:
             return probs, idx
         if self.mb is not None:
-            if self.action == "record":
-                self.own[self.mb][self.slice, row] = idx.detach().to(torch.int64)
-                return probs, idx
             target = self.targets[:, row]
             if self.action == "replay" and self.phase == "train" and not torch.is_grad_enabled():
                 self.fifo[row].append(target)   # a checkpointed region's first pass: its recompute pops it
@@ -232,7 +234,7 @@ class RouterReplayer:
         return out
 
     def recorded(self, packed: list) -> list:
-        """Collective over TP, PP and CP (after a ``record`` call): per micro-batch, per sequence,
+        """Collective over TP, PP and CP (after a call with ``record``): per micro-batch, per sequence,
         the routing the layers chose, ``[L, Lm, K]`` int16 (the format of ``SequenceBatch.routing``)."""
         from megarl.data.packing import gather_cp_shares, unpack_sequences
 
