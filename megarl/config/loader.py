@@ -71,6 +71,8 @@ def _coerce(value, hint, key: str):
         choices = typing.get_args(hint)
         if value in choices and not isinstance(value, bool):
             return value
+        if isinstance(value, bool) and ("on" if value else "off") in choices:
+            return "on" if value else "off"   # YAML 1.1 reads a bare off / on as a boolean
         if any(type(value) is type(c) for c in choices):
             raise invalid_value(key, value, _describe(hint))
         raise _type_error(key, value, hint)

@@ -147,8 +147,8 @@ class RolloutConfig:
     its own RMS, so the rollout policy differs from the trained one (the rollout-training
     mismatch that algorithm.rollout_correction corrects); 0 off."""
     weight_noise_match: str = ""
-    """Tests: with weight_noise_std, only the loaded tensors whose vLLM name matches this regular
-    expression get noise (e.g. 'mlp.gate.weight': the MoE routers only, so rollout and training
+    """Tests: with weight_noise_std, only the loaded tensors whose HF name (as the bridge sends it)
+    matches this regular expression (re.search) get noise (e.g. 'mlp.gate.weight': the MoE routers only, so rollout and training
     route tokens differently); empty: every tensor."""
     return_routing: bool = False
     """MoE models: vLLM returns, with every sample, the experts it routed each prompt and response

@@ -330,7 +330,8 @@ class EngineActor:
         if cfg.rollout.weight_noise_std > 0:
             from megarl.rollout.worker_ext import SET_WEIGHT_NOISE
 
-            self.llm.collective_rpc(SET_WEIGHT_NOISE, args=(cfg.rollout.weight_noise_std, cfg.trainer.seed))
+            self.llm.collective_rpc(SET_WEIGHT_NOISE, args=(cfg.rollout.weight_noise_std, cfg.trainer.seed,
+                                                            cfg.rollout.weight_noise_match))
 
     def info(self) -> dict:
         """pid and node of this actor (:func:`megarl.parallel.nodes.where`; its vLLM processes

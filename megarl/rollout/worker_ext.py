@@ -23,7 +23,8 @@ vLLM's own path:
 
 The weight version of the last completed sync is kept per worker (``rpc.WEIGHT_VERSION``).
 
-``rollout.weight_noise_std`` (tests of the rollout-training mismatch): the engine switches it on
+``rollout.weight_noise_std`` (tests of the rollout-training mismatch; ``rollout.weight_noise_match``
+limits it to the tensors whose names match, e.g. the MoE routers): the engine switches it on
 once (:data:`SET_WEIGHT_NOISE`, from :class:`megarl.rollout.engine.EngineActor`); every load
 (``LOAD_BUCKET``, ``RELOAD_BYTES``) then hands vLLM noisy copies of the received tensors
 (:func:`with_noise`; the shared buffer itself stays as the bridge wrote it). The noise is added
@@ -66,16 +67,19 @@ def _after_reload(model, names: list[str]) -> int:
     return repacked
 
 
-def with_noise(named: list, std: float, seed: int, version: int) -> list:
+def with_noise(named: list, std: float, seed: int, version: int, match: str = "") -> list:
     """``(name, tensor + N(0, (std * rms(tensor))^2))`` for each floating-point tensor of
-    ``named`` (new tensors; others as given). The noise of a tensor is a function of ``seed``,
-    ``version`` (the weight sync) and its name only: the same sync gives the same weights whatever
-    the bucket layout, and every sync new noise."""
+    ``named`` whose HF name ``re.search``-es ``match`` (empty: all; new tensors; others as
+    given). The noise of a tensor is a function of ``seed``, ``version`` (the weight sync) and its
+    name only: the same sync gives the same weights whatever the bucket layout, and every sync new
+    noise."""
+    import re
+
     import torch
 
     out = []
     for name, tensor in named:
-        if not tensor.is_floating_point() or tensor.numel() == 0:
+        if not tensor.is_floating_point() or tensor.numel() == 0 or (match and not re.search(match, name)):
             out.append((name, tensor))
             continue
         # torch's CPU generator (mt19937) keeps only the low 32 bits of a seed: hash all three into them
@@ -91,11 +95,12 @@ class BridgeWorkerExtension:
     One method per name of :data:`megarl.bridge.rpc.RPC_METHODS`."""
 
     _megarl_weight_version = 0
-    _megarl_noise = (0.0, 0)   # rollout.weight_noise_std, trainer.seed
+    _megarl_noise = (0.0, 0, "")   # rollout.weight_noise_std, trainer.seed, rollout.weight_noise_match
 
-    def megarl_set_weight_noise(self, std: float, seed: int) -> None:
-        """:data:`SET_WEIGHT_NOISE`: every later load adds :func:`with_noise` of ``std`` (0: none)."""
-        self._megarl_noise = (float(std), int(seed))
+    def megarl_set_weight_noise(self, std: float, seed: int, match: str = "") -> None:
+        """:data:`SET_WEIGHT_NOISE`: every later load adds :func:`with_noise` of ``std`` (0: none)
+        to the tensors whose names match ``match`` (empty: all)."""
+        self._megarl_noise = (float(std), int(seed), str(match))
 
     def megarl_moe_layout(self) -> dict:
         """:data:`MOE_LAYOUT`."""
@@ -115,8 +120,8 @@ class BridgeWorkerExtension:
                 "rows": {rid: (a.tobytes(), len(a)) for rid, a in taken.items()}}
 
     def _noisy(self, named: list, version: int) -> list:
-        std, seed = self._megarl_noise
-        return with_noise(named, std, seed, version) if std > 0 else named
+        std, seed, match = self._megarl_noise
+        return with_noise(named, std, seed, version, match) if std > 0 else named
 
     def megarl_load_bucket(self, manifests: dict, version: int, fmt: str = "hf_full") -> dict:
         """``rpc.LOAD_BUCKET``: load this rank's buffer of one bucket."""

@@ -32,6 +32,10 @@ class Rollout:
     """A unique name per sample, from its prompt's origin (:mod:`megarl.trainer.modes`)."""
     token_versions: list[list[int]] = field(default_factory=list)
     """Per response token, the policy version (optimizer steps of the run) that generated it."""
+    routed_experts: list = field(default_factory=list)
+    """MoE models with rollout.return_routing (or router_replay r3): per sample, the experts vLLM
+    routed each prompt and response token to, int16 ``[P + R, Lm, K]`` (-1 rows: not computed,
+    e.g. the last token); empty otherwise."""
 
     @classmethod
     def from_generations(cls, prompt_ids, answers, generations, extras=None) -> "Rollout":
@@ -47,6 +51,15 @@ class Rollout:
                 r.clipped.append(s["clipped"])
                 if extras is not None:
                     r.extras.append(dict(extras[i]))
+                if "routed_experts" in s:
+                    routing, rows = s["routed_experts"], len(prompt) + len(s["token_ids"])
+                    if routing.shape[0] != rows:
+                        raise ValueError(f"a sample of prompt {i} has routed_experts for {routing.shape[0]} tokens, "
+                                         f"expected {rows} (prompt + response)")
+                    r.routed_experts.append(routing)
+        if r.routed_experts and len(r.routed_experts) != len(r.response_ids):
+            raise ValueError(f"{len(r.routed_experts)} of {len(r.response_ids)} samples have routed_experts; "
+                             "expected all or none (every engine captures routing, or none)")
         return r
 
     def __len__(self) -> int:
@@ -88,8 +101,10 @@ def split_tokens(values_T: torch.Tensor, cu_seqlens_N1: torch.Tensor) -> list[to
     return [values_T[int(a):int(b)] for a, b in zip(cu_seqlens_N1[:-1], cu_seqlens_N1[1:])]
 
 
-def micro_batches_for(rollout: Rollout, plan, dp_rank: int, per_sample: dict[str, list[torch.Tensor]]):
-    """The engine's ``SequenceBatch`` list of one DP rank; ``per_sample`` values are [R_i] tensors."""
+def micro_batches_for(rollout: Rollout, plan, dp_rank: int, per_sample: dict[str, list[torch.Tensor]],
+                      routing: list | None = None):
+    """The engine's ``SequenceBatch`` list of one DP rank; ``per_sample`` values are [R_i] tensors;
+    ``routing``: per sample ``[P + R, Lm, K]`` (``SequenceBatch.routing``), or None."""
     from megarl.engine import SequenceBatch
 
     out = []
@@ -98,7 +113,8 @@ def micro_batches_for(rollout: Rollout, plan, dp_rank: int, per_sample: dict[str
         extras = {k: torch.cat([v[i] for i in indices]) for k, v in per_sample.items()}
         extras.setdefault("mask_T", torch.cat([torch.ones(len(rollout.response_ids[i]), dtype=torch.bool)
                                                for i in indices]))
-        out.append(SequenceBatch(ids, [len(rollout.prompt_ids[i]) for i in indices], extras))
+        mb_routing = [torch.as_tensor(routing[i]) for i in indices] if routing is not None else None
+        out.append(SequenceBatch(ids, [len(rollout.prompt_ids[i]) for i in indices], extras, routing=mb_routing))
     return out
 
 
@@ -110,6 +126,19 @@ def scatter_back(rollout: Rollout, plan, outputs_per_rank: dict[int, list]) -> l
             sizes = [len(rollout.response_ids[i]) for i in indices]
             for i, part in zip(indices, torch.split(packed_R, sizes)):
                 per_sample[i] = part
+    missing = [i for i, v in enumerate(per_sample) if v is None]
+    assert not missing, f"samples {missing[:5]} got no output"
+    return per_sample
+
+
+def scatter_sequences(rollout: Rollout, plan, outputs_per_rank: dict[int, list]) -> list:
+    """Per-micro-batch lists of per-sequence outputs (one per sequence, any shape) of every DP
+    rank -> one output per sample."""
+    per_sample: list = [None] * len(rollout)
+    for dp_rank, outs in outputs_per_rank.items():
+        for indices, seqs in zip(plan.micro_batches[dp_rank], outs):
+            for i, x in zip(indices, seqs):
+                per_sample[i] = x
     missing = [i for i, v in enumerate(per_sample) if v is None]
     assert not missing, f"samples {missing[:5]} got no output"
     return per_sample

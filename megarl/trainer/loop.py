@@ -64,6 +64,7 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
     from megarl.trainer.checkpoint import CheckpointManager
     from megarl.trainer.modes import SampleLog, make_source, offpolicy_metrics
     from megarl.trainer.rollout import Rollouts
+    from megarl.trainer.routing import StepRouting
     from megarl.trainer.workers import WorkerGroup
 
     run_dir = Path(cfg.trainer.run_dir)
@@ -92,6 +93,7 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
         timeline = Timeline(run_dir / "timeline.jsonl", resume_step=start + 1)
         group.timeline = timeline
         sample_log = SampleLog(run_dir, resume_step=start + 1)
+        routing = StepRouting(cfg, run_dir, resume_step=start + 1)
         adv_fn, adv_opts, _ = resolve(cfg.algorithm)
         log = cleanup.enter_context(MetricsLogger(
             run_dir, stdout=cfg.logging.stdout, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
@@ -117,10 +119,13 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
             phase(step, "logprobs", reward=m["reward/mean"])
             with timer("logprobs"):
                 plan = group.plan(rollout)
-                old_lp, entropy = group.logprobs(rollout, plan, reference=False)
-                ref_lp = group.logprobs(rollout, plan, reference=True)[0] if group.has_reference else None
+                old_lp, entropy = group.logprobs(rollout, plan, reference=False, **routing.old_pass(rollout))
+                routing_out = group.routing_out
+                ref_lp = (group.logprobs(rollout, plan, reference=True, **routing.reference_pass(rollout))[0]
+                          if group.has_reference else None)
                 values = group.values(rollout, plan) if group.has_critic else None
             m.update(alarm_metrics(rollout, old_lp, cfg.trainer.logprob_diff_threshold, step - 1))
+            m.update(routing.metrics(rollout, old_lp, routing_out, step - 1))
             sample_log.write(step, rollout, old_lp)
             per_sample, kl_rewards = {"old_logprobs_T": old_lp}, None
             corrected, m_corr = correct_rollout(old_lp, rollout.sample_logprobs, cfg.algorithm)
@@ -143,7 +148,9 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
                     m.update(critic_metrics(values, returns))
             phase(step, "train")
             with timer("train"):
-                m.update(group.train(rollout, plan, per_sample, kl_ctl.value))
+                m.update(group.train(rollout, plan, per_sample, kl_ctl.value,
+                                     routing=routing.train_routing(rollout, routing_out)))
+            routing.write(step, group.moe_tokens_per_expert, routing_out)
             phase(step, "sync")
 
             def sync() -> dict:   # and what needs the engines idle: probes, evaluation

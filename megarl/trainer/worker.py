@@ -137,12 +137,16 @@ class HybridWorker:
                 e.onload()
 
     # ------------------------------------------------------------------ training (collective)
-    def logprobs(self, micro_batches, reference: bool = False, with_entropy: bool = False):
+    def logprobs(self, micro_batches, reference: bool = False, with_entropy: bool = False,
+                 routing: str | None = None, record_routing: bool = False):
+        """DP leaders: ``([(log-probs, entropy, routing misses, recorded routing)] per micro-batch,
+        the routing report)`` (:meth:`megarl.engine.policy.PolicyEngine.forward_logprobs`); else None."""
         engine = self.ref if reference else self.policy
-        outs = engine.forward_logprobs(micro_batches, with_entropy=with_entropy)
+        outs = engine.forward_logprobs(micro_batches, with_entropy=with_entropy, routing=routing,
+                                       record_routing=record_routing)
         if not self.info()["dp_leader"]:
             return None
-        return [(o.logprobs_R, o.entropy_R) for o in outs]
+        return [(o.logprobs_R, o.entropy_R, o.routing_miss_R, o.routing) for o in outs], engine.routing_report
 
     def values(self, micro_batches):
         """The critic's values of the response tokens, per micro-batch (DP leaders; else None)."""
@@ -156,14 +160,15 @@ class HybridWorker:
                                                                        self.cfg.rollout.max_response_tokens))
         return out
 
-    def train(self, micro_batches, kl_coef: float) -> dict:
+    def train(self, micro_batches, kl_coef: float, replay_routing: bool = False) -> dict:
         from megarl.trainer.algorithm import make_loss_fn
 
         loss_fn = make_loss_fn(self.cfg.algorithm, self.cfg.rollout.max_response_tokens, kl_coef)
         self.num_train_calls += 1
         if self.num_train_calls in self.faults.get("nan_loss", ()) and self.rank == self.cfg.topology.world_size - 1:
             loss_fn = faults.nan_loss(loss_fn)
-        out = self.policy.train_step(micro_batches, loss_fn, with_entropy=self.cfg.algorithm.entropy_coef > 0)
+        out = self.policy.train_step(micro_batches, loss_fn, with_entropy=self.cfg.algorithm.entropy_coef > 0,
+                                     replay_routing=replay_routing)
         out["weight_checksum"] = self._weight_checksum()
         return out
 

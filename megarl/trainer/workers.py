@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from megarl.config.schema import MegaRLConfig
-from megarl.trainer.batch import Rollout, micro_batches_for, scatter_back
+from megarl.trainer.batch import Rollout, micro_batches_for, scatter_back, scatter_sequences
 
 FAILURE_GRACE_S = 5.0
 """After a call raised on one worker: how long the other workers' calls may still take before the
@@ -208,34 +208,51 @@ class WorkerGroup:
 
         return plan_batches(rollout.lengths(), self.cfg.topology.to_topology(), self.budget)
 
-    def _per_rank(self, rollout, plan, per_sample) -> list:
-        return [micro_batches_for(rollout, plan, i["dp_rank"], per_sample) for i in self.info]
+    def _per_rank(self, rollout, plan, per_sample, routing=None) -> list:
+        return [micro_batches_for(rollout, plan, i["dp_rank"], per_sample, routing) for i in self.info]
 
-    def _forward(self, method: str, rollout: Rollout, plan, *args) -> dict:
+    def _forward(self, method: str, rollout: Rollout, plan, *args, routing=None) -> dict:
         """A forward-only worker method on every rank's micro-batches: the DP leaders' outputs
         (one per micro-batch) by DP rank."""
-        outs = self._fan_out(method, [(b, *args) for b in self._per_rank(rollout, plan, {})])
+        outs = self._fan_out(method, [(b, *args) for b in self._per_rank(rollout, plan, {}, routing)])
         return {i["dp_rank"]: o for i, o in zip(self.info, outs) if o is not None}
 
-    def logprobs(self, rollout: Rollout, plan, reference: bool):
+    def logprobs(self, rollout: Rollout, plan, reference: bool, routing: list | None = None,
+                 routing_action: str | None = None, record_routing: bool = False):
+        """Per sample, the response tokens' log-probs and (policy) entropy. MoE routing
+        (:mod:`megarl.engine.replay`): ``routing`` per sample ``[P + R, Lm, K]`` is compared with
+        (``routing_action`` ``compare``) or replayed in (``replay``) the model's own;
+        ``record_routing`` returns the model's own. What comes back of it is in
+        :attr:`routing_out`: ``misses`` (per sample ``[R]``: MoE layers whose own routing differed),
+        ``recorded`` (per sample ``[P + R, Lm, K]``) and ``report`` (agreement)."""
         with_entropy = not reference
-        by_rank = self._forward("logprobs", rollout, plan, reference, with_entropy)
-        logprobs = scatter_back(rollout, plan, {r: [lp for lp, _ in o] for r, o in by_rank.items()})
-        entropy = (scatter_back(rollout, plan, {r: [e for _, e in o] for r, o in by_rank.items()})
-                   if with_entropy else None)
+        by_rank = self._forward("logprobs", rollout, plan, reference, with_entropy, routing_action, record_routing,
+                                routing=routing if routing_action else None)
+        report = next(iter(by_rank.values()))[1]
+        outs = {r: o for r, (o, _) in by_rank.items()}
+        column = lambda k: scatter_back(rollout, plan, {r: [x[k] for x in o] for r, o in outs.items()})  # noqa: E731
+        logprobs = column(0)
+        entropy = column(1) if with_entropy else None
+        self.routing_out = {"misses": column(2) if routing_action else None, "report": report,
+                            "recorded": scatter_sequences(rollout, plan, {r: [x[3] for x in o] for r, o in outs.items()})
+                            if record_routing else None}
         return logprobs, entropy
 
     def values(self, rollout: Rollout, plan) -> list[torch.Tensor]:
         """The critic's value of every response token, per sample."""
         return scatter_back(rollout, plan, self._forward("values", rollout, plan))
 
-    def train(self, rollout: Rollout, plan, per_sample: dict, kl_coef: float) -> dict:
-        return self._optimize("train", "actor", rollout, plan, per_sample, kl_coef)
+    def train(self, rollout: Rollout, plan, per_sample: dict, kl_coef: float, routing: list | None = None) -> dict:
+        """One policy update per mini-batch; ``routing`` (per sample ``[P + R, Lm, K]``) is replayed
+        in the MoE layers (:mod:`megarl.engine.replay`)."""
+        return self._optimize("train", "actor", rollout, plan, per_sample, kl_coef, routing is not None,
+                              routing=routing)
 
     def train_critic(self, rollout: Rollout, plan, per_sample: dict) -> dict:
         return self._optimize("train_critic", "critic", rollout, plan, per_sample)
 
-    def _optimize(self, method: str, tag: str, rollout: Rollout, plan, per_sample: dict, *args) -> dict:
+    def _optimize(self, method: str, tag: str, rollout: Rollout, plan, per_sample: dict, *args,
+                  routing: list | None = None) -> dict:
         """``ppo_epochs`` passes over ``mini_batches`` chunks of whole groups, one optimizer step each.
         ``<tag>/skipped_updates`` counts the updates skipped for a non-finite loss or gradient
         (:meth:`megarl.engine.policy.PolicyEngine.train_step`), ``<tag>/grad_norm`` averages the
@@ -250,10 +267,12 @@ class WorkerGroup:
                 sub_plan = self.plan(sub) if len(chunks) > 1 else plan
                 sub_samples = {k: [v[i] for i in keep] for k, v in per_sample.items()} if len(chunks) > 1 \
                     else per_sample
-                batches = self._per_rank(sub, sub_plan, sub_samples)
+                sub_routing = [routing[i] for i in keep] if routing is not None and len(chunks) > 1 else routing
+                batches = self._per_rank(sub, sub_plan, sub_samples, sub_routing)
                 results.append(self._fan_out(method, [(b, *args) for b in batches])[0])
                 self._count_skips(tag, results[-1])
         out = {f"{tag}/{k}": v for k, v in results[-1].items() if isinstance(v, (int, float))}
+        self.moe_tokens_per_expert = results[-1].get("moe_tokens_per_expert")   # MoE: [Lm][E], last pass
         applied = [r["grad_norm"] for r in results if r["update_successful"]]
         out[f"{tag}/grad_norm"] = sum(applied) / len(applied) if applied else float("nan")
         out[f"{tag}/optimizer_steps"] = len(results)

@@ -98,12 +98,15 @@ class FakeGroup:
     def plan(self, rollout):
         return None
 
-    def logprobs(self, rollout, plan, reference: bool):
+    routing_out: dict = {}          # a dense model: no routing compared or recorded
+    moe_tokens_per_expert = None
+
+    def logprobs(self, rollout, plan, reference: bool, **routing):
         self._phase("ref_logprobs" if reference else "logprobs")
         lp = -1.2 if reference else -1.0   # KL 0.2 per token: the adaptive KL coefficient moves every step
         return [torch.full((2,), lp) for _ in range(len(rollout))], [torch.ones(2) for _ in range(len(rollout))]
 
-    def train(self, rollout, plan, per_sample, kl_coef) -> dict:
+    def train(self, rollout, plan, per_sample, kl_coef, routing=None) -> dict:
         self._phase("train")
         return {"actor/loss": 0.0}
 

@@ -1,0 +1,115 @@
+"""MoE routing in the loop: which routing each pass of a step uses (``algorithm.router_replay``),
+the routing metrics, and ``<run_dir>/moe.jsonl``.
+
+Per step (:mod:`megarl.engine.replay` does the work inside the MoE layers):
+
+=========  =========================  ==================  ===========================
+replay     old log-prob pass          reference pass      training passes
+=========  =========================  ==================  ===========================
+off        compare with vLLM's [1]_   own routing         own routing
+r2         record own; compare [1]_   own routing         replay the recorded routing
+r3         replay vLLM's (compared)   replay vLLM's       replay vLLM's
+=========  =========================  ==================  ===========================
+
+.. [1] when the samples carry vLLM's routing (``rollout.return_routing``).
+
+Metrics (every step the samples carry vLLM's routing): ``routing/agree`` (share of token-layer
+top-k sets where the trainer's own routing in the old log-prob pass equals vLLM's, compared as
+sets; ``routing/agree_layer<i>`` per MoE layer i, 0-based), ``routing/disagree_tokens`` (share of
+response tokens with at least one MoE layer routed differently) and the rollout-vs-train log-prob
+gap |vLLM - trainer| of the response tokens split by that: ``routing/logprob_diff_agree_mean`` /
+``_disagree_mean`` (NaN without such tokens; only tokens of the trained version in the
+off-policy modes). With replay: ``actor/routing_replayed`` (token-layers whose experts were
+replayed in the last training pass) and ``actor/routing_replay_mismatch`` (those whose routing
+map, what the token dispatcher used, was not exactly the replayed experts: 0). MoE load every
+step (:class:`megarl.engine.moe_stats.MoEStats`): ``actor/moe_load_imbalance`` (max over mean
+tokens per expert, worst layer), ``actor/moe_aux_loss``, ``actor/moe_z_loss``; the per-expert
+token counts of every MoE layer and the per-layer agreement go to ``<run_dir>/moe.jsonl``.
+
+Resume: vLLM's routing is stored with the samples only in memory; a resumed run generates the
+interrupted step's samples again (the same seeds), so their routing is recomputed by the engines
+rather than read back; r2's recorded routing is recomputed by the repeated old log-prob pass.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from megarl.trainer.batch import Rollout
+
+
+class StepRouting:
+    """The routing of one run's steps (see the module docstring)."""
+
+    def __init__(self, cfg, run_dir: Path, resume_step: int):
+        from megarl.observability.metrics import keep_steps_before, read_jsonl
+
+        self.mode = cfg.algorithm.router_replay
+        self.path = Path(run_dir) / "moe.jsonl"
+        if self.path.exists():
+            keep_steps_before(self.path, read_jsonl(self.path), resume_step)
+
+    def _check(self, rollout: Rollout) -> None:
+        if self.mode == "r3" and not rollout.routed_experts:
+            raise RuntimeError("algorithm.router_replay='r3' but the samples carry no routed_experts: the rollout "
+                               "engines did not return their routing (see megarl.rollout.engine.captures_routing)")
+
+    def old_pass(self, rollout: Rollout) -> dict:
+        """Keyword arguments of the old log-prob pass (``WorkerGroup.logprobs``)."""
+        self._check(rollout)
+        if not rollout.routed_experts:
+            return {"record_routing": self.mode == "r2"}
+        return {"routing": rollout.routed_experts, "routing_action": "replay" if self.mode == "r3" else "compare",
+                "record_routing": self.mode == "r2"}
+
+    def reference_pass(self, rollout: Rollout) -> dict:
+        if self.mode != "r3":
+            return {}
+        return {"routing": rollout.routed_experts, "routing_action": "replay"}
+
+    def train_routing(self, rollout: Rollout, routing_out: dict):
+        """Per sample, the routing the training passes replay (None: their own)."""
+        if self.mode == "r3":
+            return rollout.routed_experts
+        if self.mode == "r2":
+            return routing_out["recorded"]
+        return None
+
+    def metrics(self, rollout: Rollout, train_lp: list, routing_out: dict, version: int | None) -> dict:
+        """routing/* of the old log-prob pass (empty without vLLM routing to compare)."""
+        report, misses = routing_out.get("report") or {}, routing_out.get("misses")
+        if misses is None or "routing_agree" not in report:
+            return {}
+        out = {"routing/agree": report["routing_agree"]}
+        out.update({f"routing/agree_layer{i}": a for i, a in enumerate(report["routing_agree_per_layer"])})
+        agree_diff, disagree_diff, n_tokens, n_disagree = [], [], 0, 0
+        for i, (vllm_lp, lp, miss) in enumerate(zip(rollout.sample_logprobs, train_lp, misses)):
+            diff = (torch.tensor(vllm_lp, dtype=torch.float64) - lp.double()).abs()
+            bad = miss > 0
+            n_tokens += bad.numel()
+            n_disagree += int(bad.sum())
+            if version is not None and rollout.token_versions:
+                keep = torch.tensor(rollout.token_versions[i], dtype=torch.long) == version
+                diff, bad = diff[keep], bad[keep]
+            agree_diff.append(diff[~bad])
+            disagree_diff.append(diff[bad])
+        mean = lambda xs: float(torch.cat(xs).mean()) if sum(x.numel() for x in xs) else math.nan   # noqa: E731
+        out.update({"routing/disagree_tokens": n_disagree / max(n_tokens, 1),
+                    "routing/logprob_diff_agree_mean": mean(agree_diff),
+                    "routing/logprob_diff_disagree_mean": mean(disagree_diff)})
+        return out
+
+    def write(self, step: int, tokens_per_expert, routing_out: dict) -> None:
+        """One line of ``moe.jsonl`` (MoE models only: ``tokens_per_expert`` [Lm][E] from the
+        last training pass, None for a dense model)."""
+        if tokens_per_expert is None:
+            return
+        row = {"step": step, "tokens_per_expert": tokens_per_expert}
+        report = routing_out.get("report") or {}
+        if "routing_agree_per_layer" in report:
+            row["routing_agree_per_layer"] = report["routing_agree_per_layer"]
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
