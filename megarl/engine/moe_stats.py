@@ -3,8 +3,9 @@
 Token counts come from a forward hook on every megatron ``TopKRouter`` (its ``routing_map``
 output, ``[tokens, E]`` bool): summed over micro-batches, over the data- and context-parallel
 ranks (each holds different tokens; TP ranks hold the same tokens unless sequence-parallel) and
-over pipeline stages (each owns different layers). With activation recompute the hook fires
-twice per forward: counts are then doubled (recompute is off by default).
+over pipeline stages (each owns different layers). Activation recompute runs the routers again
+in the backward pass: ``in_recompute`` (a callable, :meth:`megarl.engine.replay.RouterReplayer.in_recompute`)
+tells those calls apart, which are not counted again.
 
 Aux / z losses are read from megatron's layer-wise tracker (values per layer, summed over
 micro-batches), averaged over micro-batches, DP/CP ranks and MoE layers. Deviation from
@@ -23,10 +24,10 @@ _TRACKED = ("load_balancing_loss", "z_loss")
 
 
 class MoEStats:
-    def __init__(self, modules: list, config, groups):
+    def __init__(self, modules: list, config, groups, in_recompute=None):
         from megatron.core.transformer.moe.router import TopKRouter
 
-        self.groups = groups
+        self.groups, self.in_recompute = groups, in_recompute
         self.num_experts = config.num_moe_experts or 0
         self.num_layers = config.num_layers
         self.sp = bool(config.sequence_parallel)
@@ -42,6 +43,8 @@ class MoEStats:
                     sub.register_forward_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs, output):
+        if self.in_recompute is not None and self.in_recompute():
+            return
         routing_map = output[1].detach()
         # the dispatcher routes alignment padding too; count real tokens only
         padding = args[1] if len(args) > 1 else kwargs.get("padding_mask")

@@ -129,8 +129,8 @@ class PolicyEngine:
         self.model: BuiltModel = build_model(model, groups, ddp=trainable,
                                              distributed_optimizer=self.distributed_optimizer)
         self.config = self.model.config
-        self.moe = MoEStats(self.model.modules, self.config, groups)
         self.router = RouterReplayer(self.model.modules, self.config, groups)
+        self.moe = MoEStats(self.model.modules, self.config, groups, in_recompute=self.router.in_recompute)
         self.routing_report: dict = {}
         """The last call's :meth:`RouterReplayer.report` (MoE models, with a routing action)."""
         self.step_count = 0

@@ -124,6 +124,7 @@ class RouterReplayer:
 
     def begin(self, mb) -> None:
         """Around one micro-batch's model forward (``mb``: a PackedMicroBatch)."""
+        self.mb = mb.index
         if self.action is None and not self.record:
             return
         T = mb.num_packed_tokens
@@ -145,6 +146,11 @@ class RouterReplayer:
 
     def end(self) -> None:
         self.mb, self.targets = None, None
+
+    def in_recompute(self) -> bool:
+        """Whether a router runs outside any micro-batch's forward: an activation recompute in
+        the backward pass (:class:`megarl.engine.moe_stats.MoEStats` then counts nothing twice)."""
+        return self.mb is None
 
     # ------------------------------------------------------------------ inside the router
     def _topk(self, row, scores, topk, num_groups, group_topk, default):

@@ -6,8 +6,9 @@ same seeds. From the first weight sync on, the engine's MoE routers (``mlp.gate.
 Gaussian noise (``rollout.weight_noise_std`` with ``rollout.weight_noise_match``), so vLLM routes
 tokens to other experts than the trainer would:
 
-* ``off``: ``rollout.return_routing`` on, no replay: the metrics compare vLLM's routing with the
-  trainer's own;
+* ``r2``: no rollout replay (``rollout.return_routing`` on, so the metrics compare vLLM's routing
+  with the trainer's own); the old log-prob pass records the trainer's own routing and the
+  training pass replays it;
 * ``r3``: ``algorithm.router_replay=r3``: the trainer replays vLLM's routing.
 
 Checked: step 1 (clean weights: the engine starts from the checkpoint folder) vLLM's captured
@@ -18,9 +19,9 @@ every token-layer the trainer computed used exactly vLLM's experts (the routing 
 dispatcher got, counted against the token count) and the gap is smaller than without replay; the
 per-expert token counts are in moe.jsonl. Measured numbers are printed (``-s``).
 
-Measured (noise std 0.5 x the gate's RMS): step 1 agreement 1.0 in both runs, gap mean 2.0e-6 /
-max 1.1e-5 (with and without replay: the routing agreed everywhere); step 2 agreement 0.50 (off)
-/ 0.55 (r3), 61% of the response tokens routed differently in at least one layer; gap mean 0.81
+Measured (noise std 0.5 x the gate's RMS; the r2 numbers measured with replay off, which gives
+the same old log-prob pass): step 1 agreement 1.0 in both runs, gap mean 2.0e-6 / max 1.1e-5
+(with and without replay: the routing agreed everywhere); step 2 agreement 0.50 (r2) / 0.55 (r3), 61% of the response tokens routed differently in at least one layer; gap mean 0.81
 without replay (0.45 on agreeing tokens, 1.04 on the others) vs 0.50 with r3 (what is left: the
 noisy gates' probabilities of the same experts); r3 replayed 2368 token-layers = (1200 tokens - 16
 sequences) x 2 layers, 0 mismatched.
@@ -78,7 +79,7 @@ def runs(tmp_path_factory):
     monkeypatch.setenv("RAY_TMPDIR", ray_tmpdir())
     out = {}
     try:
-        for mode in ("off", "r3"):
+        for mode in ("r2", "r3"):
             recipe = tmp / f"{mode}.yaml"
             recipe.write_text(RECIPE.format(noise=NOISE_STD, mode=mode, run_dir=tmp / mode))
             train(load_config(recipe))
@@ -94,7 +95,7 @@ def runs(tmp_path_factory):
 
 
 def test_clean_routing_agrees_and_noisy_routers_disagree(runs):
-    for mode in ("off", "r3"):
+    for mode in ("r2", "r3"):
         rows = runs[mode]["rows"]
         assert [r["step"] for r in rows] == [1, 2]
         clean, noisy = rows
@@ -105,15 +106,17 @@ def test_clean_routing_agrees_and_noisy_routers_disagree(runs):
         assert 0 < noisy["routing/disagree_tokens"] <= 1
 
 
-def test_without_replay_the_gap_grows_most_where_routing_disagreed(runs):
-    clean, noisy = runs["off"]["rows"]
+def test_without_rollout_replay_the_gap_grows_most_where_routing_disagreed(runs):
+    clean, noisy = runs["r2"]["rows"]
     assert noisy["rollout/logprob_diff_mean"] > 10 * clean["rollout/logprob_diff_mean"]
     assert noisy["routing/logprob_diff_disagree_mean"] > noisy["routing/logprob_diff_agree_mean"]
-    assert "actor/routing_replayed" not in noisy
+    for r in runs["r2"]["rows"]:   # r2 replays the trainer's own routing: every token, the last one too
+        assert r["actor/routing_replayed"] == r["actor/num_tokens"] * MOE_LAYERS, r
+        assert r["actor/routing_replay_mismatch"] == 0
 
 
 def test_r3_trains_on_exactly_the_rollout_experts_and_shrinks_the_gap(runs):
-    off, r3 = runs["off"]["rows"][1], runs["r3"]["rows"][1]
+    off, r3 = runs["r2"]["rows"][1], runs["r3"]["rows"][1]
     for r in runs["r3"]["rows"]:
         # every token but each sequence's last (never run through vLLM's model), in every MoE layer
         assert r["actor/routing_replayed"] == (r["actor/num_tokens"] - r["actor/num_sequences"]) * MOE_LAYERS, r
@@ -124,7 +127,7 @@ def test_r3_trains_on_exactly_the_rollout_experts_and_shrinks_the_gap(runs):
 
 
 def test_expert_load_is_logged_every_step(runs):
-    for mode in ("off", "r3"):
+    for mode in ("r2", "r3"):
         rows, moe = runs[mode]["rows"], runs[mode]["moe"]
         assert [m["step"] for m in moe] == [1, 2]
         for r, m in zip(rows, moe):
