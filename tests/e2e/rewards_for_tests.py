@@ -16,7 +16,18 @@ def column_reward(response: str, answer: str, *, bonus: float, data_source: str)
 
 
 def crash_reward(response: str, answer: str, **extra) -> float:
-    """Ends the reward worker process on every call (tests/e2e/test_faults_e2e.py)."""
+    """:func:`token_parity_reward` for the first ``$MEGARL_TEST_REWARD_CALLS`` calls, then ends its
+    worker process on every call (tests/e2e/test_faults_e2e.py: a run whose next step's reward
+    kills its workers). The calls are counted in the file ``$MEGARL_TEST_REWARD_COUNTER`` (one byte
+    appended per call), which the pool's workers and their replacements share."""
     import os
 
-    os._exit(3)
+    fd = os.open(os.environ["MEGARL_TEST_REWARD_COUNTER"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        os.write(fd, b".")
+        calls = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    if calls > int(os.environ["MEGARL_TEST_REWARD_CALLS"]):
+        os._exit(3)
+    return token_parity_reward(response, answer)

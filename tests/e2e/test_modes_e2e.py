@@ -71,7 +71,8 @@ def async_run(tmp_path_factory):
     killed_steps = [r["step"] for r in metrics(run_dir)]
     resumed = start(tmp, "run", ASYNC, "--resume")
     assert resumed.wait(timeout=1500) == 0, log.read_text()[-5000:]
-    return metrics(run_dir), samples(run_dir), killed_steps, left, log.read_text()
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    return metrics(run_dir), samples(run_dir), killed_steps, left, log.read_text(), checkpoints
 
 
 def test_one_step_off_samples_are_exactly_one_version_old(one_step_off):
@@ -109,8 +110,9 @@ def test_perturbed_rollout_shows_in_the_mismatch_metrics_and_the_loss_stays_fini
 
 
 def test_async_kill_and_resume_finishes_every_step_once(async_run):
-    rows, per_step, killed_steps, left, log = async_run
+    rows, per_step, killed_steps, left, log, checkpoints = async_run
     assert not left, left
+    assert checkpoints == ["step_00000002", "step_00000003"]   # keep_last: 2 (step 1's pruned)
     assert killed_steps[:1] == [1], killed_steps
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [s["step"] for s in per_step] == [1, 2, 3]
