@@ -1,4 +1,5 @@
 """Helpers of the end-to-end tests: a tied tiny model, a training subprocess, its metrics."""
+import contextlib
 import json
 import os
 import subprocess
@@ -172,3 +173,27 @@ class ProcessWatch:
             except psutil.Error:
                 pass
         return [line for line in out if not any(h in line for h in INTERPRETER_HELPERS)]
+
+
+@contextlib.contextmanager
+def terminal_to(path: Path):
+    """Descriptors 1 and 2 (and ``sys.stdout`` / ``sys.stderr``) into the file ``path`` while the
+    block runs: what an in-process run shows on its terminal (pytest's capfd, for a module fixture;
+    with ``-s`` too). Truncating the file drops what was shown so far."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved, streams = (os.dup(1), os.dup(2)), (sys.stdout, sys.stderr)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        sys.stdout = sys.stderr = os.fdopen(os.dup(fd), "w", buffering=1)
+        yield path
+    finally:
+        sys.stdout.flush()
+        sys.stdout.close()
+        sys.stdout, sys.stderr = streams
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for f in (*saved, fd):
+            os.close(f)
