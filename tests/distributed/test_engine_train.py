@@ -1,10 +1,26 @@
-"""Train step, reference engine and offload (2 gloo processes, fp32).
+"""Train step, reference engine, offload and MoE routing replay (2 gloo processes, fp32).
 
 - One SGD step (PPO loss, token-mean over the global token count, grad clip 1.0, lr 0.5) on one
-  global batch of 4 sequences leaves the same HF-exported weights at tp=2, pp=2 (qwen2) and
-  ep=2, tp=2 x ep=2 (+SP), pp=2 (qwen3-moe, with aux and z losses on) as at tp=1 (dp=2): < 1e-5.
-  Measured 0-1.2e-7, except tp2.ep2.sp at 3.7e-6: megatron's z-loss is a per-TP-rank token mean
-  under SP, and alignment padding leaves the two halves with different valid-token counts.
+  global batch of 4 sequences (59 tokens) leaves the same HF-exported weights at tp=2, pp=2
+  (qwen2), ep=2, tp=2 x ep=2 (+SP), pp=2, cp=2 (qwen3-moe, aux and z losses on) and tp=2 x ep=2
+  (+SP), pp=2 with recompute="full" (DeepSeek-V3, a 4-layer variant of the fixture: dense first
+  layer, 3 MoE layers, group-limited sigmoid routing with expert bias; aux loss on, no z-loss) as at
+  tp=1 (dp=2): < 1e-5. Measured 0-1.2e-7, except qwen3-moe tp2.ep2.sp at 3.7e-6 and cp2 at 7.0e-6:
+  megatron's z-loss is a per-rank token mean under an SP / CP split, and alignment padding leaves
+  the halves with different valid-token counts (cp2 without z-loss: 1.2e-7). Grad norms agree to
+  relative 1e-5 (3e-5 for those two: measured 5.4e-6 / 8.3e-6 plain, 3.6e-6 / 1.5e-5 replayed).
+- MoE routing at every layout above: the routing the old log-prob pass records is exactly tp1's
+  (0 differing token-layers), and compare mode with it agrees 1.0 on all 59 x (MoE layers)
+  token-layers. Replay (issue 18, item 3): the same step again from the same weights (restored
+  exactly, checked), replaying a fixed random routing (distinct experts, seeded; agreement with
+  the model's own 0.008 qwen3-moe, 0.040 DeepSeek-V3) in its old log-prob pass and its train step:
+  routing_replayed = 59 x MoE layers and routing_replay_mismatch = 0 in both, the PPO ratio is 1,
+  per-expert token counts are exactly the random routing's, and the weights equal the tp1
+  replayed step's (max 2.5e-6 qwen3-moe tp2.ep2.sp, 6.3e-6 cp2, else <= 1.2e-7) while differing
+  from the plain step's by 0.016 (qwen3-moe) / 0.014 (DeepSeek-V3). Replaying the model's own
+  recorded routing gives the plain step exactly (0.0).
+  Not covered: pp=2 x vpp=2 training (the interleaved schedule's train step hangs on CPU/gloo,
+  also for a dense model; forward-only VPP is covered by test_engine_parity).
 - The reference engine is frozen (no grads, no optimizer) and equals the policy before training.
 - Offload + onload (params, grads, Adam state) restores every value exactly, really frees the
   storages, and the next step equals the step of an engine that never offloaded (exactly).
@@ -13,6 +29,8 @@
   rank: weights and Adam state bit-identical, grads zeroed, the skip reported by both ranks, and
   the LR schedule does not advance (the next step takes its second value). Adam state created
   before any update (to save a checkpoint when every update so far was skipped) changes nothing.
+
+One launch: ~100 s on 2 idle-ish cores (the MoE routing checks and DeepSeek-V3 add ~40 s).
 """
 import pytest
 
@@ -27,18 +45,28 @@ def result():
     return run_workers("engine_train.py", 2, timeout=900)
 
 
+# MoE layouts of the routing checks (DeepSeek-V3: the 4-layer variant; "/full": recompute="full")
+MOE_LAYOUTS = {"qwen3_moe": ["tp1", "ep2", "tp2.ep2.etp1.sp1", "pp2", "cp2"],
+               "deepseek_v3": ["tp1", "tp2.ep2.etp1.sp1", "pp2/full"]}
+ROUTING_CASES = [(m, layout) for m, layouts in MOE_LAYOUTS.items() for layout in layouts]
+# the grad norm is a float32 sum of squares over differently sharded grads: relative 1e-5; 3e-5
+# where megatron's z-loss is a per-rank token mean over an SP / CP split (qwen3-moe has it on)
+GRAD_NORM_REL = {"qwen3_moe|tp2.ep2.etp1.sp1": 3e-5, "qwen3_moe|cp2": 3e-5}
+
+
 @pytest.mark.parametrize("key", ["qwen2|tp2", "qwen2|pp2", "qwen3_moe|ep2", "qwen3_moe|tp2.ep2.etp1.sp1",
-                                 "qwen3_moe|pp2"])
+                                 "qwen3_moe|pp2", "qwen3_moe|cp2", "deepseek_v3|tp2.ep2.etp1.sp1",
+                                 "deepseek_v3|pp2/full"])
 def test_step_equals_tp1(result, key):
     assert result[f"{key}|weights_vs_tp1"] < TOL
     assert result[f"{key}|loss_diff"] < TOL
-    # the grad norm is a float32 sum of squares over differently sharded grads: relative 1e-5
-    assert result[f"{key}|grad_norm_diff"] < 1e-5 * result[f"{key}|stats"]["grad_norm"]
+    assert result[f"{key}|grad_norm_diff"] < GRAD_NORM_REL.get(key, 1e-5) * result[f"{key}|stats"]["grad_norm"]
 
 
 def test_step_really_trains(result):
     assert result["qwen2|step_changed_weights"] > 1e-3
     assert result["qwen3_moe|step_changed_weights"] > 1e-3
+    assert result["deepseek_v3|step_changed_weights"] > 1e-3
     stats = result["qwen2|tp1|stats"]
     assert stats["num_response_tokens"] == 40 and stats["num_sequences"] == 4 and stats["num_tokens"] == 59
     assert stats["ratio_mean"] == pytest.approx(1.0)   # metrics are means over micro-batches and DP
@@ -50,8 +78,56 @@ def test_moe_metrics(result):
     counts = result["qwen3_moe|tp1|moe_tokens_per_expert"]
     assert len(counts) == 2 and all(len(row) == 8 for row in counts)
     assert all(sum(row) == 59 * 2 for row in counts)      # every real token to top-2 experts
-    for key in ("ep2", "tp2.ep2.etp1.sp1", "pp2"):        # padding never routed, any layout
-        assert result[f"qwen3_moe|{key}|moe_tokens_per_expert"] == counts
+    for model, layouts in MOE_LAYOUTS.items():             # padding never routed, any layout
+        counts = result[f"{model}|tp1|moe_tokens_per_expert"]
+        assert all(sum(row) == 59 * 2 for row in counts)
+        for key in layouts[1:]:
+            assert result[f"{model}|{key}|moe_tokens_per_expert"] == counts
+
+
+def _token_layers(result, model):
+    return result[f"{model}|num_tokens"] * result[f"{model}|num_moe_layers"]
+
+
+@pytest.mark.parametrize("model,layout", ROUTING_CASES)
+def test_recorded_routing_is_the_same_at_every_layout(result, model, layout):
+    key = f"{model}|{layout}"
+    assert result[f"{key}|recorded_copies_differ"] == 0    # every rank holding a sequence got the same
+    if layout != "tp1":                                      # token-layers whose top-k differs from tp1's
+        assert result[f"{key}|recorded_vs_tp1"] == 0
+    own = result[f"{key}|compare_own"]                       # compare mode with the recorded routing
+    assert own["routing_agree"] == 1.0 and own["routing_agree_per_layer"] == [1.0] * result[f"{model}|num_moe_layers"]
+    assert own["routing_compared"] == _token_layers(result, model) and own["routing_replayed"] == 0
+
+
+@pytest.mark.parametrize("model,layout", ROUTING_CASES)
+def test_random_routing_replayed_step_equals_tp1(result, model, layout):
+    key, n = f"{model}|{layout}", _token_layers(result, model)
+    lp = result[f"{key}|replay_logprobs"]
+    assert lp["routing_agree"] < 0.1                         # random (chance: 1 / C(8, 2)) vs the model's own
+    assert lp["routing_compared"] == n and lp["routing_replayed"] == n and lp["routing_replay_mismatch"] == 0
+    stats = result[f"{key}|replay_stats"]
+    assert stats["routing_replayed"] == n and stats["routing_replay_mismatch"] == 0 and stats["update_successful"]
+    # the train pass replays what the old log-prob pass did: ratio 1
+    assert abs(stats["ratio_max"] - 1) < TOL and abs(stats["ratio_min"] - 1) < TOL
+    # the dispatcher sent each token to the replayed experts (real tokens only)
+    assert result[f"{key}|replay_tokens_per_expert"] == result[f"{model}|random_tokens_per_expert"]
+    if layout != "tp1":
+        assert result[f"{key}|replay_weights_vs_tp1"] < TOL
+        assert result[f"{key}|replay_loss_diff"] < TOL
+        assert result[f"{key}|replay_grad_norm_diff"] < GRAD_NORM_REL.get(key, 1e-5) * stats["grad_norm"]
+
+
+@pytest.mark.parametrize("model", list(MOE_LAYOUTS))
+def test_replay_changes_the_step(result, model):
+    assert result[f"{model}|restored_vs_initial"] == 0.0    # the replayed step starts where the plain one did
+    assert result[f"{model}|replay_vs_plain_step"] > 1e-4
+    assert result[f"{model}|tp1|replay_changed_logprobs"] > 0.1
+
+
+def test_replaying_the_own_routing_is_the_plain_step(result):
+    assert result["qwen3_moe|own_replay_vs_plain_step"] == 0.0
+    assert result["qwen3_moe|own_replay_stats"] == {"routing_replayed": 118, "routing_replay_mismatch": 0}
 
 
 def test_reference_engine(result):
