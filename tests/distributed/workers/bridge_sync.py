@@ -3,14 +3,16 @@
 torchrun ... bridge_sync.py FAMILY VLLM_TP LAYOUTS OUT_DIR [--one-at-a-time]
   LAYOUTS: comma-separated engine_common specs, e.g. "dp2,tp2,pp2,tp2.ep2.etp1"
 
-Rank 0 owns the target vLLM engine (original fixture weights) and, in subprocesses, fresh oracle
-engines for two perturbed checkpoints A and B (layouts alternate A, B, A, ...: every sync changes
-vLLM's weights). Per layout: build the Megatron engine from the checkpoint, check the bridge's
-logical names against the real shards, sync with the options a run's ``bridge:`` config section
-gives (bridge.verify=true; bridge.transport=auto, or T for LAYOUT@T; LAYOUT@nodes: auto with each
-rank claiming a node of its own, node{rank}, so transfers between ranks go by gloo), compare vLLM
-with the oracle (greedy tokens, prompt log-probs) and with the engine's forward_logprobs; then
-change one norm in Megatron without syncing: verification must raise WeightSyncError naming it.
+Rank 0 owns the target vLLM engine (started on the original fixture weights O) and, in a
+subprocess, a fresh oracle engine for a perturbed checkpoint A. Layouts alternate A, O, A, ...:
+every sync changes vLLM's weights; O's oracle is the target engine's own output before any sync (a
+fresh engine on O), so one oracle engine start is enough. Per layout: build the Megatron engine
+from the checkpoint, check the bridge's logical names against the real shards, sync with the
+options a run's ``bridge:`` config section gives (bridge.verify=true; bridge.transport=auto, or T
+for LAYOUT@T; LAYOUT@nodes: auto with each rank claiming a node of its own, node{rank}, so
+transfers between ranks go by gloo), compare vLLM with the oracle (greedy tokens, prompt log-probs)
+and with the engine's forward_logprobs; then change one norm in Megatron without syncing:
+verification must raise WeightSyncError naming it.
 
 python bridge_sync.py --oracle CKPT TP OUT_JSON [--one-at-a-time]   (fresh engine reference)
 """
@@ -75,7 +77,7 @@ def main():
     rank, world = init()
     vllm_env(out_dir)
     base = fixture(f"tiny-{fam}")
-    ckpts = [os.path.join(out_dir, "A"), os.path.join(out_dir, "B")]
+    ckpts = [os.path.join(out_dir, "A"), base]   # A perturbed; base: the target engine's start weights
     res = {"family": fam, "vllm_tp": vtp, "layouts": {}}
     llm, oracles = None, []
     if rank == 0:
@@ -84,16 +86,16 @@ def main():
         tok = AutoTokenizer.from_pretrained(base)
         prompt_ids = [tok(t).input_ids for t in PROMPT_TEXTS]
         json.dump(prompt_ids, open(os.path.join(out_dir, "prompts.json"), "w"))
-        for i, c in enumerate(ckpts):
-            perturb(base, c, seed=100 + i)
+        perturb(base, ckpts[0], seed=100)
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        for i, c in enumerate(ckpts):   # fresh-engine oracles, in the background
-            cmd = [sys.executable, __file__, "--oracle", c, str(vtp), os.path.join(out_dir, f"oracle{i}.json")]
-            oracles.append(subprocess.Popen(cmd + (["--one-at-a-time"] if one else []), env=env,
-                                            stdout=open(os.path.join(out_dir, f"oracle{i}.log"), "w"),
-                                            stderr=subprocess.STDOUT))
-            if vtp > 1:
-                oracles[-1].wait()   # two TP=2 engines at once oversubscribe the 2 cores
+        # A's fresh-engine oracle, in the background (a TP=2 one is waited for: two TP=2 engines at
+        # once oversubscribe the 2 cores)
+        cmd = [sys.executable, __file__, "--oracle", ckpts[0], str(vtp), os.path.join(out_dir, "oracle0.json")]
+        oracles.append(subprocess.Popen(cmd + (["--one-at-a-time"] if one else []), env=env,
+                                        stdout=open(os.path.join(out_dir, "oracle0.log"), "w"),
+                                        stderr=subprocess.STDOUT))
+        if vtp > 1:
+            oracles[-1].wait()
         from megarl.rollout.vllm_engine import make_llm
         from megarl.rollout.worker_ext import WORKER_EXTENSION
 
@@ -145,7 +147,7 @@ def main():
                 by_path[path] = by_path.get(path, 0) + n
         out = {"build_s": build_s, "names_equal": real == planned,
                "names_only_real": sorted(real - planned)[:5], "names_only_planned": sorted(planned - real)[:5],
-               "sync": stats, "ckpt": "AB"[k % 2], "p2p_messages_all_ranks": int(messages),
+               "sync": stats, "ckpt": "AO"[k % 2], "p2p_messages_all_ranks": int(messages),
                "bytes_by_path_all_ranks": by_path}
         # (b) vLLM prompt log-probs vs the engine's forward_logprobs
         batches = [SequenceBatch([torch.tensor(p)], [1]) for p in prompt_ids]
@@ -177,10 +179,8 @@ def main():
     if rank == 0:
         for p in oracles:
             p.wait()
-        refs = []
-        for i in range(2):
-            path = os.path.join(out_dir, f"oracle{i}.json")
-            refs.append(json.load(open(path)) if os.path.exists(path) else None)
+        path = os.path.join(out_dir, "oracle0.json")
+        refs = [json.load(open(path)) if os.path.exists(path) else None, before]
         for k, (spec, out) in enumerate(res["layouts"].items()):
             got, ref = out.pop("_got"), refs[k % 2]
             if ref is None:
