@@ -30,7 +30,8 @@
   the LR schedule does not advance (the next step takes its second value). Adam state created
   before any update (to save a checkpoint when every update so far was skipped) changes nothing.
 
-One launch: ~100 s on 2 idle-ish cores (the MoE routing checks and DeepSeek-V3 add ~40 s).
+One launch. Measured on 2 shared cores (load 15-45, noisy): 137-170 s, against 79-102 s before
+the routing and DeepSeek-V3 cases; the qwen3-moe section takes ~35-47 s, DeepSeek-V3 ~28-37 s.
 """
 import pytest
 
