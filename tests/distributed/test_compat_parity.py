@@ -1,16 +1,15 @@
 """megarl.compat on 2 gloo processes: the TE layer spec with CPU TE modules at TP=2 (and SP),
 CP=2, THD packing and THD+CP=2 equals the TP=1 / one-sequence-at-a-time computation."""
 import pytest
-
-from launch import run_workers
+from test_engine_parity import two_process_launch
 
 pytestmark = pytest.mark.distributed
 TOL = 1e-5   # fp32 per-token loss; measured ~4.8e-7 (float rounding of a ~4.9 loss)
 
 
 @pytest.fixture(scope="module")
-def result():
-    return run_workers("compat_parity.py", 2)
+def result():   # workers/compat_parity.py, run in the 2-process launch of test_engine_parity.py
+    return two_process_launch()["compat"]
 
 
 @pytest.mark.parametrize("key", ["tp2_max_abs_diff", "tp2_sp_max_abs_diff", "cp2_max_abs_diff",

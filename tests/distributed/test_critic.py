@@ -8,8 +8,7 @@
   would be off by the step itself), and moves the values towards the returns.
 """
 import pytest
-
-from launch import run_workers
+from test_engine_parity import two_process_launch
 
 pytestmark = pytest.mark.distributed
 DENSE = ["tp1", "tp2", "tp2.sp1", "pp2", "cp2"]
@@ -17,8 +16,8 @@ MOE = ["tp1", "tp2.ep2.etp1.sp1"]
 
 
 @pytest.fixture(scope="module")
-def result():
-    return run_workers("critic.py", 2, timeout=900)
+def result():   # workers/critic.py, run in the 2-process launch of test_engine_parity.py
+    return two_process_launch()["critic"]
 
 
 @pytest.mark.parametrize("key", [f"qwen2|{s}" for s in DENSE] + [f"qwen3_moe|{s}" for s in MOE])

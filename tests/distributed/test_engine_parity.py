@@ -14,6 +14,8 @@ megarl.models.mbridge_fixes): F1 rope_theta from rope_parameters (every family),
 config rename, group-limited routing, no MTP, rope_interleave), F6 Qwen3-MoE router normalisation, F7
 DeepSeek-V3's YaRN rope scaling (the tiny fixture keeps the real model's: factor 40, mscale 1). Measured: HF diffs 2e-6..1e-5 (SmolLM2 1.4e-5); packed vs unpacked <= 6.7e-6 (SmolLM2 2.5e-5).
 """
+import functools
+
 import pytest
 
 from launch import run_workers
@@ -43,12 +45,21 @@ def _check(result: dict, expected: list[str]):
         assert value < tol, (key, value)
 
 
-@pytest.fixture(scope="module")
-def two_procs():
+@functools.cache
+def two_process_launch() -> dict:
+    """The one 2-process launch of this file, tests/distributed/test_critic.py and
+    tests/distributed/test_compat_parity.py (they import this function; it runs once per session,
+    for whichever file asks first): {"parity": ..., "critic": ..., "compat": ...}."""
     # layouts (tp, pp, ep): (1,1,1) [dp=2], (2,1,1), (1,2,1), cp=2; MoE: (1,1,2), (2,1,2) with
     # etp=1 and (1,1,1) with etp=2; VPP: pp=2 x vpp=2 on 4 layers; uneven stages on 3 layers.
     return run_workers("engine_parity.py", 2, ",".join(FAMILIES + ["smollm2"]), "-,tp2,pp2,cp2",
-                       "ep2,tp2.ep2.etp1,etp2", "pp2.vpp2", ",".join(UNEVEN), ",".join(UNEVEN_FAMILIES), timeout=900)
+                       "ep2,tp2.ep2.etp1,etp2", "pp2.vpp2", ",".join(UNEVEN), ",".join(UNEVEN_FAMILIES),
+                       "--with-critic-and-compat", timeout=1200)
+
+
+@pytest.fixture(scope="module")
+def two_procs():
+    return two_process_launch()["parity"]
 
 
 def test_parity_two_processes(two_procs):

@@ -1,5 +1,7 @@
 """2-process gloo check of megarl.compat: a GPTModel built from megatron-core's TE layer spec
 (CPU TE modules) at TP=2, CP=2 and with THD packing matches the TP=1 / unpacked computation.
+``run`` inside the launch of engine_parity.py (tests/distributed/test_compat_parity.py), or this
+script alone under torchrun.
 
 Legend: B batch, S sequence, T packed tokens, V vocab.
 """
@@ -54,9 +56,9 @@ def cp_local(x_BS, cp, rank):
     return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=1)
 
 
-def main():
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+def run(rank: int, world: int) -> dict:
+    """Every comparison (the gloo process group is up; megatron's model-parallel state is left
+    destroyed); what rank 0 reports."""
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, VOCAB, (B, S), generator=g)
     labels = torch.randint(0, VOCAB, (B, S), generator=g)
@@ -125,9 +127,15 @@ def main():
     out["thd_cp2_vs_unpacked_max_abs_diff"] = (torch.cat(got) - single).abs().max().item()
     out["thd_vs_tp1_ref_loss_mean"] = single.mean().item()
     out["ref_loss_mean"] = ref.mean().item()
-    if rank == 0:
-        print("RESULT " + json.dumps(out), flush=True)
     ps.destroy_model_parallel()
+    return out
+
+
+def main():
+    dist.init_process_group("gloo")
+    out = run(dist.get_rank(), dist.get_world_size())
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(out), flush=True)
     dist.destroy_process_group()
 
 

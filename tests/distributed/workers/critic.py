@@ -1,4 +1,5 @@
-"""Critic (value head on the Megatron GPTModel) on 2 gloo processes, one torchrun launch.
+"""Critic (value head on the Megatron GPTModel) on 2 gloo processes: ``run`` inside the launch of
+engine_parity.py (tests/distributed/test_critic.py), or this script alone under torchrun.
 
 Per family (tiny-qwen2: untied; tiny-qwen3_moe) and layout:
 1. Values vs transformers: the head is set to a seeded random (w, b); the engine's value of each
@@ -111,12 +112,17 @@ def run_family(tag, path, layouts, world, out, lr):
         gc.collect()
 
 
-def main():
-    rank, world = init()
+def run(world: int) -> dict:
+    """Every family and layout (the process group is up); what rank 0 reports."""
     out = {"world": world}
     run_family("qwen2", fixture("tiny-qwen2"), ["", "tp2", "tp2.sp1", "pp2", "cp2"], world, out, lr=0.02)
     run_family("qwen3_moe", fixture("tiny-qwen3_moe"), ["", "tp2.ep2.etp1.sp1"], world, out, lr=0.002)
-    report(out)
+    return out
+
+
+def main():
+    rank, world = init()
+    report(run(world))
     dist.barrier()
 
 

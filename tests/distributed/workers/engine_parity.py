@@ -1,6 +1,7 @@
 """Engine log-probs vs transformers, for several families and layouts in one torchrun launch.
 
 Usage: engine_parity.py FAMILIES LAYOUTS [MOE_LAYOUTS] [VPP_LAYOUTS] [UNEVEN_LAYOUTS UNEVEN_FAMILIES]
+                        [--with-critic-and-compat]
   FAMILIES         comma-separated: tiny families (llama, qwen2, ...) or smollm2 (first layout only)
   LAYOUTS          comma-separated layout specs for every family ('-' = all sizes 1)
   MOE_LAYOUTS      extra layouts for MoE families only
@@ -9,6 +10,9 @@ Usage: engine_parity.py FAMILIES LAYOUTS [MOE_LAYOUTS] [VPP_LAYOUTS] [UNEVEN_LAY
   UNEVEN_LAYOUTS   layouts run on a 3-layer variant ('pp2.first1': 1 layer on the first stage,
                    2 on the last; 3 layers cannot split evenly over pp=2)
   UNEVEN_FAMILIES  the tiny families UNEVEN_LAYOUTS run for
+  --with-critic-and-compat  then, in the same processes, critic.py's and compat_parity.py's checks
+                   (one launch instead of three: each torchrun launch costs 15-30 s of imports);
+                   the report is then {"parity": ..., "critic": ..., "compat": ...}
 
 Reports per family and layout the max |engine - HF| over the response tokens of 3 packed
 sequences (split in 2 micro-batches), and at the first layout packed (THD, one row) vs unpacked
@@ -37,20 +41,24 @@ def layers_by_stage(model) -> list:
     return [layers for _, layers in sorted(dict(every).items())]
 
 
-def engine_logprobs(path, spec, world, ids, prompts, split=(2,), placement=None):
-    """Response log-probs of the engine at layout ``spec``; ``placement`` (a dict) receives the
-    engine's layers per stage under "stages"."""
+def engine_logprobs(path, spec, world, ids, prompts, splits=((2,),), placement=None) -> list:
+    """Response log-probs of one engine at layout ``spec`` for each micro-batch split in ``splits``
+    (one engine build for all of them); ``placement`` (a dict) receives the engine's layers per
+    stage under "stages"."""
     engine = reference_engine(ModelOptions(path=path), groups_for(spec, world))
-    outs = engine.forward_logprobs(micro_batches(ids, prompts, split))
+    got = [torch.cat([o.logprobs_R for o in engine.forward_logprobs(micro_batches(ids, prompts, split))]).double()
+           for split in splits]
     if placement is not None:
         placement["stages"] = layers_by_stage(engine.model)
     del engine
     gc.collect()
-    return torch.cat([o.logprobs_R for o in outs]).double()
+    return got
 
 
 def main():
     rank, world = init()
+    others = "--with-critic-and-compat" in sys.argv
+    sys.argv = [a for a in sys.argv if a != "--with-critic-and-compat"]
     families = sys.argv[1].split(",")
     layouts = [s for s in sys.argv[2].split(",") if s]
     moe_layouts = [s for s in (sys.argv[3] if len(sys.argv) > 3 else "").split(",") if s]
@@ -70,17 +78,18 @@ def main():
             todo = layouts[:1]
         for i, spec in enumerate(todo):
             spec = spec.replace("-", "")
-            got = engine_logprobs(path, spec, world, ids, prompts)
+            # at the first layout also packed THD (all sequences in one row) and one sequence per
+            # micro-batch, from the same engine
+            got, *more = engine_logprobs(path, spec, world, ids, prompts, ((2,), (), (1, 2)) if i == 0 else ((2,),))
             out[f"{name}|{spec or 'tp1'}"] = (got - ref).abs().max().item()
-            if i == 0:   # packed THD (all sequences in one row) vs one sequence per micro-batch
-                packed = engine_logprobs(path, spec, world, ids, prompts, split=())
-                single = engine_logprobs(path, spec, world, ids, prompts, split=(1, 2))
+            if more:
+                packed, single = more
                 out[f"{name}|packed_vs_unpacked|{spec or 'tp1'}"] = (packed - single).abs().max().item()
         if vpp_layouts and family != "smollm2":
             deep = deeper_variant(family, 4)
             ref4 = hf_logprobs(deep, ids, prompts)
             for spec in vpp_layouts:
-                got = engine_logprobs(deep, spec, world, ids, prompts)
+                got, = engine_logprobs(deep, spec, world, ids, prompts)
                 out[f"{name}-4l|{spec}"] = (got - ref4).abs().max().item()
             remove_dir(deep)
         if uneven_layouts and family in uneven_families:
@@ -88,13 +97,18 @@ def main():
             ref3 = hf_logprobs(deep, ids, prompts)
             for spec in uneven_layouts:
                 placement = {}
-                got = engine_logprobs(deep, spec, world, ids, prompts, placement=placement)
+                got, = engine_logprobs(deep, spec, world, ids, prompts, placement=placement)
                 out[f"{name}-3l|{spec}"] = (got - ref3).abs().max().item()
                 out[f"{name}-3l|{spec}|stages"] = placement["stages"]
             remove_dir(deep)
         out[f"{name}|seconds"] = round(time.time() - t0, 1)
         if rank == 0:
             print(f"{name}: {json.dumps({k: v for k, v in out.items() if k.startswith(name)})}", flush=True)
+    if others:
+        import compat_parity
+        import critic
+
+        out = {"parity": out, "critic": critic.run(world), "compat": compat_parity.run(rank, world)}
     report(out)
 
 
