@@ -8,10 +8,13 @@ in the backward pass: ``in_recompute`` (a callable, :meth:`megarl.engine.replay.
 tells those calls apart, which are not counted again.
 
 Aux / z losses are read from megatron's layer-wise tracker (values per layer, summed over
-micro-batches), averaged over micro-batches, DP/CP ranks and MoE layers. Deviation from
-megatron's ``track_moe_metrics``: the reduction here is done with fixed names and shapes on every
-rank (megatron's assumes every pipeline stage has MoE layers and hangs otherwise, e.g.
-DeepSeek's dense first layer alone on stage 0).
+micro-batches) and reduced as megatron's ``reduce_aux_losses_tracker_across_ranks`` does: the
+load-balancing loss of a rank is its share of the loss over the TP x CP group's tokens (the expert
+counts are summed over that group), so shares are summed over TP x CP, then averaged over DP; the
+z-loss of a rank is the mean over its own tokens, so it is averaged over TP x CP and DP; both are
+averaged over micro-batches and MoE layers. Deviation from megatron: the reduction here is done
+with fixed names and shapes on every rank (megatron's assumes every pipeline stage has MoE layers
+and hangs otherwise, e.g. DeepSeek's dense first layer alone on stage 0).
 
 Shape legend: Lm MoE layers of the whole model, E experts.
 """
@@ -57,8 +60,12 @@ class MoEStats:
     def reset(self) -> None:
         self.counts = {}
         if self.num_experts:
-            from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+            from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
+                                                                 get_moe_layer_wise_logging_tracker)
 
+            tracker = get_moe_layer_wise_logging_tracker()
+            for name in [n for n, entry in tracker.items() if entry["values"].numel() != self.num_layers]:
+                del tracker[name]   # sized for another model built earlier in this process (deeper or not)
             clear_aux_losses_tracker()
 
     def report(self, num_micro_batches: int) -> dict:
@@ -83,8 +90,10 @@ class MoEStats:
             if name in tracker:
                 losses[i] = tracker[name]["values"].detach().to(torch.float64)[: self.num_layers]
         dist.all_reduce(losses, group=pgs.pp)
-        dist.all_reduce(losses, group=pgs.dp_cp)
-        losses /= dist.get_world_size(pgs.dp_cp) * max(num_micro_batches, 1)
+        dist.all_reduce(losses, group=pgs.tp_cp)
+        dist.all_reduce(losses, group=pgs.dp)
+        losses[1] /= dist.get_world_size(pgs.tp_cp)                       # z-loss: a mean over the group
+        losses /= dist.get_world_size(pgs.dp) * max(num_micro_batches, 1)
         moe_rows = [layer - 1 for layer in self.moe_layers]
         per_layer = losses[:, moe_rows].mean(dim=1)
         mean_E = counts_LE.mean(dim=1, keepdim=True).clamp(min=1e-9)

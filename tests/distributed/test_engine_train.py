@@ -84,6 +84,12 @@ def test_moe_metrics(result):
         assert all(sum(row) == 59 * 2 for row in counts)
         for key in layouts[1:]:
             assert result[f"{model}|{key}|moe_tokens_per_expert"] == counts
+            # the aux / z losses are the same quantities at every layout: a TP x CP rank's
+            # load-balancing loss is its share (summed), its z-loss a mean over its tokens (averaged).
+            # They are not bitwise equal: at tp1 (dp2) each DP rank's loss is over its own tokens.
+            for name in ("moe_aux_loss", "moe_z_loss"):
+                ref, got = result[f"{model}|tp1|stats"][name], result[f"{model}|{key}|stats"][name]
+                assert abs(got - ref) <= 0.1 * ref, (model, key, name, got, ref)
 
 
 def _token_layers(result, model):

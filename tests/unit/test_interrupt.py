@@ -1,7 +1,7 @@
 """SIGINT/SIGTERM of a run (megarl/trainer/interrupt.py), without Ray: the handlers' flag logic,
 and the real loop (``megarl.trainer.loop.train``) over an in-process fake worker group whose
 phases send the signals, so that each case lands in a known phase of step 2. The real engines,
-Ray and a terminal's Ctrl-C to the process group are in tests/e2e/test_interrupt_e2e.py."""
+Ray and a terminal's Ctrl-C to the process group are in tests/e2e/test_faults_e2e.py."""
 import json
 import os
 import signal
