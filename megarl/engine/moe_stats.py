@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megarl.engine.replay import moe_layer_numbers
+
 _TRACKED = ("load_balancing_loss", "z_loss")
 
 
@@ -37,9 +39,7 @@ class MoEStats:
         self.counts: dict[int, torch.Tensor] = {}
         if not self.num_experts:
             return
-        freq = config.moe_layer_freq
-        pattern = freq if isinstance(freq, list) else [1 if i % freq == 0 else 0 for i in range(self.num_layers)]
-        self.moe_layers = [i + 1 for i, is_moe in enumerate(pattern) if is_moe]
+        self.moe_layers = moe_layer_numbers(config)
         for module in modules:
             for sub in module.modules():
                 if isinstance(sub, TopKRouter):

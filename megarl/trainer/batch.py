@@ -120,15 +120,10 @@ def micro_batches_for(rollout: Rollout, plan, dp_rank: int, per_sample: dict[str
 
 def scatter_back(rollout: Rollout, plan, outputs_per_rank: dict[int, list]) -> list[torch.Tensor]:
     """Per-micro-batch packed [R] outputs of every DP rank -> one [R_i] tensor per sample."""
-    per_sample: list = [None] * len(rollout)
-    for dp_rank, outs in outputs_per_rank.items():
-        for indices, packed_R in zip(plan.micro_batches[dp_rank], outs):
-            sizes = [len(rollout.response_ids[i]) for i in indices]
-            for i, part in zip(indices, torch.split(packed_R, sizes)):
-                per_sample[i] = part
-    missing = [i for i, v in enumerate(per_sample) if v is None]
-    assert not missing, f"samples {missing[:5]} got no output"
-    return per_sample
+    return scatter_sequences(rollout, plan, {
+        dp_rank: [torch.split(packed_R, [len(rollout.response_ids[i]) for i in indices])
+                  for indices, packed_R in zip(plan.micro_batches[dp_rank], outs)]
+        for dp_rank, outs in outputs_per_rank.items()})
 
 
 def scatter_sequences(rollout: Rollout, plan, outputs_per_rank: dict[int, list]) -> list:
