@@ -219,6 +219,11 @@ def check_sections(cfg: MegaRLConfig) -> None:
     if cfg.trainer.mode != "on_policy" and cfg.trainer.offload_train_state:
         raise invalid_value("trainer.offload_train_state", True, f"false with trainer.mode={cfg.trainer.mode!r} "
                             "(the engines generate while Megatron trains: its state stays on the devices)")
+    if cfg.rollout.agent == "tools" and cfg.trainer.mode != "on_policy":
+        raise invalid_value("rollout.agent", "tools", f"'single_turn' with trainer.mode={cfg.trainer.mode!r} (the "
+                            "agent loop runs in on_policy mode only)")
+    if cfg.rollout.agent == "tools" and cfg.rollout.search_corpus and not Path(cfg.rollout.search_corpus).is_file():
+        raise invalid_value("rollout.search_corpus", cfg.rollout.search_corpus, "an existing .txt or .jsonl file")
     if cfg.trainer.offload_train_state and cfg.rollout.placement == "split":
         raise invalid_value("trainer.offload_train_state", True, "false with rollout.placement='split' "
                             "(training and rollout do not share devices: nothing to make room for)")

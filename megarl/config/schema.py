@@ -155,10 +155,43 @@ class RolloutConfig:
     token to in every MoE layer (``routed_experts``, [tokens, MoE layers, top-k]); the routing
     metrics (routing/*) then compare it with the trainer's own routing every step. Implied by
     algorithm.router_replay='r3'."""
+    agent: Literal["single_turn", "tools"] = "single_turn"
+    """single_turn: one response per sample. tools: a multi-turn agent loop (megarl/agent): the
+    model calls tools in its chat template's tool-call format (Hermes <tool_call>{json}</tool_call>
+    as the fallback), their results are appended as the template's tool messages and the model
+    continues, up to rollout.max_turns turns; rollout.max_response_tokens is then the budget of the
+    whole trajectory after the prompt (model and tool-result tokens). Only model-sampled tokens
+    carry loss; turns of different trajectories interleave on the engines."""
+    max_turns: int = 4
+    """agent=tools: model turns per trajectory at most (the last one gets no tool results)."""
+    tools: str = "calculator"
+    """agent=tools: comma-separated tool names (calculator, python, search)."""
+    tool_timeout_s: float = 5.0
+    """agent=tools: wall-clock limit of one tool call (the python tool's process is killed with
+    its children); a timeout returns an error message to the model and is counted."""
+    tool_workers: int = 4
+    """agent=tools: tool calls that run at the same time at most (a bounded pool)."""
+    tool_output_chars: int = 1024
+    """agent=tools: a tool result longer than this is truncated with a marker."""
+    python_memory_mb: int = 256
+    """agent=tools, python tool: address-space limit of its process."""
+    search_corpus: str = ""
+    """agent=tools, search tool: the local corpus, a .txt file (blank-line separated documents)
+    or a .jsonl file ({"text": ...} per line)."""
 
     def validate(self):
         _positive(self, "dp", "tp", "ep", "n", "max_prompt_tokens", "max_response_tokens", "kv_cache_gib",
-                  "engine_timeout_s")
+                  "engine_timeout_s", "max_turns", "tool_timeout_s", "tool_workers", "tool_output_chars",
+                  "python_memory_mb")
+        if self.agent == "tools":
+            known = ("calculator", "python", "search")
+            names = [t.strip() for t in self.tools.split(",") if t.strip()]
+            bad = [t for t in names if t not in known]
+            if not names or bad:
+                raise ConfigValueError("tools", self.tools, "comma-separated names from " + ", ".join(known))
+            if "search" in names and not self.search_corpus:
+                raise ConfigValueError("search_corpus", self.search_corpus, "a .txt or .jsonl file with the "
+                                       "search tool's documents (rollout.tools names search)")
         _positive(self, "engine_restarts", allow_zero=True)
         _positive(self, "temperature", allow_zero=True)
         if self.ep not in (1, self.tp):
@@ -300,8 +333,9 @@ class AlgorithmConfig:
 @dataclass
 class DataConfig:
     task: str = "arithmetic"
-    """'arithmetic' (built-in offline generator) or a .parquet/.jsonl file with columns
-    prompt, answer, data_source."""
+    """'arithmetic' (built-in offline generator), 'calculator' (built-in multi-step word problems
+    for rollout.agent=tools, megarl/tasks/word_problems.py) or a .parquet/.jsonl file with
+    columns prompt, answer, data_source."""
     difficulty: int = 1
     """Arithmetic task level (1 = one-digit sums; higher adds digits, operands, products)."""
     prompts_per_step: int = 8
@@ -321,8 +355,9 @@ class DataConfig:
     def validate(self):
         _positive(self, "difficulty", "prompts_per_step", "reward_timeout_s")
         _positive(self, "eval_prompts", allow_zero=True)
-        if self.task != "arithmetic" and not self.task.endswith((".parquet", ".jsonl")):
-            raise ConfigValueError("task", self.task, "'arithmetic' or a path ending in .parquet or .jsonl")
+        if self.task not in ("arithmetic", "calculator") and not self.task.endswith((".parquet", ".jsonl")):
+            raise ConfigValueError("task", self.task, "'arithmetic', 'calculator' or a path ending in .parquet "
+                                   "or .jsonl")
 
 
 @dataclass
