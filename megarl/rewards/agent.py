@@ -1,0 +1,37 @@
+"""Rewards for multi-turn agent trajectories (``data_source="calculator"``, :mod:`megarl.tasks.word_problems`).
+
+:func:`calculator_reward`: 1.0 when the number after the last ``####`` of the model's final turn
+equals the gold answer (compared exactly as fractions: ``146.0`` == ``146``; commas are thousands
+separators, ``1,460`` == ``1460``), else 0.0; plus ``tool_bonus`` when the trajectory made
+at least one well-formed tool call and no malformed one (parse errors and unknown tool names, as the
+agent loop counts them).
+
+The bonus is paid only when the final turn has a ``#### <number>`` answer line, right or wrong.
+Why not always: a bonus for calling a tool alone is earned by a trajectory that calls the
+calculator and then never answers, which GRPO would rank above a direct correct answer's siblings
+that ended without any answer line. Why not only on a right answer: then it adds nothing a small
+model can learn from early on (its correct answers are rare) and mostly rewards lucky guesses that
+happened to call a tool. Keep it small next to 1.0 (0.1 or less): a trajectory with any valid call
+and any answer line gets it, so a large bonus teaches calling the tool for show.
+"""
+
+from __future__ import annotations
+
+from megarl.rewards.math import extract_gsm8k_answer, gsm8k_reward
+
+__all__ = ["calculator_reward"]
+
+
+def calculator_reward(response: str, answer: str, tool_calls_ok: int = 0, tool_calls_bad: int = 0,
+                      tool_bonus: float = 0.0, **extra) -> float:
+    """Correctness of the ``#### N`` answer in ``response`` (the final turn's text) plus the tool bonus.
+
+    ``answer``: the gold integer as a string (or a full solution ending in ``#### N``).
+    ``tool_calls_ok``/``tool_calls_bad``: the trajectory's well-formed and malformed tool calls.
+    ``tool_bonus``: added when ``tool_calls_ok >= 1``, ``tool_calls_bad == 0`` and the answer line
+    is present (see the module docstring). Other keywords (``data_source``, dataset columns) are
+    ignored."""
+    score = gsm8k_reward(response, answer)   # 1.0 right, 0.0 wrong or no '####' number
+    if tool_bonus and tool_calls_ok >= 1 and tool_calls_bad == 0 and extract_gsm8k_answer(response) is not None:
+        score += float(tool_bonus)
+    return score
