@@ -162,7 +162,8 @@ def correct_rollout(train_lp: list[torch.Tensor], rollout_lp: list[list[float]],
     ``train_lp``: the trainer's log-probs of each sample's response tokens ([R_i] tensors);
     ``rollout_lp``: vLLM's of the same tokens; ``cfg_algorithm``: an
     :class:`megarl.config.schema.AlgorithmConfig` (its ``rollout_correction`` and
-    ``correction_*`` fields). Every response token is in the base mask.
+    ``correction_*`` fields). The base mask is every response token with a vLLM log-prob (the
+    agent loop's inserted tool-result tokens have NaN: not sampled, no loss).
     """
     if len(train_lp) != len(rollout_lp):
         raise ValueError(f"{len(train_lp)} samples of trainer log-probs but {len(rollout_lp)} of rollout log-probs")
@@ -174,7 +175,8 @@ def correct_rollout(train_lp: list[torch.Tensor], rollout_lp: list[list[float]],
     cu_N1 = torch.tensor([0] + lengths).cumsum(0)
     train_T = torch.cat([t.detach().double().reshape(-1) for t in train_lp]) if train_lp else torch.zeros(0)
     rollout_T = torch.tensor([x for r in rollout_lp for x in r], dtype=torch.float64)
-    mask_T = torch.ones(train_T.numel(), dtype=torch.bool)
+    mask_T = ~torch.isnan(rollout_T)
+    rollout_T = torch.where(mask_T, rollout_T, train_T)   # unsampled tokens: ratio 1, masked out anyway
     a = cfg_algorithm
     if a.rollout_correction == "none":
         return {}, mismatch_metrics(train_T, rollout_T, mask_T)

@@ -222,6 +222,9 @@ def check_sections(cfg: MegaRLConfig) -> None:
     if cfg.rollout.agent == "tools" and cfg.trainer.mode != "on_policy":
         raise invalid_value("rollout.agent", "tools", f"'single_turn' with trainer.mode={cfg.trainer.mode!r} (the "
                             "agent loop runs in on_policy mode only)")
+    if cfg.rollout.agent == "tools" and (cfg.algorithm.router_replay != "off" or cfg.rollout.return_routing):
+        raise invalid_value("rollout.agent", "tools", "'single_turn' with algorithm.router_replay or "
+                            "rollout.return_routing (the routing of a multi-turn trajectory is not collected yet)")
     if cfg.rollout.agent == "tools" and cfg.rollout.search_corpus and not Path(cfg.rollout.search_corpus).is_file():
         raise invalid_value("rollout.search_corpus", cfg.rollout.search_corpus, "an existing .txt or .jsonl file")
     if cfg.trainer.offload_train_state and cfg.rollout.placement == "split":

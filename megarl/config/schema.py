@@ -343,7 +343,8 @@ class DataConfig:
     eval_prompts: int = 32
     """Held-out prompts scored greedily at each evaluation."""
     reward: str = "gsm8k"
-    """Reward function: registry name (gsm8k, gsm8k_lenient, arithmetic, math, format) or a dotted
+    """Reward function: registry name (gsm8k, gsm8k_lenient, arithmetic, math, format,
+    calculator, calculator_bonus) or a dotted
     path module:function with signature fn(response, answer, **extra) -> float."""
     reward_timeout_s: float = 10.0
     """Per-sample reward timeout; a timeout or exception scores 0 and is counted."""

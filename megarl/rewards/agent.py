@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from megarl.rewards.math import extract_gsm8k_answer, gsm8k_reward
 
-__all__ = ["calculator_reward"]
+__all__ = ["calculator_reward", "calculator_bonus_reward"]
 
 
 def calculator_reward(response: str, answer: str, tool_calls_ok: int = 0, tool_calls_bad: int = 0,
@@ -35,3 +35,9 @@ def calculator_reward(response: str, answer: str, tool_calls_ok: int = 0, tool_c
     if tool_bonus and tool_calls_ok >= 1 and tool_calls_bad == 0 and extract_gsm8k_answer(response) is not None:
         score += float(tool_bonus)
     return score
+
+
+def calculator_bonus_reward(response: str, answer: str, tool_calls_ok: int = 0, tool_calls_bad: int = 0,
+                            **extra) -> float:
+    """:func:`calculator_reward` with ``tool_bonus=0.1`` (registry name ``calculator_bonus``)."""
+    return calculator_reward(response, answer, tool_calls_ok, tool_calls_bad, tool_bonus=0.1)

@@ -14,7 +14,9 @@ module level. Raising is allowed: the sample scores 0.0 and is counted as an err
 worker process on every call stops the run (:class:`megarl.rewards.pool.RewardWorkerCrash`).
 
 Names: ``gsm8k`` and ``arithmetic`` (``#### N`` answers), ``math`` (``\\boxed{}`` answers with
-math-verify), ``format`` (answer format only). A name that is not registered but contains ``:``
+math-verify), ``format`` (answer format only), ``calculator`` and ``calculator_bonus``
+(multi-turn tool trajectories, :mod:`megarl.rewards.agent`: the final turn's ``#### N``; the
+second adds 0.1 for well-formed tool calls). A name that is not registered but contains ``:``
 or ``.`` is imported as ``package.module:function`` or ``package.module.function``
 (:mod:`megarl.plugins`).
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 from typing import Callable
 
 from megarl.plugins import resolve
+from megarl.rewards.agent import calculator_bonus_reward, calculator_reward
 from megarl.rewards.math import boxed_math_reward, format_reward, gsm8k_lenient_reward, gsm8k_reward
 
 __all__ = ["REWARD_FUNCTIONS", "get_reward_fn"]
@@ -36,6 +39,8 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "arithmetic": gsm8k_reward,
     "math": boxed_math_reward,
     "format": format_reward,
+    "calculator": calculator_reward,
+    "calculator_bonus": calculator_bonus_reward,
 }
 
 

@@ -44,6 +44,7 @@ finished requests (:class:`RoutingReader`); on GPU they come from vLLM's own
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import threading
 import time
@@ -53,7 +54,7 @@ import numpy as np
 
 CONTROL = "control"
 """The Ray concurrency group of :data:`CONTROL_METHODS` (one thread of its own)."""
-CONTROL_METHODS = ("pause", "resume")
+CONTROL_METHODS = ("pause", "resume", "submit", "close_stream")
 
 
 def captures_routing(cfg) -> bool:
@@ -242,7 +243,8 @@ def sampling_params(rollout_cfg, seeds: list[int], greedy: bool = False) -> list
 def request_params(rollout_cfg, requests: list[dict]) -> list:
     """One ``vllm.SamplingParams`` per request of :meth:`EngineActor.generate_requests`: one
     sample (greedy, or ``rollout``'s temperature, top_p, top_k) of at most the request's
-    ``max_tokens``, with its ``seed``, vLLM's log-prob of each sampled token, and outputs that
+    ``max_tokens``, with its ``seed`` (and its optional ``stop_token_ids``), vLLM's log-prob of
+    each sampled token, and outputs that
     carry only the tokens new since the previous output (``RequestOutputKind.DELTA``: the actor
     accumulates every request's tokens and log-probs so far, which a pause returns)."""
     from vllm import SamplingParams
@@ -255,6 +257,8 @@ def request_params(rollout_cfg, requests: list[dict]) -> list:
                              "an integer >= 1 (the tokens it may still generate)")
         sampling = dict(temperature=0.0) if q["greedy"] else dict(temperature=r.temperature, top_p=r.top_p,
                                                                   top_k=r.top_k)
+        if q.get("stop_token_ids"):   # e.g. the chat template's end-of-turn token (the agent loop)
+            sampling["stop_token_ids"] = list(q["stop_token_ids"])
         out.append(SamplingParams(n=1, **sampling, max_tokens=q["max_tokens"], logprobs=0, seed=q["seed"],
                                   output_kind=RequestOutputKind.DELTA))
     return out
@@ -326,6 +330,8 @@ class EngineActor:
 
         self.cfg, self.index = cfg, index
         self.paused = threading.Event()
+        self._inboxes: dict = {}   # open stream id -> queue of submitted request lists (None: closed)
+        self._inbox_lock = threading.Lock()
         self.llm = make_rollout_llm(cfg, str(resolve_model_path(cfg.model.path)), cores)
         if cfg.rollout.weight_noise_std > 0:
             from megarl.rollout.worker_ext import SET_WEIGHT_NOISE
@@ -385,7 +391,22 @@ class EngineActor:
                     done, last = [], now
         yield {"done": done, "busy_s": time.perf_counter() - t0, "tokens": tokens}
 
-    def generate_requests(self, requests: list[dict], flush_s: float = 0.25, heartbeat_s: float = 2.0):
+    def _inbox(self, stream_id: str) -> "queue.Queue":
+        with self._inbox_lock:
+            return self._inboxes.setdefault(stream_id, queue.Queue())
+
+    def submit(self, stream_id: str, requests: list[dict]) -> None:
+        """Add ``requests`` to the open :meth:`generate_requests` stream ``stream_id`` (a control
+        method: it runs while the stream holds the default thread; the stream may not have started
+        yet, the requests wait for it)."""
+        self._inbox(stream_id).put(list(requests))
+
+    def close_stream(self, stream_id: str) -> None:
+        """No more :meth:`submit` to ``stream_id``: the stream ends once its requests have."""
+        self._inbox(stream_id).put(None)
+
+    def generate_requests(self, requests: list[dict], flush_s: float = 0.25, heartbeat_s: float = 2.0,
+                          stream_id: str | None = None):
         """Generate one sample per request until each ends or the engine is paused (a Ray
         streaming generator). ``requests``: ``{"id": hashable, "prompt_ids", "seed", "max_tokens",
         "greedy"}`` (:func:`request_params`). Yields ``{"done": [(id, sample)], "partial": [(id,
@@ -395,28 +416,68 @@ class EngineActor:
         its last message's ``partial``, with the tokens and log-probs they had (possibly none;
         ``clipped`` false); ``partial`` is empty otherwise. ``rollout.delay_per_token_s``: as
         :meth:`generate_stream`. Capturing routing, done and partial samples carry
-        ``routed_experts`` (a partial's: what was computed before the abort)."""
+        ``routed_experts`` (a partial's: what was computed before the abort).
+
+        ``stream_id`` (an open stream): the call also takes the requests that :meth:`submit` adds
+        under that id while it runs (between engine steps; it waits for them when it has nothing
+        to run) and ends only after :meth:`close_stream` and its last request. This is how the
+        agent loop (:mod:`megarl.agent.loop`) sends a trajectory's next turn while other
+        trajectories are still generating."""
         from vllm import TokensPrompt
 
         delay = self.cfg.rollout.delay_per_token_s
         reader = routing_reader(self.llm)
-        num_prompt = {f"megarl-{j}": len(q["prompt_ids"]) for j, q in enumerate(requests)}
+        num_prompt: dict = {}
         internal = {}   # external id -> vLLM's internal id (add_request's answer), the routing's key
         t0 = time.perf_counter()
-        tokens, done, last = 0, [], t0
+        tokens, done, last, idle_s = 0, [], t0, 0.0   # idle: an open stream waiting for submissions
         # vLLM request id -> the request's id and sample so far. Outputs and abort_request(internal=False)
         # use these external ids; vLLM's internal ones add a random suffix (see generate_stream).
-        pending = {f"megarl-{j}": (q["id"], {"token_ids": [], "logprobs": [], "clipped": False})
-                   for j, q in enumerate(requests)}
+        pending: dict = {}
+        inbox = self._inbox(stream_id) if stream_id is not None else None
+        is_open = inbox is not None
+        engine = self.llm.llm_engine
+
+        def add(new: list[dict]) -> None:
+            if not new:
+                return
+            rids = [f"megarl-{len(num_prompt) + j}" for j in range(len(new))]
+            for rid, q in zip(rids, new):
+                num_prompt[rid] = len(q["prompt_ids"])
+                pending[rid] = (q["id"], {"token_ids": [], "logprobs": [], "clipped": False})
+            if self.paused.is_set():
+                return   # returned as partials (nothing generated)
+            inputs = engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=q["prompt_ids"]) for q in new])
+            for rid, prompt, params in zip(rids, inputs, request_params(self.cfg.rollout, new)):
+                internal[rid] = engine.add_request(rid, prompt, params)
+
+        def take_inbox(wait_s: float) -> None:
+            nonlocal is_open
+            while is_open:
+                try:
+                    item = inbox.get(timeout=wait_s) if wait_s else inbox.get_nowait()
+                except queue.Empty:
+                    return
+                wait_s = 0.0
+                if item is None:
+                    is_open = False
+                else:
+                    add(item)
+
         with self._errors("generate"):
-            engine = self.llm.llm_engine
             try:
-                if not self.paused.is_set() and requests:
-                    inputs = engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=q["prompt_ids"])
-                                                          for q in requests])
-                    for rid, prompt, params in zip(pending, inputs, request_params(self.cfg.rollout, requests)):
-                        internal[rid] = engine.add_request(rid, prompt, params)
-                while pending and not self.paused.is_set():
+                add(requests)
+                take_inbox(0.0)
+                while (pending or is_open) and not self.paused.is_set():
+                    if not pending:   # an open stream with nothing to run: wait for submissions
+                        t_wait = time.perf_counter()
+                        take_inbox(0.02)
+                        now = time.perf_counter()
+                        idle_s += now - t_wait
+                        if now - last >= heartbeat_s or (done and now - last >= flush_s):
+                            yield {"done": done, "partial": [], "busy_s": now - t0 - idle_s, "tokens": tokens}
+                            done, last = [], now
+                        continue
                     routed = []
                     for out in engine.step():
                         if out.request_id not in pending:
@@ -439,20 +500,26 @@ class EngineActor:
                                            f"{len(pending)} of this call's requests never finished")
                     now = time.perf_counter()
                     if (done and now - last >= flush_s) or now - last >= heartbeat_s:
-                        yield {"done": done, "partial": [], "busy_s": now - t0, "tokens": tokens}
+                        yield {"done": done, "partial": [], "busy_s": now - t0 - idle_s, "tokens": tokens}
                         done, last = [], now
+                    take_inbox(0.0)
                 if pending:
-                    engine.abort_request(list(pending), internal=False)
+                    engine.abort_request([rid for rid in pending if rid in internal], internal=False)
                     if reader is not None:   # what was computed before the abort
                         reader.attach([(internal.get(rid), sample, num_prompt[rid], None)
                                        for rid, (_, sample) in pending.items()])
             except GeneratorExit:   # the consumer went away: leave no request running in vLLM
                 if pending:
-                    engine.abort_request(list(pending), internal=False)
+                    engine.abort_request([rid for rid in pending if rid in internal], internal=False)
                     if reader is not None:
                         reader.forget([internal.get(rid) for rid in pending])
                 raise
-        yield {"done": done, "partial": list(pending.values()), "busy_s": time.perf_counter() - t0, "tokens": tokens}
+            finally:
+                if stream_id is not None:
+                    with self._inbox_lock:
+                        self._inboxes.pop(stream_id, None)
+        yield {"done": done, "partial": list(pending.values()), "busy_s": time.perf_counter() - t0 - idle_s,
+               "tokens": tokens}
 
     def pause(self) -> None:
         """Stop a running :meth:`generate_requests` at its next engine step (its unfinished

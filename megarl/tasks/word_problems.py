@@ -175,8 +175,25 @@ def make_word_problem(rng: random.Random, level: int) -> tuple[str, str, int, li
             return kind, text, value, list(numbers.values())
 
 
-def generate_word_problems(num_examples: int, level: int = 1, seed: int = 0) -> list[PromptRecord]:
-    """``num_examples`` word problems at ``level``; the same (level, seed) gives the same list."""
+DEMO_MESSAGES = [
+    {"role": "user", "content": "A baker makes 48 rolls and sells 12 of them. He packs the rest into bags of 4. "
+                                "How many bags does he fill?" + PROMPT_SUFFIX},
+    {"role": "assistant", "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": '
+                                     '"(48 - 12) / 4"}}\n</tool_call>'},
+    {"role": "tool", "content": "9"},
+    {"role": "assistant", "content": "He fills 9 bags.\n#### 9"},
+]
+"""One worked exchange put before every problem (``demo=True``): a small model (SmolLM2-135M)
+never writes a tool call from the tools' description alone (0 of 64 samples, measured), and
+does in about 4 of 10 samples after this demonstration (most malformed at first: the loop sends
+their parse errors back, and the reward's tool bonus pays for well-formed ones). It uses the
+Hermes ``<tool_call>`` format, the agent loop's fallback (SmolLM2's template has none of its own)."""
+
+
+def generate_word_problems(num_examples: int, level: int = 1, seed: int = 0,
+                           demo: bool = False) -> list[PromptRecord]:
+    """``num_examples`` word problems at ``level``; the same (level, seed) gives the same list.
+    ``demo``: each prompt is chat messages, :data:`DEMO_MESSAGES` then the problem."""
     if num_examples <= 0:
         raise ValueError(f"num_examples must be > 0, got {num_examples}")
     if level not in LEVELS:
@@ -185,6 +202,9 @@ def generate_word_problems(num_examples: int, level: int = 1, seed: int = 0) -> 
     records = []
     for _ in range(num_examples):
         kind, text, value, numbers = make_word_problem(rng, level)
-        records.append(PromptRecord(prompt=text + PROMPT_SUFFIX, answer=str(value), data_source="calculator",
+        prompt = text + PROMPT_SUFFIX
+        if demo:
+            prompt = [dict(m) for m in DEMO_MESSAGES] + [{"role": "user", "content": prompt}]
+        records.append(PromptRecord(prompt=prompt, answer=str(value), data_source="calculator",
                                     extra={"level": level, "kind": kind, "numbers": numbers}))
     return records

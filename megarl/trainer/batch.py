@@ -36,6 +36,10 @@ class Rollout:
     """MoE models with rollout.return_routing (or router_replay r3): per sample, the experts vLLM
     routed each prompt and response token to, int16 ``[P + R, Lm, K]`` (-1 rows: not computed,
     e.g. the last token); empty otherwise."""
+    loss_masks: list[list[bool]] = field(default_factory=list)
+    """rollout.agent=tools: per response token, whether it carries loss (true: sampled by the
+    model; false: inserted tool-result tokens, whose ``sample_logprobs`` are NaN); empty: every
+    response token does."""
 
     @classmethod
     def from_generations(cls, prompt_ids, answers, generations, extras=None) -> "Rollout":
@@ -51,12 +55,20 @@ class Rollout:
                 r.clipped.append(s["clipped"])
                 if extras is not None:
                     r.extras.append(dict(extras[i]))
+                if "loss_mask" in s:
+                    if len(s["loss_mask"]) != len(s["token_ids"]):
+                        raise ValueError(f"a sample of prompt {i} has a loss_mask of {len(s['loss_mask'])} tokens "
+                                         f"for {len(s['token_ids'])} response tokens")
+                    r.loss_masks.append(list(s["loss_mask"]))
                 if "routed_experts" in s:
                     routing, rows = s["routed_experts"], len(prompt) + len(s["token_ids"])
                     if routing.shape[0] != rows:
                         raise ValueError(f"a sample of prompt {i} has routed_experts for {routing.shape[0]} tokens, "
                                          f"expected {rows} (prompt + response)")
                     r.routed_experts.append(routing)
+        if r.loss_masks and len(r.loss_masks) != len(r.response_ids):
+            raise ValueError(f"{len(r.loss_masks)} of {len(r.response_ids)} samples have a loss_mask; expected all "
+                             "or none")
         if r.routed_experts and len(r.routed_experts) != len(r.response_ids):
             raise ValueError(f"{len(r.routed_experts)} of {len(r.response_ids)} samples have routed_experts; "
                              "expected all or none (every engine captures routing, or none)")
@@ -73,6 +85,12 @@ class Rollout:
     def concat(self, other: "Rollout") -> "Rollout":
         """This rollout's samples, then ``other``'s (both scored, or both not)."""
         return Rollout(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(Rollout)})
+
+    def loss_mask_T(self, i: int) -> torch.Tensor:
+        """Sample ``i``'s loss mask over its response tokens (all true without loss_masks)."""
+        if self.loss_masks:
+            return torch.tensor(self.loss_masks[i], dtype=torch.bool)
+        return torch.ones(len(self.response_ids[i]), dtype=torch.bool)
 
     def cu_seqlens_N1(self) -> torch.Tensor:
         lengths = torch.tensor([len(r) for r in self.response_ids])
@@ -92,7 +110,8 @@ def compute_advantages(rollout: Rollout, adv_fn, adv_opts: dict, token_rewards=N
     cat = lambda xs: torch.cat([x.float() for x in xs]) if xs is not None else None   # noqa: E731
     extra = {"values_T": cat(values)} if values is not None else {}
     result = adv_fn(rewards_N=torch.tensor(rollout.rewards, dtype=torch.float32), cu_seqlens_N1=cu,
-                    mask_T=torch.ones(int(cu[-1]), dtype=torch.bool), group_ids_N=torch.tensor(rollout.group_ids),
+                    mask_T=torch.cat([rollout.loss_mask_T(i) for i in range(len(rollout))]),
+                    group_ids_N=torch.tensor(rollout.group_ids),
                     token_rewards_T=cat(token_rewards), **extra, **adv_opts)
     return split_tokens(result.advantages_T, cu), split_tokens(result.returns_T, cu)
 
@@ -111,8 +130,8 @@ def micro_batches_for(rollout: Rollout, plan, dp_rank: int, per_sample: dict[str
     for indices in plan.micro_batches[dp_rank]:
         ids = [torch.tensor(rollout.prompt_ids[i] + rollout.response_ids[i], dtype=torch.long) for i in indices]
         extras = {k: torch.cat([v[i] for i in indices]) for k, v in per_sample.items()}
-        extras.setdefault("mask_T", torch.cat([torch.ones(len(rollout.response_ids[i]), dtype=torch.bool)
-                                               for i in indices]))
+        loss_mask = torch.cat([rollout.loss_mask_T(i) for i in indices])   # tool-result tokens: no loss
+        extras["mask_T"] = extras["mask_T"] & loss_mask if "mask_T" in extras else loss_mask
         mb_routing = [torch.as_tensor(routing[i]) for i in indices] if routing is not None else None
         out.append(SequenceBatch(ids, [len(rollout.prompt_ids[i]) for i in indices], extras, routing=mb_routing))
     return out

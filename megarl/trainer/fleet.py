@@ -42,6 +42,8 @@ HEARTBEAT_S = 2.0
 """How often a busy engine reports at least (its progress message may be empty)."""
 PAUSE_POLL_S = 0.5
 """How often :meth:`Fleet.generate_requests` looks at its pause event at least."""
+FEED_POLL_S = 0.02
+"""How often :meth:`Fleet.generate_requests` asks its feed for new requests."""
 
 
 class EngineHung(RuntimeError):
@@ -102,7 +104,8 @@ class Fleet:
         return out
 
     def generate_requests(self, requests: list[dict], pause: Optional[threading.Event] = None,
-                          on_done: Optional[Callable[[list], None]] = None) -> tuple[dict, dict]:
+                          on_done: Optional[Callable[[list], None]] = None,
+                          feed: Optional[Callable[[], tuple[list, bool]]] = None) -> tuple[dict, dict]:
         """One sample per request (:meth:`megarl.rollout.engine.EngineActor.generate_requests`:
         ``{"id", "prompt_ids", "seed", "max_tokens", "greedy"}``, ids unique; an optional
         ``"group"``, default the prompt, keeps requests together on one engine). Returns
@@ -112,9 +115,17 @@ class Fleet:
         every engine is paused (:meth:`EngineActor.pause`), the call collects their partials and
         returns; the engines stay paused until :meth:`resume_all`. Without a pause every request
         ends in ``done``. Faults as :meth:`generate` (a restarted engine's unfinished requests
-        start again from their prompt); metrics (:attr:`metrics`) as :meth:`generate`."""
+        start again from their prompt); metrics (:attr:`metrics`) as :meth:`generate`.
+
+        ``feed`` (open streams, the agent loop's turns): called every few tens of milliseconds
+        while the call runs, it returns ``(new requests, more)``; each new request joins the
+        running stream of the engine that holds its group (:meth:`EngineActor.submit`: a
+        trajectory's turns stay on the engine whose prefix cache holds it), a new group the engine
+        with the least work given; ``more`` false: nothing else will come, and the call ends once
+        every request has. ``done`` then holds the new requests too."""
         from megarl.rollout.router import lpt
 
+        requests = list(requests)
         ids = [q["id"] for q in requests]
         if len(set(ids)) != len(ids):
             twice = next(i for i in ids if ids.count(i) > 1)
@@ -131,13 +142,53 @@ class Fleet:
         local = {k: sorted(i for g in part for i in groups[keys[g]])
                  for k, part in enumerate(lpt(costs, len(self.engines))) if part}
         done, partial = {}, {}
+        owner = {g: k for k, part in local.items() for g in {requests[i].get("group", tuple(requests[i]["prompt_ids"]))
+                                                              for i in part}}
+        work = {k: sum(len(requests[i]["prompt_ids"]) + requests[i]["max_tokens"] for i in local.get(k, []))
+                for k in range(len(self.engines))}
+        feeding = feed is not None
+        sids: dict = {}   # engine -> its open stream's id
 
         def launch(k: int):
             local[k] = [i for i in local[k] if ids[i] not in done]
             if not local[k]:
                 return None
+            if feeding:
+                sids[k] = f"{id(local):x}-{k}-{time.monotonic_ns()}"
             return self.engines[k].generate_requests.options(num_returns="streaming").remote(
-                [requests[i] for i in local[k]], heartbeat_s=HEARTBEAT_S)
+                [requests[i] for i in local[k]], heartbeat_s=HEARTBEAT_S, stream_id=sids.get(k) if feeding else None)
+
+        def tick(running: set) -> tuple[list, bool]:
+            """The feed's new requests into the engines' open streams; the engines to start, and
+            whether the feed may still give more."""
+            nonlocal feeding
+            if not feeding:
+                return [], False
+            new, more = feed()
+            to_start: dict = {}
+            for q in new:
+                if q["id"] in ids:
+                    raise ValueError(f"Fleet.generate_requests: the feed's request id {q['id']!r} was used before "
+                                     "in this call; expected unique ids")
+                g = q.get("group", tuple(q["prompt_ids"]))
+                k = owner.setdefault(g, min(work, key=work.get))
+                work[k] += len(q["prompt_ids"]) + q["max_tokens"]
+                requests.append(q)
+                ids.append(q["id"])
+                local.setdefault(k, []).append(len(requests) - 1)
+                if k in running:
+                    to_start.setdefault(k, [])
+                    to_start[k].append(q)
+                else:
+                    to_start[k] = None   # started with everything it has left
+            for k, qs in to_start.items():
+                if qs is not None:
+                    self.engines[k].submit.remote(sids[k], qs)
+            if not more:
+                feeding = False
+                for k in running:
+                    self.engines[k].close_stream.remote(sids[k])
+            return [k for k, qs in to_start.items() if qs is None], feeding
 
         def receive(k: int, item: dict) -> None:
             for rid, sample in item["done"]:
@@ -148,7 +199,8 @@ class Fleet:
 
         stats, restarts, paused = self._stream(list(local), launch, receive, pause=pause,
                                                unfinished=lambda k: f"{sum(ids[i] not in done for i in local[k])} "
-                                                                    "unfinished request(s) (from their prompts)")
+                                                                    "unfinished request(s) (from their prompts)",
+                                               tick=tick if feed is not None else None)
         missing = [i for i in ids if i not in done and i not in partial]
         if missing:
             raise RuntimeError(f"the rollout fleet returned nothing for {len(missing)} request(s), e.g. {missing[0]!r} "
@@ -172,13 +224,16 @@ class Fleet:
         self.call_all("resume")
 
     def _stream(self, engines: list[int], launch: Callable, receive: Callable, unfinished: Callable,
-                pause: Optional[threading.Event] = None) -> tuple[dict, int, bool]:
+                pause: Optional[threading.Event] = None,
+                tick: Optional[Callable[[set], list]] = None) -> tuple[dict, int, bool]:
         """Run one call's engine streams to their ends: ``launch(k)`` starts engine k's stream on
         what it has left (None: nothing), ``receive(k, message)`` takes each message,
         ``unfinished(k)`` words what a restart reissues. Dead and hung engines are restarted (see
         the module docstring); ``pause`` set: every engine is paused once. Returns per engine
         busy seconds and tokens (those of its dead streams included), the restarts, and whether
-        it paused the engines."""
+        it paused the engines. ``tick(running engines)``, every loop until it says no more: the
+        engines to start and whether more may come (see :meth:`generate_requests`' feed); the call
+        runs while it has streams or more may come."""
         import ray
 
         from megarl.rollout.vllm_engine import EngineDied
@@ -219,9 +274,18 @@ class Fleet:
         for k in engines:
             start(k)
         timeout = self.cfg.rollout.engine_timeout_s
-        poll = min(1.0 if pause is None else PAUSE_POLL_S, timeout)
-        while streams:
+        poll = min(FEED_POLL_S if tick is not None else 1.0 if pause is None else PAUSE_POLL_S, timeout)
+        feeding = tick is not None
+        while streams or feeding:
             look_at_pause()
+            if feeding:
+                to_start, feeding = tick(set(streams))
+                for k in to_start:
+                    start(k)
+                if not streams:
+                    if feeding:
+                        time.sleep(FEED_POLL_S)
+                    continue
             gens = list(streams.items())
             ready, _ = ray.wait([g for _, g in gens], num_returns=1, timeout=poll)
             for k, g in gens:
@@ -231,6 +295,7 @@ class Fleet:
                     item = ray.get(next(g))
                 except StopIteration:
                     del streams[k]
+                    carried[k] = dict(stats[k])   # a later stream of this engine (a feed's) counts on
                     continue
                 except ray.exceptions.RayActorError as err:
                     failed(k, WorkerDied(f"{self.name(k)} died during generate: {_reason(err)}"))

@@ -94,16 +94,26 @@ class SampleLog:
             keep_steps_before(self.path, read_jsonl(self.path), resume_step)
 
     def write(self, step: int, rollout: Rollout, train_lp: list) -> None:
+        """Agent trajectories (``rollout.loss_masks``) also get ``sampled`` (their model-sampled
+        tokens), ``tool_tokens`` (the inserted ones, no vLLM log-prob, no loss) and
+        ``logprob_diff_max`` over the sampled tokens; a run's mean diff is over its sampled tokens."""
         samples = []
-        for sid, versions, vllm_lp, lp in zip(rollout.sample_ids, rollout.token_versions, rollout.sample_logprobs,
-                                              train_lp):
-            diff = (torch.tensor(vllm_lp, dtype=torch.float64) - lp.double()).abs().tolist()
+        for i, (sid, versions, vllm_lp, lp) in enumerate(zip(rollout.sample_ids, rollout.token_versions,
+                                                             rollout.sample_logprobs, train_lp)):
+            diff_T = (torch.tensor(vllm_lp, dtype=torch.float64) - lp.double()).abs()
+            sampled_T = rollout.loss_mask_T(i) & ~diff_T.isnan()
+            diff, sampled = diff_T.tolist(), sampled_T.tolist()
             runs, at, run_diffs = version_runs(versions), 0, []
             for _, count in runs:
-                run_diffs.append(sum(diff[at:at + count]) / count)
+                part = [d for d, keep in zip(diff[at:at + count], sampled[at:at + count]) if keep]
+                run_diffs.append(sum(part) / len(part) if part else None)
                 at += count
-            samples.append({"id": sid, "gap": step - 1 - min(versions) if versions else 0, "runs": runs,
-                            "run_logprob_diff": run_diffs})
+            sample = {"id": sid, "gap": step - 1 - min(versions) if versions else 0, "runs": runs,
+                      "run_logprob_diff": run_diffs}
+            if rollout.loss_masks:
+                sample.update(sampled=int(sampled_T.sum()), tool_tokens=int((~rollout.loss_mask_T(i)).sum()),
+                              logprob_diff_max=float(diff_T[sampled_T].max()) if sampled_T.any() else None)
+            samples.append(sample)
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, "samples": samples}) + "\n")
 

@@ -27,6 +27,8 @@ import torch
 from megarl.trainer.batch import Rollout
 
 SampleFn = Callable[..., list]
+GENERATED_TASKS = ("arithmetic", "calculator")
+"""data.task values generated offline (no file)."""
 
 
 class PromptSource:
@@ -36,13 +38,20 @@ class PromptSource:
         from megarl.tasks import load_prompt_dataset
 
         self.cfg = data_cfg
-        self.records = None if data_cfg.task == "arithmetic" else load_prompt_dataset(data_cfg.task)
+        self.records = None if data_cfg.task in GENERATED_TASKS else load_prompt_dataset(data_cfg.task)
 
-    def batch(self, step: int, count: int, offset: int = 0):
+    def _generate(self, count: int, seed: int):
+        if self.cfg.task == "calculator":
+            from megarl.tasks.word_problems import generate_word_problems
+
+            return generate_word_problems(count, level=self.cfg.difficulty, seed=seed, demo=True)
         from megarl.tasks import generate_arithmetic
 
+        return generate_arithmetic(count, level=self.cfg.difficulty, seed=seed)
+
+    def batch(self, step: int, count: int, offset: int = 0):
         if self.records is None:
-            return generate_arithmetic(count, level=self.cfg.difficulty, seed=self.cfg.seed * 1_000_003 + step * 7 + offset)
+            return self._generate(count, self.cfg.seed * 1_000_003 + step * 7 + offset)
         n = len(self.records)
         g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + ((step - 1) * self.cfg.prompts_per_step) // n)
         order = torch.randperm(n, generator=g).tolist()
@@ -50,16 +59,17 @@ class PromptSource:
         return [self.records[order[(start + i) % n]] for i in range(count)]
 
     def eval_batch(self, count: int):
-        """Held-out prompts: arithmetic from a seed no training step uses, else the dataset's last rows."""
-        from megarl.tasks import generate_arithmetic
-
+        """Held-out prompts: generated from a seed no training step uses, else the dataset's last rows."""
         if self.records is None:
-            return generate_arithmetic(count, level=self.cfg.difficulty, seed=self.cfg.seed * 1_000_003 - 1)
+            return self._generate(count, self.cfg.seed * 1_000_003 - 1)
         return self.records[-count:]
 
 
 class Rollouts:
-    def __init__(self, cfg, sample_fn: SampleFn, tokenizer=None):
+    def __init__(self, cfg, sample_fn: SampleFn, tokenizer=None, fleet=None):
+        """``fleet``: with ``rollout.agent: tools``, a callable giving the rollout fleet (default:
+        ``sample_fn``'s owner's ``fleet``, i.e. :meth:`WorkerGroup.generate`'s group); the agent
+        loop (:class:`megarl.agent.loop.AgentLoop`) then replaces ``sample_fn``."""
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -69,19 +79,53 @@ class Rollouts:
         self.cfg, self.sample_fn, self.tokenizer = cfg, sample_fn, tokenizer
         self.prompts = PromptSource(cfg.data)
         self._counts, self.score_s = [0, 0], 0.0   # the last scoring's (errors, timeouts) and seconds
+        self.agent = self.formatter = self.runner = None
+        if cfg.rollout.agent == "tools":
+            self._start_agent(fleet)
+
+    def _start_agent(self, fleet) -> None:
+        from megarl.agent.loop import AgentLoop
+        from megarl.agent.parse import TurnFormatter
+        from megarl.agent.tools import ToolRunner, build_registry
+
+        r = self.cfg.rollout
+        if fleet is None:
+            owner = getattr(self.sample_fn, "__self__", None)
+            if owner is None or not hasattr(owner, "fleet"):
+                raise ValueError("rollout.agent='tools' runs on the rollout fleet (megarl train); this entry point "
+                                 "samples with a local engine: set rollout.agent='single_turn'")
+            fleet = lambda: owner.fleet   # noqa: E731 (the group may replace engines, not the fleet)
+        registry = build_registry([t.strip() for t in r.tools.split(",") if t.strip()], timeout_s=r.tool_timeout_s,
+                                  memory_mb=r.python_memory_mb, output_limit=r.tool_output_chars,
+                                  search_corpus=r.search_corpus or None)
+        # the python tool kills its process at tool_timeout_s itself; the pool waits a little longer
+        self.runner = ToolRunner(registry, workers=r.tool_workers, timeout_s=r.tool_timeout_s + 3.0)
+        self.formatter = TurnFormatter(self.tokenizer, registry.schemas())
+        self.agent = AgentLoop(self.cfg, self.tokenizer, self.formatter, self.runner, fleet)
+        self.sample_fn = self.agent
+
+    def close(self) -> None:
+        """Stop the agent loop's tool pool (if any)."""
+        if self.runner is not None:
+            self.runner.close()
 
     def encode(self, records) -> list[list[int]]:
         """Prompt token ids (through the chat template when ``data.use_chat_template``)."""
         out = []
         for rec in records:
-            if self.cfg.data.use_chat_template:
-                ids = self.tokenizer.apply_chat_template([{"role": "user", "content": rec.prompt}],
+            if self.formatter is not None:   # the agent's prompt: the template with the tools' schemas
+                messages = rec.prompt if isinstance(rec.prompt, list) else [{"role": "user", "content": rec.prompt}]
+                ids = self.formatter.prompt_ids(messages)
+            elif self.cfg.data.use_chat_template:
+                messages = rec.prompt if isinstance(rec.prompt, list) else [{"role": "user", "content": rec.prompt}]
+                ids = self.tokenizer.apply_chat_template(messages,
                                                          tokenize=True, add_generation_prompt=True)
                 ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
             else:
                 ids = self.tokenizer(rec.prompt).input_ids
             if len(ids) > self.cfg.rollout.max_prompt_tokens:
-                raise ValueError(f"prompt {rec.prompt[:60]!r}... has {len(ids)} tokens > "
+                text = rec.prompt if isinstance(rec.prompt, str) else rec.prompt[-1]["content"]
+                raise ValueError(f"prompt {text[:60]!r}... has {len(ids)} tokens > "
                                  f"rollout.max_prompt_tokens={self.cfg.rollout.max_prompt_tokens}")
             out.append(list(ids))
         return out
@@ -101,10 +145,14 @@ class Rollouts:
         def on_done(pairs: list) -> None:   # score what finished while the engines go on
             t = time.perf_counter()
             owners = [i for i, samples in pairs for _ in samples]
-            texts = self.tokenizer.batch_decode([s["token_ids"] for _, samples in pairs for s in samples],
-                                                skip_special_tokens=True)
-            result = rewards.score(self.cfg.data.reward, texts, [answers[i] for i in owners],
-                                   extras=[extras[i] for i in owners])
+            flat = [s for _, samples in pairs for s in samples]
+            if self.agent is not None:   # the final turn's text, and the trajectory's tool-call counts
+                texts = [s["reward_text"] for s in flat]
+                kw = [dict(extras[i], **s["reward_extra"]) for i, s in zip(owners, flat)]
+            else:
+                texts = self.tokenizer.batch_decode([s["token_ids"] for s in flat], skip_special_tokens=True)
+                kw = [extras[i] for i in owners]
+            result = rewards.score(self.cfg.data.reward, texts, [answers[i] for i in owners], extras=kw)
             for i, reward in zip(owners, result.rewards):
                 scored.setdefault(i, []).append(reward)
             self._counts[0] += result.n_errors
@@ -171,6 +219,8 @@ class Rollouts:
             raise RuntimeError(f"dynamic sampling kept no group in {tries} rounds (every group's rewards were "
                                "equal); raise algorithm.max_sampling_tries or change data.difficulty")
         m.update({"time/generate_s": gen_s, "time/score_s": score_s, "rollout/num_samples": len(kept)})
+        if self.agent is not None:
+            m.update({k: v for k, v in self.agent.metrics.items() if k.startswith("agent/")})
         return kept, m
 
     def evaluate(self, rewards) -> dict:

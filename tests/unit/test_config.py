@@ -273,7 +273,7 @@ def test_function_names_are_resolved_at_load():
                                      "'seq-mean-token-mean', 'seq-mean-token-sum-norm'"),
     ("algorithm.dynamic_sampling=3", None),
     ("algorithm.entropy_coef=-0.1", "got -0.1, expected a non-negative number"),
-    ("data.task=prompts.csv", "got 'prompts.csv', expected 'arithmetic' or a path ending in .parquet or .jsonl"),
+    ("data.task=prompts.csv", "got 'prompts.csv', expected 'arithmetic', 'calculator' or a path ending in .parquet or .jsonl"),
     ("data.difficulty=0", "got 0, expected a positive number"),
     ("data.reward_timeout_s=0", "got 0.0, expected a positive number"),
     ("data.use_chat_template=maybe", None),

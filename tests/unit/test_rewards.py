@@ -184,7 +184,8 @@ def test_registry():
     assert get_reward_fn("math") is boxed_math_reward
     assert get_reward_fn("megarl.rewards.math:format_reward") is format_reward
     assert get_reward_fn("megarl.rewards.math.format_reward") is format_reward
-    assert set(REWARD_FUNCTIONS) == {"arithmetic", "format", "gsm8k", "gsm8k_lenient", "math"}
+    assert set(REWARD_FUNCTIONS) == {"arithmetic", "format", "gsm8k", "gsm8k_lenient", "math", "calculator",
+                                     "calculator_bonus"}
     with pytest.raises(ValueError) as err:
         get_reward_fn("countdown")
     assert str(err.value) == (
