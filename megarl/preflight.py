@@ -122,7 +122,9 @@ def checkpoint_bytes(cfg: MegaRLConfig, dims: ModelDims) -> int:
 
 
 def _check_dataset(task: str) -> None:
-    if task == "arithmetic":
+    from megarl.tasks import GENERATED_TASKS
+
+    if task in GENERATED_TASKS:
         return
     from megarl.tasks.dataset import load_prompt_dataset
 

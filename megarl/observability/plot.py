@@ -23,6 +23,7 @@ PANELS = [
     ("reward", ["reward/mean", "reward/accuracy"]),
     ("response length", ["response_length/mean", "response_length/max"]),
     ("KL to reference", ["actor/kl", "kl/mean"]),
+    ("agent tool use", ["agent/tool_call_rate", "agent/turns_mean", "agent/malformed_calls_per_traj"]),
     ("seconds per phase", None),   # every time/*_s key
 ]
 
@@ -40,8 +41,12 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     rows = read_jsonl(metrics_file)
     if not rows:
         raise ValueError(f"{metrics_file} holds no steps yet")
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for ax, (title, keys) in zip(axes.flat, PANELS):
+    # the agent panel only for runs that logged it (a 2 x 2 grid otherwise, as before)
+    panels = [(t, k) for t, k in PANELS if t != "agent tool use" or any(x in r for r in rows for x in k)]
+    fig, axes = plt.subplots((len(panels) + 1) // 2, 2, figsize=(11, 3.5 * ((len(panels) + 1) // 2)))
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    for ax, (title, keys) in zip(axes.flat, panels):
         keys = keys or sorted({k for r in rows for k in r if k.startswith("time/")})
         drawn = False
         for key in keys:

@@ -27,15 +27,13 @@ import torch
 from megarl.trainer.batch import Rollout
 
 SampleFn = Callable[..., list]
-GENERATED_TASKS = ("arithmetic", "calculator")
-"""data.task values generated offline (no file)."""
 
 
 class PromptSource:
     """Prompts of step ``s``: a deterministic function of (data.seed, s): resuming repeats them."""
 
     def __init__(self, data_cfg):
-        from megarl.tasks import load_prompt_dataset
+        from megarl.tasks import GENERATED_TASKS, load_prompt_dataset
 
         self.cfg = data_cfg
         self.records = None if data_cfg.task in GENERATED_TASKS else load_prompt_dataset(data_cfg.task)
