@@ -22,7 +22,8 @@ def test_agent_trajectories_keep_token_fidelity(tmp_path):
     env = dict(os.environ, PYTHONPATH=f"{HERE}:{os.environ.get('PYTHONPATH', '')}", RAY_TMPDIR=ray_tmpdir())
     cmd = [sys.executable, "-m", "megarl.cli", "train", str(REPO / "configs/agent_calculator.yaml"),
            "trainer.steps=1", "data.prompts_per_step=2", "rollout.n=4", "rollout.max_response_tokens=192",
-           "rollout.max_turns=3", f"trainer.run_dir={run_dir}", "logging.progress=false", "trainer.seed=3"]
+           "rollout.max_turns=3", f"trainer.run_dir={run_dir}", "logging.progress=false", "trainer.seed=3",
+           "trainer.max_tokens_per_micro_batch=1024"]
     log = tmp_path / "agent.log"
     with open(log, "w") as out:
         rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=1200).returncode
