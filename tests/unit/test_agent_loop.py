@@ -216,3 +216,16 @@ def test_agent_config_errors_name_the_key(overrides, key):
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config("configs/agent_calculator.yaml", overrides)
+
+
+def test_the_alarm_compares_sampled_tokens_only():
+    from megarl.trainer.batch import Rollout
+    from megarl.trainer.loop import WeightSyncAlarm, alarm_metrics
+
+    gens = [[{"token_ids": [5, 6, 7], "logprobs": [-1.0, math.nan, -2.0], "clipped": False,
+              "loss_mask": [True, False, True]}]]
+    r = Rollout.from_generations([[1]], ["a"], gens)
+    m = alarm_metrics(r, [torch.tensor([-1.0, -9.0, -2.5])], threshold=1.0)
+    assert m == {"rollout/logprob_diff_mean": 0.25, "rollout/logprob_diff_max": 0.5}   # the inserted token skipped
+    with pytest.raises(WeightSyncAlarm):
+        alarm_metrics(r, [torch.tensor([-1.0, -9.0, -4.0])], threshold=0.5)
