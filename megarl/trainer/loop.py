@@ -225,13 +225,15 @@ def alarm_metrics(rollout: Rollout, train_lp: list, threshold: float, version: i
 
     With ``version`` (the policy version being trained) and per-token versions in the rollout,
     only the tokens that this version generated count: older ones differ by the updates since
-    (off-policy modes); a step with none of them reports NaN and cannot raise."""
+    (off-policy modes); a step with none of them reports NaN and cannot raise. Tokens without a
+    vLLM log-prob (NaN: the agent loop's inserted tool results, never sampled) do not count."""
     diffs = []
     for i, (v, t) in enumerate(zip(rollout.sample_logprobs, train_lp)):
         d = (torch.tensor(v, dtype=torch.float64) - t.double()).abs()
+        keep = ~d.isnan()
         if version is not None and rollout.token_versions:
-            d = d[torch.tensor(rollout.token_versions[i], dtype=torch.long) == version]
-        diffs.append(d)
+            keep &= torch.tensor(rollout.token_versions[i], dtype=torch.long) == version
+        diffs.append(d[keep])
     diff = torch.cat(diffs)
     if diff.numel() == 0:
         return {"rollout/logprob_diff_mean": math.nan, "rollout/logprob_diff_max": math.nan}
