@@ -189,7 +189,8 @@ def test_registry():
     with pytest.raises(ValueError) as err:
         get_reward_fn("countdown")
     assert str(err.value) == (
-        "unknown reward function 'countdown'; known: ['arithmetic', 'format', 'gsm8k', 'gsm8k_lenient', 'math'] "
+        "unknown reward function 'countdown'; known: ['arithmetic', 'calculator', 'calculator_bonus', 'format', 'gsm8k', "
+        "'gsm8k_lenient', 'math'] "
         "(or a dotted path 'package.module:function')"
     )
     with pytest.raises(TypeError, match="resolved to str, which is not callable"):
