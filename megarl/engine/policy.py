@@ -267,7 +267,7 @@ class PolicyEngine:
         return [o.logprobs_R for o in self.forward_logprobs(micro_batches)]
 
     def train_step(self, micro_batches, loss_fn: Callable, with_entropy: bool = False,
-                   replay_routing: bool = False) -> dict:
+                   replay_routing: bool = False, return_logprobs: bool = False) -> dict:
         """One optimizer step over ``micro_batches`` (gradient accumulation); see the module doc.
         For a critic, ``loss_fn`` gets the values ``[R]`` in place of the log-probs.
         ``replay_routing`` (MoE): the MoE layers use the micro-batches' ``routing``
@@ -276,7 +276,12 @@ class PolicyEngine:
 
         Returns ``loss`` (summed over micro-batches and DP), ``grad_norm`` (before clipping),
         ``lr``, ``update_successful``, token counts and the averaged ``loss_fn`` metrics, plus MoE
-        aux/z losses and per-expert token counts for MoE models.
+        aux/z losses and per-expert token counts for MoE models. ``return_logprobs``: also
+        ``outputs``, on the last pipeline stage, a :class:`LogprobOutput` per micro-batch with the
+        training forward's own log-probs and entropy (detached; before the update), what
+        :meth:`forward_logprobs` with entropy returns for the same weights, so that a step that
+        updates once needs no separate old-log-prob pass (the entropy is computed for that even
+        when the loss has no entropy term; ``entropy_T`` is then not put in the extras).
 
         A non-finite loss or gradient on any rank skips the update on all ranks (see
         :meth:`_all_finite`): ``update_successful`` is False, ``grad_norm`` NaN, the weights and
@@ -296,10 +301,15 @@ class PolicyEngine:
             b.num_global_tokens, b.num_global_sequences = int(counts[0]), int(counts[3])
         scale = len(micro_batches) * topo.dp
 
+        forward_outputs: dict[int, LogprobOutput] = {}
+
         def loss_func(mb: PackedMicroBatch, output):
-            logprobs_R, entropy_R = self._extract(output, mb, g.pgs, with_entropy)
+            logprobs_R, entropy_R = self._extract(output, mb, g.pgs, with_entropy or return_logprobs)
             if with_entropy and entropy_R is not None:
                 mb.batch.extras["entropy_T"] = entropy_R
+            if return_logprobs:   # one call per micro-batch (activation recompute re-runs layers, not this)
+                forward_outputs[mb.index] = LogprobOutput(logprobs_R.detach().clone(), entropy_R.detach().clone(),
+                                                          mb.batch.cu_seqlens_N1)
             loss, metrics = loss_fn(logprobs_R, mb.batch)
             report = {"loss": loss.detach().clone()}
             report.update({k: torch.as_tensor(v).detach().float() for k, v in (metrics or {}).items()})
@@ -334,6 +344,8 @@ class PolicyEngine:
                       update_successful=bool(update_successful), num_response_tokens=int(counts[0]),
                       num_sequences=int(counts[1]), num_tokens=int(counts[2]), step=self.step_count)
         result.update(self.moe.report(len(micro_batches)))
+        if return_logprobs and g.is_last_stage:
+            result["outputs"] = [forward_outputs[i] for i in range(len(micro_batches))]
         return result
 
     def _all_finite(self, loss: float) -> bool:

@@ -42,6 +42,41 @@ def needs_critic(cfg: AlgorithmConfig) -> bool:
     return cfg.advantage == "gae"
 
 
+def needs_old_logprob_pass(cfg) -> bool:
+    """Whether a step runs the separate old-log-prob pass (a forward of the policy before its
+    update) or takes the old log-probs from the training forward itself. ``cfg``: a
+    :class:`megarl.config.schema.MegaRLConfig`.
+
+    With one update per step (``algorithm.ppo_epochs`` 1, ``algorithm.mini_batches`` 1) the only
+    forward of the policy before that update is the training forward: its log-probs *are* the old
+    ones (ratio exactly 1, the clip inactive), so the pass computes nothing the update lacks, and
+    the consumers that only read them (the rollout-vs-train alarm, ``actor/entropy``, the sample
+    log, the mismatch metrics ``rollout_corr/*``, the k1 ``actor/kl`` metric) take the training
+    forward's after the update. The pass stays when something needs them *before* the update:
+
+    - several updates per step (``ppo_epochs`` or ``mini_batches`` > 1): every update after the
+      first needs the log-probs of the policy before the first;
+    - a KL term that acts before the update (``kl_coef`` > 0 with ``kl_mode`` reward: the penalty
+      shapes the advantages; or with ``kl_target``: the adaptive controller sets this step's
+      coefficient from this step's KL);
+    - ``rollout_correction`` other than none: its importance weights and masks enter the loss (and
+      the masked token counts that normalise it);
+    - MoE routing in that pass (``router_replay`` r2 records the routing the updates replay; r3, or
+      ``rollout.return_routing``, compares the trainer's routing with vLLM's there: the routing/*
+      metrics).
+
+    Not reasons to keep it: a critic (GAE reads the critic's own values pass, not the policy's
+    log-probs), advantages from rewards (grpo, rloo, reinforce_pp, drgrpo), a KL loss with a fixed
+    coefficient (the reference pass still runs), ``entropy_coef`` and the off-policy trainer modes
+    without a rollout correction (decoupled PPO's proximal policy is the current weights, which
+    the training forward computes; :mod:`megarl.algorithms.offpolicy`)."""
+    a = cfg.algorithm
+    return (a.ppo_epochs > 1 or a.mini_batches > 1
+            or (a.kl_coef > 0 and (a.kl_mode == "reward" or a.kl_target is not None))
+            or a.rollout_correction != "none"
+            or a.router_replay != "off" or cfg.rollout.return_routing)
+
+
 def make_value_loss_fn(cfg: AlgorithmConfig, max_response_tokens: int):
     """``loss_fn(values_R, batch)`` for the critic's ``train_step``: clipped value loss towards
     ``extras['returns_T']`` around ``extras['old_values_T']`` (the rollout's values)."""
@@ -57,10 +92,13 @@ def make_value_loss_fn(cfg: AlgorithmConfig, max_response_tokens: int):
     return loss_fn
 
 
-def make_loss_fn(cfg: AlgorithmConfig, max_response_tokens: int, kl_coef: float = 0.0):
+def make_loss_fn(cfg: AlgorithmConfig, max_response_tokens: int, kl_coef: float = 0.0,
+                 own_old_logprobs: bool = False):
     """``loss_fn(logprobs_R, batch) -> (loss, metrics)`` for :meth:`PolicyEngine.train_step`.
 
-    ``batch.extras`` holds ``old_logprobs_T``, ``advantages_T``, ``mask_T``, with a KL loss
+    ``batch.extras`` holds ``old_logprobs_T`` (with ``own_old_logprobs``: absent, the old
+    log-probs are the forward's own, ``logprobs_R.detach()``: ratio exactly 1, see
+    :func:`needs_old_logprob_pass`), ``advantages_T``, ``mask_T``, with a KL loss
     ``ref_logprobs_T``, and with ``algorithm.rollout_correction`` ``is_weights_T`` (the importance
     weights of :func:`megarl.algorithms.offpolicy.correct_rollout`, multiplying the policy loss
     per token; its corrected ``mask_T`` leaves the dropped tokens out of the policy, entropy and
@@ -81,7 +119,8 @@ def make_loss_fn(cfg: AlgorithmConfig, max_response_tokens: int, kl_coef: float 
                       max_response_length=max_response_tokens)
         # only when present: a policy loss given by dotted path need not know the option
         weights = {"is_weights_T": ex["is_weights_T"]} if "is_weights_T" in ex else {}
-        loss, metrics = policy_loss(logprobs_R, ex["old_logprobs_T"], ex["advantages_T"], ex["mask_T"], cu,
+        old_T = logprobs_R.detach() if own_old_logprobs else ex["old_logprobs_T"]
+        loss, metrics = policy_loss(logprobs_R, old_T, ex["advantages_T"], ex["mask_T"], cu,
                                     agg_mode=cfg.loss_agg_mode, entropy_T=ex.get("entropy_T"),
                                     entropy_coef=cfg.entropy_coef, **clip, **counts, **weights)
         metrics = dict(metrics)

@@ -4,6 +4,12 @@
                -> (rollout correction) -> (critic update) -> policy update -> weight sync -> metrics
                -> (eval) -> (checkpoint)
 
+With one update per step the old log-prob pass is skipped (``actor/old_logprob_pass`` 0;
+:func:`megarl.trainer.algorithm.needs_old_logprob_pass` says when): the update takes its own
+forward's log-probs as the old ones (ratio 1), and what reads them (the rollout-vs-train alarm,
+entropy, KL and mismatch metrics, the sample log) reads that forward's after the update. The
+alarm then stops a step after its update, still before its weight sync and checkpoint.
+
 Where the samples come from and when the weights reach the engines is ``trainer.mode``'s
 (:mod:`megarl.trainer.modes`: on-policy, one step off, or asynchronous with partial rollouts);
 the rest of the step is the same in every mode.
@@ -36,7 +42,10 @@ they are killed (an actor busy in a phase would otherwise be waited for)."""
 
 
 class WeightSyncAlarm(RuntimeError):
-    """vLLM's sampling log-probs and Megatron's recomputed ones disagree: weights out of sync."""
+    """vLLM's sampling log-probs and Megatron's recomputed ones disagree: weights out of sync.
+    Raised before the step's update when the step runs the old log-prob pass, else after it (the
+    update's own forward is then the comparison; see the module docstring); always before the
+    step's weight sync and checkpoint."""
 
     def __init__(self, message: str, metrics: dict | None = None):
         super().__init__(message)
@@ -58,7 +67,7 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
     from megarl.observability import MetricsLogger, PhaseTimer, gpu_stats
     from megarl.observability.console import run_console
     from megarl.rewards import RewardPool
-    from megarl.trainer.algorithm import resolve
+    from megarl.trainer.algorithm import needs_old_logprob_pass, resolve
     from megarl.algorithms.offpolicy import correct_rollout
     from megarl.observability.timeline import Timeline
     from megarl.trainer.checkpoint import CheckpointManager
@@ -95,6 +104,7 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
         sample_log = SampleLog(run_dir, resume_step=start + 1)
         routing = StepRouting(cfg, run_dir, resume_step=start + 1)
         adv_fn, adv_opts, _ = resolve(cfg.algorithm)
+        old_pass = needs_old_logprob_pass(cfg)
         log = cleanup.enter_context(MetricsLogger(
             run_dir, stdout=cfg.logging.stdout, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
             progress=cfg.logging.progress, total_steps=cfg.trainer.steps, resume_step=start + 1, stream=console))
@@ -116,40 +126,67 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
             rollout, m_gen = source.batch(step, lambda: stop.abandon_if_requested(m))   # times itself
             m.update(m_gen, **offpolicy_metrics(rollout, step))
             stop.abandon_if_requested(m)                       # safe point: nothing updated yet
-            phase(step, "logprobs", reward=m["reward/mean"])
-            with timer("logprobs"):
-                plan = group.plan(rollout)
-                old_lp, entropy = group.logprobs(rollout, plan, reference=False, **routing.old_pass(rollout))
-                routing_out = group.routing_out
-                ref_lp = (group.logprobs(rollout, plan, reference=True, **routing.reference_pass(rollout))[0]
-                          if group.has_reference else None)
-                values = group.values(rollout, plan) if group.has_critic else None
-            m.update(alarm_metrics(rollout, old_lp, cfg.trainer.logprob_diff_threshold, step - 1))
-            m.update(routing.metrics(rollout, old_lp, routing_out, step - 1))
-            sample_log.write(step, rollout, old_lp)
-            per_sample, kl_rewards = {"old_logprobs_T": old_lp}, None
-            corrected, m_corr = correct_rollout(old_lp, rollout.sample_logprobs, cfg.algorithm)
-            per_sample.update(corrected)
-            m.update(m_corr)
+            plan = group.plan(rollout)
+            routing_out = {}
+            old_lp = entropy = ref_lp = values = None
+            forward_passes = old_pass or group.has_reference or group.has_critic   # before the update
+            if forward_passes:
+                phase(step, "logprobs", reward=m["reward/mean"])
+                with timer("logprobs"):
+                    if old_pass:
+                        old_lp, entropy = group.logprobs(rollout, plan, reference=False, **routing.old_pass(rollout))
+                        routing_out = group.routing_out
+                    if group.has_reference:
+                        ref_lp = group.logprobs(rollout, plan, reference=True, **routing.reference_pass(rollout))[0]
+                    if group.has_critic:
+                        values = group.values(rollout, plan)
+            m["actor/old_logprob_pass"] = int(old_pass)
+
+            def read_logprobs(lp: list, entropy: list) -> tuple[dict, list | None]:
+                """What the policy's log-probs before the update feed: the alarm, metrics, the
+                sample log, the rollout correction and the KL (its per-token reward, with
+                kl_mode=reward); the per-sample tensors for the update and the KL rewards."""
+                m.update(alarm_metrics(rollout, lp, cfg.trainer.logprob_diff_threshold, step - 1))
+                m.update(routing.metrics(rollout, lp, routing_out, step - 1))
+                sample_log.write(step, rollout, lp)
+                corrected, m_corr = correct_rollout(lp, rollout.sample_logprobs, cfg.algorithm)
+                m.update(m_corr)
+                kl_rewards = None
+                if ref_lp is not None:
+                    kl = [a - b for a, b in zip(lp, ref_lp)]   # k1 of the sampled tokens
+                    k1 = float(torch.cat(kl).mean())
+                    # a KL loss term reports its own estimator as actor/kl (the update's metrics win)
+                    m.setdefault("actor/kl", k1)
+                    if cfg.algorithm.kl_mode == "reward":      # -beta * KL as a per-token reward
+                        kl_rewards = [-kl_ctl.value * k for k in kl]
+                    kl_ctl.update(k1, len(rollout))
+                m["actor/entropy"] = float(torch.cat(entropy).mean()) if entropy else math.nan
+                return corrected, kl_rewards
+
+            per_sample, kl_rewards = {}, None
+            if old_pass:
+                corrected, kl_rewards = read_logprobs(old_lp, entropy)
+                per_sample.update(old_logprobs_T=old_lp, **corrected)
             if ref_lp is not None:
                 per_sample["ref_logprobs_T"] = ref_lp
-                kl = [a - b for a, b in zip(old_lp, ref_lp)]   # k1 of the sampled tokens
-                m["actor/kl"] = float(torch.cat(kl).mean())
-                if cfg.algorithm.kl_mode == "reward":          # -beta * KL as a per-token reward
-                    kl_rewards = [-kl_ctl.value * k for k in kl]
-                kl_ctl.update(m["actor/kl"], len(rollout))
             per_sample["advantages_T"], returns = compute_advantages(rollout, adv_fn, adv_opts, kl_rewards, values)
-            m["actor/entropy"] = float(torch.cat(entropy).mean()) if entropy else math.nan
             stop.abandon_if_requested(m)                       # last safe point: the updates follow
             if values is not None:
                 phase(step, "critic")
                 with timer("critic"):
                     m.update(group.train_critic(rollout, plan, {"old_values_T": values, "returns_T": returns}))
                     m.update(critic_metrics(values, returns))
-            phase(step, "train")
+            phase(step, "train", **({} if forward_passes else {"reward": m["reward/mean"]}))
             with timer("train"):
-                m.update(group.train(rollout, plan, per_sample, kl_ctl.value,
-                                     routing=routing.train_routing(rollout, routing_out)))
+                m_train, forward = group.train(rollout, plan, per_sample, kl_ctl.value,
+                                               routing=routing.train_routing(rollout, routing_out),
+                                               own_old_logprobs=not old_pass)
+            m.update(m_train)
+            if forward is not None:
+                # the update's own forward gave the old log-probs: their readers come after it. The
+                # alarm raised here stops the run after the update but before the weight sync and
+                # the step's checkpoint: the updated weights never leave the training workers
+                read_logprobs(*forward)
             routing.write(step, group.moe_tokens_per_expert, routing_out)
             phase(step, "sync")
 

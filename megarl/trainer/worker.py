@@ -160,15 +160,24 @@ class HybridWorker:
                                                                        self.cfg.rollout.max_response_tokens))
         return out
 
-    def train(self, micro_batches, kl_coef: float, replay_routing: bool = False) -> dict:
+    def train(self, micro_batches, kl_coef: float, replay_routing: bool = False,
+              own_old_logprobs: bool = False) -> dict:
+        """One policy update. ``own_old_logprobs``: the micro-batches carry no ``old_logprobs_T``;
+        the loss takes the training forward's own (:func:`megarl.trainer.algorithm.needs_old_logprob_pass`)
+        and the DP leaders return that forward's log-probs and entropy in ``outputs``
+        (``[(log-probs, entropy)]`` per micro-batch, as :meth:`logprobs` does)."""
         from megarl.trainer.algorithm import make_loss_fn
 
-        loss_fn = make_loss_fn(self.cfg.algorithm, self.cfg.rollout.max_response_tokens, kl_coef)
+        loss_fn = make_loss_fn(self.cfg.algorithm, self.cfg.rollout.max_response_tokens, kl_coef,
+                               own_old_logprobs=own_old_logprobs)
         self.num_train_calls += 1
         if self.num_train_calls in self.faults.get("nan_loss", ()) and self.rank == self.cfg.topology.world_size - 1:
             loss_fn = faults.nan_loss(loss_fn)
         out = self.policy.train_step(micro_batches, loss_fn, with_entropy=self.cfg.algorithm.entropy_coef > 0,
-                                     replay_routing=replay_routing)
+                                     replay_routing=replay_routing, return_logprobs=own_old_logprobs)
+        outputs = out.pop("outputs", None)
+        if own_old_logprobs and self.info()["dp_leader"]:
+            out["outputs"] = [(o.logprobs_R, o.entropy_R) for o in outputs]
         out["weight_checksum"] = self._weight_checksum()
         return out
 

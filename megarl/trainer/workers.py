@@ -65,6 +65,7 @@ class WorkerGroup:
         self.skipped_in_a_row = {"actor": 0, "critic": 0}
         self.timeline = None
         """A :class:`megarl.observability.timeline.Timeline`: each call's span per rank (lane rankR)."""
+        self.forward_outputs: dict = {}
         # trainer.balance_cost=flops: the FLOPs coefficients come from the model's config.json
         self.budget = budget_from_config(cfg.trainer, read_hf_config(cfg.model.path))
         # last: from here on, anything that raises must release the placement
@@ -242,11 +243,25 @@ class WorkerGroup:
         """The critic's value of every response token, per sample."""
         return scatter_back(rollout, plan, self._forward("values", rollout, plan))
 
-    def train(self, rollout: Rollout, plan, per_sample: dict, kl_coef: float, routing: list | None = None) -> dict:
+    def train(self, rollout: Rollout, plan, per_sample: dict, kl_coef: float, routing: list | None = None,
+              own_old_logprobs: bool = False) -> tuple[dict, tuple | None]:
         """One policy update per mini-batch; ``routing`` (per sample ``[P + R, Lm, K]``) is replayed
-        in the MoE layers (:mod:`megarl.engine.replay`)."""
-        return self._optimize("train", "actor", rollout, plan, per_sample, kl_coef, routing is not None,
-                              routing=routing)
+        in the MoE layers (:mod:`megarl.engine.replay`). Returns ``(metrics, forward)``.
+
+        ``own_old_logprobs`` (one update per step, no ``old_logprobs_T`` in ``per_sample``; see
+        :func:`megarl.trainer.algorithm.needs_old_logprob_pass`): the loss takes the training
+        forward's own log-probs as the old ones, and ``forward`` is that forward's ``(log-probs,
+        entropy)`` per sample, gathered from the DP leaders as :meth:`logprobs` gathers its own;
+        else ``forward`` is None."""
+        a = self.cfg.algorithm
+        assert not own_old_logprobs or (a.ppo_epochs, a.mini_batches) == (1, 1), "own old log-probs: one update only"
+        metrics = self._optimize("train", "actor", rollout, plan, per_sample, kl_coef, routing is not None,
+                                 own_old_logprobs, routing=routing)
+        if not own_old_logprobs:
+            return metrics, None
+        outs = self.forward_outputs
+        column = lambda k: scatter_back(rollout, plan, {r: [x[k] for x in o] for r, o in outs.items()})  # noqa: E731
+        return metrics, (column(0), column(1))
 
     def train_critic(self, rollout: Rollout, plan, per_sample: dict) -> dict:
         return self._optimize("train_critic", "critic", rollout, plan, per_sample)
@@ -269,7 +284,11 @@ class WorkerGroup:
                     else per_sample
                 sub_routing = [routing[i] for i in keep] if routing is not None and len(chunks) > 1 else routing
                 batches = self._per_rank(sub, sub_plan, sub_samples, sub_routing)
-                results.append(self._fan_out(method, [(b, *args) for b in batches])[0])
+                outs = self._fan_out(method, [(b, *args) for b in batches])
+                # the training forward's own log-probs (train with own_old_logprobs), by DP rank
+                self.forward_outputs = {i["dp_rank"]: o.pop("outputs") for i, o in zip(self.info, outs)
+                                        if "outputs" in o}
+                results.append(outs[0])
                 self._count_skips(tag, results[-1])
         out = {f"{tag}/{k}": v for k, v in results[-1].items() if isinstance(v, (int, float))}
         self.moe_tokens_per_expert = results[-1].get("moe_tokens_per_expert")   # MoE: [Lm][E], last pass

@@ -21,6 +21,9 @@
   recorded routing gives the plain step exactly (0.0).
   Not covered: pp=2 x vpp=2 training (the interleaved schedule's train step hangs on CPU/gloo,
   also for a dense model; forward-only VPP is covered by test_engine_parity).
+- The train step's own forward (train_step(return_logprobs=True): what a step that updates once
+  uses instead of the old log-prob pass) returns on every last-stage rank the old pass's
+  log-probs at every layout above: measured bit-identical (0.0; tolerance 1e-6), entropies finite.
 - The reference engine is frozen (no grads, no optimizer) and equals the policy before training.
 - Offload + onload (params, grads, Adam state) restores every value exactly, really frees the
   storages, and the next step equals the step of an engine that never offloaded (exactly).
@@ -39,6 +42,7 @@ from launch import run_workers
 
 pytestmark = pytest.mark.distributed
 TOL = 1e-5
+TRAIN_FORWARD_TOL = 1e-6   # the training forward's log-probs vs the old pass's (fp32, same weights)
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +66,16 @@ def test_step_equals_tp1(result, key):
     assert result[f"{key}|weights_vs_tp1"] < TOL
     assert result[f"{key}|loss_diff"] < TOL
     assert result[f"{key}|grad_norm_diff"] < GRAD_NORM_REL.get(key, 1e-5) * result[f"{key}|stats"]["grad_norm"]
+
+
+@pytest.mark.parametrize("key", ["qwen2|tp1", "qwen2|tp2", "qwen2|pp2"] + [f"{m}|{layout}" for m, layout in ROUTING_CASES])
+def test_the_training_forward_returns_the_old_pass_log_probs(result, key):
+    """A step that updates once takes its old log-probs from its own forward
+    (megarl.trainer.algorithm.needs_old_logprob_pass): train_step(return_logprobs=True) returns them
+    on every last-stage rank, equal to the old log-prob pass's (train vs eval mode, no dropout)."""
+    assert result[f"{key}|train_forward_vs_old_lp"] <= TRAIN_FORWARD_TOL, result[f"{key}|train_forward_vs_old_lp"]
+    assert result[f"{key}|train_forward_ranks"] == (1 if "pp2" in key else 2)
+    assert result[f"{key}|train_forward_entropy_finite"]
 
 
 def test_step_really_trains(result):

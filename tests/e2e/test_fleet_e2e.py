@@ -20,8 +20,10 @@ and the run with 2 engines gives the same rewards, responses and losses as the r
 A failing run cleans up after itself, run (d): its syncs add noise to the engine's weights
 (rollout.weight_noise_std, bridge.verify off), so step 2's samples, the first after a sync, come
 from a policy that is not the trained one, and the alarm (trainer.logprob_diff_threshold=1e-3; a
-noise-free step differs by ~1e-6 in fp32) stops the loop at step 2 after generation, log-probs, the
-reward workers and the vLLM engine are all running. (d) runs first, on a Ray of its own; the loop
+noise-free step differs by ~1e-6 in fp32) stops the loop at step 2 after generation and the update
+(a GRPO step updates once: the update's own forward gives the log-probs the alarm compares,
+megarl.trainer.algorithm.needs_old_logprob_pass; it still stops before the weight sync and the
+checkpoint), while the reward workers and the vLLM engine are all running. (d) runs first, on a Ray of its own; the loop
 runs in this process, so a process it leaves behind would still be a child of the test (atexit
 handlers, which stop a local Ray when the interpreter exits, have not run yet). Asserted: the alarm
 is raised with its message, step 2's metrics (with the difference that tripped it) and the logs
@@ -190,7 +192,9 @@ def test_weight_sync_alarm_stops_the_run_and_leaves_no_process(runs):
     assert [r["step"] for r in rows] == [1, 2]   # the failed step's metrics, up to the alarm
     assert rows[0]["rollout/logprob_diff_max"] < 1e-4                       # step 1: noise-free weights
     assert rows[1]["rollout/logprob_diff_mean"] > ALARM and "reward/mean" in rows[1]
-    assert "actor/loss" not in rows[1]                                      # stopped before the update
+    # one update per step: no old log-prob pass, the alarm reads the update's own forward, after it
+    assert rows[1]["actor/old_logprob_pass"] == 0 and "actor/loss" in rows[1]
+    assert "sync/version" not in rows[1]                                    # stopped before the weight sync
     assert "WeightSyncAlarm" in (run_dir / "logs" / "driver.log").read_text()
     assert "vllm" in (run_dir / "logs" / "engine_0.log").read_text().lower()
     terminal = d["terminal"]

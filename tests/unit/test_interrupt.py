@@ -82,6 +82,7 @@ class FakeGroup:
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         self.has_reference, self.has_critic = True, False
         self.placement, self.shut_down, self.step = FakePlacement(), False, 0
+        self.passes, self.trained = [], []   # log-prob passes run; per update: (own_old_logprobs, per_sample keys)
         FakeGroup.instances.append(self)
 
     def _phase(self, name: str) -> None:
@@ -102,13 +103,19 @@ class FakeGroup:
     moe_tokens_per_expert = None
 
     def logprobs(self, rollout, plan, reference: bool, **routing):
+        self.passes.append("reference" if reference else "old")
         self._phase("ref_logprobs" if reference else "logprobs")
         lp = -1.2 if reference else -1.0   # KL 0.2 per token: the adaptive KL coefficient moves every step
         return [torch.full((2,), lp) for _ in range(len(rollout))], [torch.ones(2) for _ in range(len(rollout))]
 
-    def train(self, rollout, plan, per_sample, kl_coef, routing=None) -> dict:
+    FORWARD_LP = -1.0   # the training forward's log-probs (returned with own_old_logprobs)
+
+    def train(self, rollout, plan, per_sample, kl_coef, routing=None, own_old_logprobs=False):
+        self.trained.append((own_old_logprobs, sorted(per_sample)))
         self._phase("train")
-        return {"actor/loss": 0.0}
+        forward = ([torch.full((2,), self.FORWARD_LP) for _ in range(len(rollout))],
+                   [torch.full((2,), 0.5) for _ in range(len(rollout))]) if own_old_logprobs else None
+        return {"actor/loss": 0.0}, forward
 
     def sync_weights(self) -> dict:
         return {}
@@ -227,6 +234,35 @@ def test_a_second_signal_stops_at_once_without_waiting_for_busy_actors(fake_run)
     # a second signal during the checkpoint the first one asked for: that checkpoint is not written
     stopped, _, checkpoints, group = fake_run({("generate", 2): [signal.SIGTERM], ("save", 1): [signal.SIGTERM]})
     assert stopped.hard and stopped.exit_code == 143 and checkpoints == {}
+
+
+def test_one_update_per_step_takes_the_old_log_probs_from_the_update_and_alarms_after_it(fake_run, monkeypatch,
+                                                                                          tmp_path):
+    """The fixture's adaptive KL keeps the old log-prob pass; a fixed coefficient does not need it
+    (megarl.trainer.algorithm.needs_old_logprob_pass): the update then gets no old_logprobs_T, and
+    the entropy and the rollout-vs-train alarm read its own forward's, so the alarm stops a step
+    after its update (its metrics are written) and before its checkpoint."""
+    from megarl.trainer.loop import WeightSyncAlarm
+
+    stopped, rows, _, group = fake_run({})
+    assert group.passes == ["old", "reference"] * 4 and all(own is False for own, _ in group.trained)
+    assert "old_logprobs_T" in group.trained[0][1] and [r["actor/old_logprob_pass"] for r in rows] == [1] * 4
+    assert rows[0]["actor/entropy"] == 1.0                             # the pass's entropy
+
+    stopped, rows, checkpoints, group = fake_run({}, "algorithm.kl_target=null")
+    assert stopped is None and group.passes == ["reference"] * 4
+    assert group.trained == [(True, ["advantages_T", "ref_logprobs_T"])] * 4
+    assert [r["actor/old_logprob_pass"] for r in rows] == [0] * 4 and "time/logprobs_s" in rows[0]   # the reference pass
+    assert rows[0]["actor/entropy"] == 0.5 and rows[0]["rollout/logprob_diff_mean"] == 0.0   # the update's forward
+    assert rows[0]["actor/kl"] == pytest.approx(0.2)                   # k1: forward -1.0 vs reference -1.2
+
+    # the update's forward disagrees with vLLM's log-probs (-1.0) by 0.5: the first step raises after its update
+    monkeypatch.setattr(FakeGroup, "FORWARD_LP", -1.5)
+    with pytest.raises(WeightSyncAlarm, match="trainer.logprob_diff_threshold=0.1"):
+        fake_run({}, "algorithm.kl_target=null", "trainer.logprob_diff_threshold=0.1")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1] and rows[0]["rollout/logprob_diff_mean"] == 0.5
+    assert rows[0]["actor/loss"] == 0.0 and FakeGroup.instances[-1].trained != []   # updated, then stopped
 
 
 # ------------------------------------------------------------------ the CLI's last line

@@ -161,7 +161,8 @@ def layout_equality(path, layouts, world, out, tag, model_kw, routing=False, own
             saved = snapshot(engine)
         else:
             attach_old_logprobs(engine, mbs)
-        stats = engine.train_step(mbs, loss_fn)
+        stats = engine.train_step(mbs, loss_fn, return_logprobs=True)
+        train_forward_vs_old_pass(mbs, stats.pop("outputs", None), out, key)
         after = export(engine)
         if first:
             ref_weights, ref_stats = after, stats
@@ -186,6 +187,23 @@ def layout_equality(path, layouts, world, out, tag, model_kw, routing=False, own
         del engine
         gc.collect()
         out[f"{key}|seconds"] = round(time.perf_counter() - t0, 2)
+
+
+def train_forward_vs_old_pass(mbs, outputs, out, key):
+    """|training forward's own log-probs (train_step(return_logprobs=True), last stage) - the old
+    log-prob pass's| over all ranks, the ranks that returned them, and whether the entropies are
+    finite: what a step that skips the old pass uses instead (megarl.trainer.algorithm.needs_old_logprob_pass)."""
+    diff, has, finite = -1.0, 0, 1
+    if outputs is not None:
+        diff = max((o.logprobs_R - mb.extras["old_logprobs_T"]).abs().max().item() for o, mb in zip(outputs, mbs))
+        has, finite = 1, int(all(bool(torch.isfinite(o.entropy_R).all()) for o in outputs))
+    t = torch.tensor([diff, has, -finite], dtype=torch.float64)
+    dist.all_reduce(t[:1], op=dist.ReduceOp.MAX)
+    dist.all_reduce(t[1:2])
+    dist.all_reduce(t[2:], op=dist.ReduceOp.MAX)
+    out[f"{key}|train_forward_vs_old_lp"] = t[0].item()
+    out[f"{key}|train_forward_ranks"] = int(t[1].item())
+    out[f"{key}|train_forward_entropy_finite"] = t[2].item() == -1
 
 
 def replay_step(engine, mbs, seqs, rand, saved, out, key, tag, first, before, plain_after):
