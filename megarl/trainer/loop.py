@@ -126,20 +126,20 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
             rollout, m_gen = source.batch(step, lambda: stop.abandon_if_requested(m))   # times itself
             m.update(m_gen, **offpolicy_metrics(rollout, step))
             stop.abandon_if_requested(m)                       # safe point: nothing updated yet
-            plan = group.plan(rollout)
             routing_out = {}
             old_lp = entropy = ref_lp = values = None
             forward_passes = old_pass or group.has_reference or group.has_critic   # before the update
             if forward_passes:
                 phase(step, "logprobs", reward=m["reward/mean"])
-                with timer("logprobs"):
-                    if old_pass:
-                        old_lp, entropy = group.logprobs(rollout, plan, reference=False, **routing.old_pass(rollout))
-                        routing_out = group.routing_out
-                    if group.has_reference:
-                        ref_lp = group.logprobs(rollout, plan, reference=True, **routing.reference_pass(rollout))[0]
-                    if group.has_critic:
-                        values = group.values(rollout, plan)
+            with timer("logprobs"):   # ~0 s (the plan only) when no pass runs: the phase is always reported
+                plan = group.plan(rollout)
+                if old_pass:
+                    old_lp, entropy = group.logprobs(rollout, plan, reference=False, **routing.old_pass(rollout))
+                    routing_out = group.routing_out
+                if group.has_reference:
+                    ref_lp = group.logprobs(rollout, plan, reference=True, **routing.reference_pass(rollout))[0]
+                if group.has_critic:
+                    values = group.values(rollout, plan)
             m["actor/old_logprob_pass"] = int(old_pass)
 
             def read_logprobs(lp: list, entropy: list) -> tuple[dict, list | None]:

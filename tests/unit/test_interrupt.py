@@ -80,7 +80,7 @@ class FakeGroup:
     def __init__(self, cfg, log_dir=None, verbose=False):
         # the run's handlers come after Ray (started in here) has installed its own
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        self.has_reference, self.has_critic = True, False
+        self.has_reference, self.has_critic = cfg.algorithm.kl_coef > 0, False
         self.placement, self.shut_down, self.step = FakePlacement(), False, 0
         self.passes, self.trained = [], []   # log-prob passes run; per update: (own_old_logprobs, per_sample keys)
         FakeGroup.instances.append(self)
@@ -255,6 +255,10 @@ def test_one_update_per_step_takes_the_old_log_probs_from_the_update_and_alarms_
     assert [r["actor/old_logprob_pass"] for r in rows] == [0] * 4 and "time/logprobs_s" in rows[0]   # the reference pass
     assert rows[0]["actor/entropy"] == 0.5 and rows[0]["rollout/logprob_diff_mean"] == 0.0   # the update's forward
     assert rows[0]["actor/kl"] == pytest.approx(0.2)                   # k1: forward -1.0 vs reference -1.2
+    # no KL either: no forward before the update at all; the log-prob phase is still reported (the plan only)
+    stopped, rows, _, group = fake_run({}, "algorithm.kl_target=null", "algorithm.kl_coef=0")
+    assert stopped is None and group.passes == [] and "actor/kl" not in rows[0]
+    assert all(0 <= r["time/logprobs_s"] < 0.1 for r in rows)
 
     # the update's forward disagrees with vLLM's log-probs (-1.0) by 0.5: the first step raises after its update
     monkeypatch.setattr(FakeGroup, "FORWARD_LP", -1.5)
