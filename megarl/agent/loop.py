@@ -96,7 +96,7 @@ class AgentLoop:
         missing = [t.tid for t in call.trajs.values() if not t.finished]
         if missing:
             raise RuntimeError(f"the agent loop ended with {len(missing)} unfinished trajectories, e.g. {missing[0]}")
-        self.metrics = dict(agent_metrics(list(call.trajs.values())), **fleet.metrics)
+        self.metrics = agent_metrics(list(call.trajs.values()))
         return call.out
 
 

@@ -177,8 +177,7 @@ class Fleet:
                 ids.append(q["id"])
                 local.setdefault(k, []).append(len(requests) - 1)
                 if k in running:
-                    to_start.setdefault(k, [])
-                    to_start[k].append(q)
+                    to_start.setdefault(k, []).append(q)
                 else:
                     to_start[k] = None   # started with everything it has left
             for k, qs in to_start.items():

@@ -101,7 +101,8 @@ class SampleLog:
         for i, (sid, versions, vllm_lp, lp) in enumerate(zip(rollout.sample_ids, rollout.token_versions,
                                                              rollout.sample_logprobs, train_lp)):
             diff_T = (torch.tensor(vllm_lp, dtype=torch.float64) - lp.double()).abs()
-            sampled_T = rollout.loss_mask_T(i) & ~diff_T.isnan()
+            loss_mask_T = rollout.loss_mask_T(i)
+            sampled_T = loss_mask_T & ~diff_T.isnan()
             diff, sampled = diff_T.tolist(), sampled_T.tolist()
             runs, at, run_diffs = version_runs(versions), 0, []
             for _, count in runs:
@@ -111,7 +112,7 @@ class SampleLog:
             sample = {"id": sid, "gap": step - 1 - min(versions) if versions else 0, "runs": runs,
                       "run_logprob_diff": run_diffs}
             if rollout.loss_masks:
-                sample.update(sampled=int(sampled_T.sum()), tool_tokens=int((~rollout.loss_mask_T(i)).sum()),
+                sample.update(sampled=int(sampled_T.sum()), tool_tokens=int((~loss_mask_T).sum()),
                               logprob_diff_max=float(diff_T[sampled_T].max()) if sampled_T.any() else None)
             samples.append(sample)
         with self.path.open("a") as f:

@@ -111,11 +111,10 @@ class Rollouts:
         """Prompt token ids (through the chat template when ``data.use_chat_template``)."""
         out = []
         for rec in records:
+            messages = rec.prompt if isinstance(rec.prompt, list) else [{"role": "user", "content": rec.prompt}]
             if self.formatter is not None:   # the agent's prompt: the template with the tools' schemas
-                messages = rec.prompt if isinstance(rec.prompt, list) else [{"role": "user", "content": rec.prompt}]
                 ids = self.formatter.prompt_ids(messages)
             elif self.cfg.data.use_chat_template:
-                messages = rec.prompt if isinstance(rec.prompt, list) else [{"role": "user", "content": rec.prompt}]
                 ids = self.tokenizer.apply_chat_template(messages,
                                                          tokenize=True, add_generation_prompt=True)
                 ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
@@ -218,7 +217,7 @@ class Rollouts:
                                "equal); raise algorithm.max_sampling_tries or change data.difficulty")
         m.update({"time/generate_s": gen_s, "time/score_s": score_s, "rollout/num_samples": len(kept)})
         if self.agent is not None:
-            m.update({k: v for k, v in self.agent.metrics.items() if k.startswith("agent/")})
+            m.update(self.agent.metrics)
         return kept, m
 
     def evaluate(self, rewards) -> dict:
