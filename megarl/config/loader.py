@@ -187,13 +187,19 @@ def _model_path_next_to_recipe(base, folder: Path) -> None:
 
 def resolve_presets(cfg: MegaRLConfig) -> MegaRLConfig:
     """``cfg`` with the algorithm fields left null filled from ``algorithm.name``'s preset
-    (:mod:`megarl.config.presets`)."""
+    (:mod:`megarl.config.presets`), ``rollout.dp`` from the devices and
+    ``trainer.logprob_diff_threshold`` from ``model.dtype`` (:data:`LOGPROB_DIFF_THRESHOLDS`)."""
     from megarl.config.presets import resolve_algorithm
 
     cfg = dataclasses.replace(cfg, algorithm=resolve_algorithm(cfg.algorithm, cfg.rollout.max_response_tokens))
     if cfg.rollout.dp is None:   # the fleet's size: as many engines as the devices hold
         dp = cfg.topology.world_size // cfg.rollout.tp if cfg.rollout.placement == "colocated" else 1
         cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, dp=max(1, dp)))
+    if cfg.trainer.logprob_diff_threshold is None:   # the alarm's default for the run's precision
+        from megarl.config.schema import LOGPROB_DIFF_THRESHOLDS
+
+        cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(
+            cfg.trainer, logprob_diff_threshold=LOGPROB_DIFF_THRESHOLDS[cfg.model.dtype]))
     return cfg
 
 

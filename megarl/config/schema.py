@@ -19,6 +19,13 @@ from typing import Literal, Optional
 from megarl.config.errors import ConfigValueError
 
 
+LOGPROB_DIFF_THRESHOLDS = {"float32": 0.01, "bfloat16": 0.1}
+"""Default ``trainer.logprob_diff_threshold`` per ``model.dtype``: the rollout-vs-train alarm's
+bound on the mean |vLLM - Megatron| log-prob of sampled tokens. A correct sync leaves a gap of
+~1e-5 in float32 and of the order of 1e-2 in bfloat16 (two different bf16 kernel stacks; measured
+gaps in docs/precision.md); each default sits well above its dtype's correct gap."""
+
+
 def _positive(section, *names, allow_zero=False):
     for name in names:
         value = getattr(section, name)
@@ -126,8 +133,10 @@ class RolloutConfig:
     """Prompts longer than this are rejected with an error naming the prompt."""
     max_response_tokens: int = 128
     """Generation budget per sample; longer responses are truncated (and counted as clipped)."""
-    kv_cache_gib: float = 1.0
-    """KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE); on GPU see gpu_memory_utilization."""
+    kv_cache_gib: Optional[float] = None
+    """KV cache size per engine in GiB on CPU; null: what the largest batch one engine serves at
+    once needs at full length (:func:`megarl.rollout.engine.kv_cache_gib`). On GPU see
+    gpu_memory_utilization."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take when colocated with training."""
     placement: Literal["colocated", "split"] = "colocated"
@@ -387,9 +396,10 @@ class TrainerConfig:
     """Where metrics, the resolved config, plots and checkpoints go."""
     eval_every: int = 0
     """Evaluate every this many steps; 0 disables evaluation."""
-    logprob_diff_threshold: float = 0.05
+    logprob_diff_threshold: Optional[float] = None
     """Stop the run when mean |vLLM - Megatron| log-prob of sampled tokens exceeds this
-    (a broken weight sync); 0 disables the alarm."""
+    (a broken weight sync); 0 disables the alarm; null: the default of ``model.dtype``
+    (:data:`LOGPROB_DIFF_THRESHOLDS`: float32 0.01, bfloat16 0.1; measured gaps in docs/precision.md)."""
     max_tokens_per_micro_batch: int = 4096
     """Hard token budget of one packed micro-batch on one device (after alignment padding, / cp);
     at least rollout.max_prompt_tokens + rollout.max_response_tokens."""

@@ -160,6 +160,27 @@ class PolicyEngine:
         self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         self.config.grad_scale_func = None
 
+    def precision(self) -> dict:
+        """The dtypes this rank trains with: ``params`` (the model's, what the forward computes
+        in and the bridge reads), ``main_params`` (what the optimizer updates: fp32 shards of the
+        distributed optimizer under bf16), ``optimizer_state`` (Adam's moments; None before the
+        first step creates them) and ``grads`` (megatron's gradient buffers)."""
+        import torch
+
+        def names(tensors) -> list:
+            return sorted({str(t.dtype).replace("torch.", "") for t in tensors})
+
+        params = [p for chunk in self.model.modules for p in chunk.parameters()]
+        out = {"params": names(params), "main_params": None, "optimizer_state": None,
+               "grads": names(p.main_grad for p in params if getattr(p, "main_grad", None) is not None) or None}
+        if self.optimizer is not None:
+            inner = [o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
+            main = [p for opt in inner for g in opt.param_groups for p in g["params"]]
+            state = [v for opt in inner for st in opt.state.values() for v in st.values()
+                     if isinstance(v, torch.Tensor) and v.dim() > 0]
+            out["main_params"], out["optimizer_state"] = names(main), names(state) or None
+        return out
+
     # ---------------------------------------------------------------- schedule
     def _run(self, micro_batches: Sequence[SequenceBatch], loss_func: Callable, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func

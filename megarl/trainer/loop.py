@@ -85,6 +85,7 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
         group = WorkerGroup(cfg, None if verbose else run_dir / "logs", verbose)
         cleanup.callback(_release, group, stop)
         stop.arm()                                           # after ray.init, which installs a SIGTERM handler
+        megarl_log.info(precision_line(group.precision(), cfg))
         rollouts = Rollouts(cfg, group.generate)
         ckpt = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)
         kl_ctl = build_kl_controller("adaptive", init_kl_coef=cfg.algorithm.kl_coef, target_kl=cfg.algorithm.kl_target,
@@ -257,6 +258,16 @@ def critic_metrics(values: list, returns: list) -> dict:
             "critic/explained_variance": 1.0 - float((r - v).var(unbiased=False)) / var_r if var_r > 0 else math.nan}
 
 
+def precision_line(p: dict, cfg: MegaRLConfig) -> str:
+    """One line of the run's dtypes (``p``: :meth:`WorkerGroup.precision`) and the alarm bound."""
+    join = lambda names: "/".join(names) if names else "-"   # noqa: E731
+    state = join(p["optimizer_state"] or p["main_params"])   # Adam's moments follow the main params
+    threshold = cfg.trainer.logprob_diff_threshold
+    return (f"precision: params {join(p['params'])}, main params {join(p['main_params'])}, optimizer state {state}, "
+            f"grads {join(p['grads'])}; vLLM {cfg.model.dtype}; rollout-vs-train alarm "
+            + (f"at mean |vLLM - Megatron| log-prob > {threshold:g}" if threshold else "off"))
+
+
 def alarm_metrics(rollout: Rollout, train_lp: list, threshold: float, version: int | None = None) -> dict:
     """|vLLM sampling log-prob - Megatron log-prob| of the sampled tokens; stop when too large.
 
@@ -284,4 +295,4 @@ def alarm_metrics(rollout: Rollout, train_lp: list, threshold: float, version: i
     return out
 
 
-__all__ = ["train", "alarm_metrics", "critic_metrics", "RunInterrupted", "WeightSyncAlarm"]
+__all__ = ["train", "alarm_metrics", "precision_line", "critic_metrics", "RunInterrupted", "WeightSyncAlarm"]

@@ -109,6 +109,11 @@ class HybridWorker:
         leader = g.tp_rank == 0 and g.cp_rank == 0 and g.is_last_stage
         return {"rank": self.rank, "dp_rank": g.dp_rank, "dp_leader": leader, "pid": os.getpid(), **where()}
 
+    def precision(self) -> dict:
+        """The policy's dtypes on this rank (:meth:`megarl.engine.policy.PolicyEngine.precision`)
+        and the dtype the bridge sends to vLLM."""
+        return {**self.policy.precision(), "sent_to_vllm": self.cfg.model.dtype}
+
     def replace_engine(self, k: int, actor) -> dict:
         """Engine ``k`` was restarted as ``actor``: its driver rank points its bridge there, and
         every rank sends it the current weights (collective; the other engines are left alone)."""

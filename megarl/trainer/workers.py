@@ -326,6 +326,10 @@ class WorkerGroup:
                 out[f"sync/engine{s['engine_index']}_bytes"] = s["engine_bytes"]
         return out
 
+    def precision(self) -> dict:
+        """Rank 0's training dtypes (:meth:`megarl.trainer.worker.HybridWorker.precision`)."""
+        return self._wait([self.workers[0].precision.remote()], [self._who(0)], "precision")[0]
+
     def export_hf(self, folder) -> None:
         """The policy's current weights as an HF folder (:meth:`HybridWorker.export_hf`)."""
         self._all("export_hf", str(folder))

@@ -3,6 +3,10 @@ engines as actors, through the real loop (``megarl.trainer.loop.train``, in this
 each: one weight sync after training):
 
 (a) tiny-qwen2, dp2, 2 engines x TP1;
+(b) = (a) in bfloat16 with one engine: bf16 Megatron parameters, fp32 main parameters, gradients
+    and Adam state in the distributed optimizer, a bf16 vLLM engine, the bridge sending bf16 (half
+    of (a)'s bytes per engine); the rollout-vs-train gap stays under the bf16 default of
+    trainer.logprob_diff_threshold (megarl.config.schema.LOGPROB_DIFF_THRESHOLDS);
 (c) tiny-qwen3_moe, tp2.ep2 (etp1), 2 engines x TP1;
 (d) = (a) with rollout.dp=1: one engine for the same seeds, then a second step that the weight-sync
     alarm stops (below).
@@ -49,10 +53,12 @@ CASES = {   # name -> (model, rollout tp, overrides)
                                        "rollout.weight_noise_std=0.05", "bridge.verify=false",
                                        f"trainer.logprob_diff_threshold={ALARM}"]),
     "a_dp2_2x_tp1": ("tiny-qwen2", 1, ["topology.world_size=2"]),
+    "b_bf16_dp2_1x_tp1": ("tiny-qwen2", 1, ["topology.world_size=2", "rollout.dp=1", "model.dtype=bfloat16",
+                                            "trainer.logprob_diff_threshold=null"]),
     "c_moe_tp2_ep2_2x_tp1": ("tiny-qwen3_moe", 1, ["topology.world_size=2", "topology.tp=2", "topology.sp=true",
                                                    "topology.ep=2", "topology.etp=1"]),
 }
-ENGINES = {"a_dp2_2x_tp1": 2, "c_moe_tp2_ep2_2x_tp1": 2, "d_dp2_1x_tp1": 1}
+ENGINES = {"a_dp2_2x_tp1": 2, "b_bf16_dp2_1x_tp1": 1, "c_moe_tp2_ep2_2x_tp1": 2, "d_dp2_1x_tp1": 1}
 
 FRESH = """
 import json, sys
@@ -60,8 +66,8 @@ from megarl.rollout.parity import vllm_outputs
 from megarl.rollout.vllm_engine import make_llm, shutdown_llm
 jobs = json.load(open(sys.argv[1]))
 out = {}
-for folder, tp, prompt_ids, num_new in jobs:
-    llm = make_llm(folder, tp=tp, max_model_len=256, kv_cache_gib=1, enable_prefix_caching=False, in_process=True,
+for folder, tp, dtype, prompt_ids, num_new in jobs:
+    llm = make_llm(folder, tp=tp, dtype=dtype, max_model_len=256, kv_cache_gib=1, enable_prefix_caching=False, in_process=True,
                    distributed_executor_backend="uni" if tp == 1 else "mp")
     greedy, lp = vllm_outputs(llm, prompt_ids, num_new, one_at_a_time=False)
     out[folder] = {"greedy": greedy, "prompt_lp": lp}
@@ -92,14 +98,15 @@ def run_case(tmp, name: str, after_sync=None) -> dict:
     def probe(group, step):   # every engine's view of the weights, and the weights themselves
         folder = tmp / name / f"export_step{step}"
         group.export_hf(folder)
-        probes.append({"step": step, "folder": str(folder),
+        probes.append({"step": step, "folder": str(folder), "precision": group.precision(),
                        "engines": group.fleet.call_all("probe", prompts, NUM_NEW)})
 
     cfg = load_config(write_recipe(tmp, name, recipe("  name: grpo", steps=1)),
                       [f"model.path=fixture:{model}", *overrides])
     assert cfg.rollout.dp == ENGINES[name] and cfg.rollout.tp == tp
     train(cfg, after_sync=after_sync or probe)
-    return {"rows": metrics(tmp / name), "probes": probes, "prompts": prompts, "tp": tp}
+    return {"rows": metrics(tmp / name), "probes": probes, "prompts": prompts, "tp": tp, "dtype": cfg.model.dtype,
+            "threshold": cfg.trainer.logprob_diff_threshold}
 
 
 def run_alarmed(tmp) -> dict:
@@ -136,7 +143,7 @@ def runs(tmp_path_factory):
         finally:
             ray.shutdown()
     # fresh engines on every exported folder, one process (they start one after the other)
-    jobs = [(p["folder"], r["tp"], r["prompts"], NUM_NEW) for name, r in out.items() if name != "d_dp2_1x_tp1"
+    jobs = [(p["folder"], r["tp"], r["dtype"], r["prompts"], NUM_NEW) for name, r in out.items() if name != "d_dp2_1x_tp1"
             for p in r["probes"]]
     (tmp / "jobs.json").write_text(json.dumps(jobs))
     subprocess.run([sys.executable, "-c", FRESH, str(tmp / "jobs.json"), str(tmp / "fresh.json")], check=True,
@@ -156,10 +163,12 @@ def test_every_engine_holds_the_trained_weights_after_every_sync(runs, name):
             assert got["greedy"] == ref["greedy"], (name, probe["step"], k, got["greedy"], ref["greedy"])
             diff = max(abs(a - b) for x, y in zip(got["prompt_lp"], ref["prompt_lp"]) for a, b in zip(x, y))
             assert diff <= TOL_LP, (name, probe["step"], k, diff)
+        assert all(e["dtype"] == run["dtype"] for e in probe["engines"]), probe["engines"]
     rows = run["rows"]
     assert [r["step"] for r in rows] == [1]
     for r in rows:
-        assert r["rollout/logprob_diff_max"] < 1e-4, (name, r["step"], r["rollout/logprob_diff_max"])
+        if run["dtype"] == "float32":
+            assert r["rollout/logprob_diff_max"] < 1e-4, (name, r["step"], r["rollout/logprob_diff_max"])
         assert r["sync/verified_params"] > 0 and r["sync/version"] == r["step"]
         engine_bytes = [r[f"sync/engine{k}_bytes"] for k in range(ENGINES[name])]
         assert engine_bytes[0] > 0 and len(set(engine_bytes)) == 1, engine_bytes
@@ -204,3 +213,22 @@ def test_weight_sync_alarm_stops_the_run_and_leaves_no_process(runs):
     header, failing = terminal.partition("step 2/2")[1:]
     assert header and len((start + header + failing).splitlines()) <= 30, terminal
     assert "logprob_diff_mean=" in failing   # the failed step's table
+
+
+def test_bf16_trains_with_fp32_master_weights_and_syncs_bf16(runs):
+    """(b): bf16 parameters, fp32 main parameters, gradients and Adam state; vLLM in bf16; half of
+    (a)'s bytes per engine; the rollout-vs-train gap under the bf16 default and above fp32's."""
+    from megarl.config.schema import LOGPROB_DIFF_THRESHOLDS
+
+    _, out, _ = runs
+    b, a = out["b_bf16_dp2_1x_tp1"], out["a_dp2_2x_tp1"]
+    assert b["threshold"] == LOGPROB_DIFF_THRESHOLDS["bfloat16"] and a["threshold"] == 0.01
+    assert b["probes"][0]["precision"] == {"params": ["bfloat16"], "main_params": ["float32"],
+                                           "optimizer_state": ["float32"], "grads": ["float32"],
+                                           "sent_to_vllm": "bfloat16"}, b["probes"][0]["precision"]
+    assert a["probes"][0]["precision"]["params"] == ["float32"]
+    rb, ra = b["rows"][0], a["rows"][0]
+    assert 2 * rb["sync/engine0_bytes"] == ra["sync/engine0_bytes"], (rb["sync/engine0_bytes"], ra["sync/engine0_bytes"])
+    # bf16 rounding shows (a correct fp32 sync agrees to ~1e-6), yet far under the bf16 alarm
+    assert 1e-4 < rb["rollout/logprob_diff_mean"] < LOGPROB_DIFF_THRESHOLDS["bfloat16"] / 2, rb["rollout/logprob_diff_mean"]
+    assert rb["actor/update_successful"] == 1 and 0 < rb["actor/grad_norm"] < float("inf")

@@ -178,6 +178,30 @@ def test_rollout_keys_reach_the_vllm_engine(monkeypatch):
         assert "enable_chunked_prefill" not in seen, overrides
 
 
+def test_kv_cache_is_sized_from_the_batch_when_unset(tmp_path):
+    """rollout.kv_cache_gib null: one engine's share of a step's samples at full length, in whole
+    128-token blocks, x1.5 layout slack; x2 in the off-policy modes; an evaluation's share when
+    larger; a floor of 16 MiB; an explicit value as given."""
+    import json
+
+    from megarl.rollout.engine import kv_cache_gib
+
+    (tmp_path / "config.json").write_text(json.dumps({   # SmolLM2-135M's attention shapes
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152}))
+    base = ["rollout.max_prompt_tokens=192", "rollout.max_response_tokens=96", "data.prompts_per_step=8", "rollout.n=4"]
+    per_token = 30 * 2 * 3 * 64 * 4                         # fp32 K and V, every layer
+    gib = lambda *o: kv_cache_gib(load_config(None, base + list(o)), str(tmp_path)) * 2**30   # noqa: E731
+    assert gib() == 32 * 384 * per_token * 1.5               # 288 tokens -> 3 blocks of 128
+    assert gib("model.dtype=bfloat16") == gib() / 2
+    assert gib("topology.world_size=2", "rollout.dp=2") == gib() / 2
+    assert gib("trainer.mode=one_step_off") == 2 * gib()
+    assert gib("trainer.eval_every=5", "data.eval_prompts=64") == 2 * gib()
+    assert gib("data.prompts_per_step=1", "rollout.n=1", "rollout.max_prompt_tokens=8",
+               "rollout.max_response_tokens=8") == 16 << 20
+    assert gib("rollout.kv_cache_gib=0.25") == 2**28
+
+
 def test_rollout_keys_set_the_sampling_params():
     from types import SimpleNamespace
 

@@ -85,6 +85,9 @@ class FakeGroup:
         self.passes, self.trained = [], []   # log-prob passes run; per update: (own_old_logprobs, per_sample keys)
         FakeGroup.instances.append(self)
 
+    def precision(self) -> dict:
+        return {"params": ["float32"], "main_params": ["float32"], "optimizer_state": None, "grads": ["float32"]}
+
     def _phase(self, name: str) -> None:
         for signum in self.SIGNALS.get((name, self.step), ()):
             send(signum)

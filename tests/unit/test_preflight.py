@@ -261,3 +261,36 @@ def test_rollout_ep_needs_a_gpu_vllm_and_experts(tmp_path):
     preflight(load_config(write_recipe(tmp_path, **sections)), "train", backend="gpu")
     (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA))   # dense
     assert "expected 1 for a dense model" in error_of(tmp_path, backend="gpu", **sections)
+
+
+def test_bf16_on_a_cpu_without_native_bf16_is_a_warning(tmp_path, monkeypatch):
+    from megarl.preflight import cpu_has_native_bf16
+
+    amd = tmp_path / "cpuinfo_avx2"
+    amd.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n")
+    spr = tmp_path / "cpuinfo_spr"
+    spr.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    assert not cpu_has_native_bf16(str(amd)) and cpu_has_native_bf16(str(spr))
+    assert cpu_has_native_bf16(str(tmp_path / "absent"))   # unreadable: no claim, no warning
+    model_dir(tmp_path)
+    bf16 = load_config(write_recipe(tmp_path, model={"dtype": "bfloat16"}))
+    monkeypatch.setattr("megarl.preflight.cpu_has_native_bf16", lambda: False)
+    [warning] = preflight(bf16, "train", backend="cpu")
+    assert warning.startswith("model.dtype: bfloat16 on a CPU without native bf16") and "float32" in warning
+    assert preflight(bf16, "config", backend="cpu") == []          # a recipe checked here may run elsewhere
+    assert preflight(bf16, "train", backend="gpu") == []
+    assert preflight(load_config(write_recipe(tmp_path)), "train", backend="cpu") == []   # float32
+    monkeypatch.setattr("megarl.preflight.cpu_has_native_bf16", lambda: True)
+    assert preflight(bf16, "train", backend="cpu") == []
+
+
+def test_alarm_threshold_follows_the_dtype(tmp_path):
+    from megarl.config.schema import LOGPROB_DIFF_THRESHOLDS
+
+    model_dir(tmp_path)
+    for dtype in ("float32", "bfloat16"):
+        cfg = load_config(write_recipe(tmp_path, model={"dtype": dtype}))
+        assert cfg.trainer.logprob_diff_threshold == LOGPROB_DIFF_THRESHOLDS[dtype]
+    cfg = load_config(write_recipe(tmp_path, model={"dtype": "bfloat16"}, trainer={"logprob_diff_threshold": 0}))
+    assert cfg.trainer.logprob_diff_threshold == 0   # an explicit value, 0 included, stays
+    assert LOGPROB_DIFF_THRESHOLDS["float32"] < LOGPROB_DIFF_THRESHOLDS["bfloat16"]
