@@ -155,8 +155,9 @@ def run_megarl(a, work: Path) -> dict:
                  "trainer.eval_every=0", "checkpoint.save_every=0", *a.megarl_override]
     cmd = [sys.executable, "-m", "megarl.cli", "train", str(ROOT / "configs" / "quickstart.yaml"), *overrides]
     wall, pss = run_measured(cmd, work / "megarl.log", env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    rows = sorted((json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()),
-                  key=lambda r: r["step"])
+    from bench_grpo import read_metrics   # perf/, beside this file
+
+    rows = sorted(read_metrics(run_dir), key=lambda r: r["step"])
     steps = []
     for r in rows:
         phases = {k[len("time/"):-len("_s")]: r[k] for k in r if k.startswith("time/") and k.endswith("_s")}

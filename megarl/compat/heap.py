@@ -4,7 +4,9 @@ Tensors below glibc's mmap threshold (up to 32 MiB once large blocks have been f
 the malloc heap; when they are freed the pages stay in the process (resident, counted in its
 RSS and PSS) until a trim returns the free ones. A vLLM engine on CPU ends its start-up and
 every weight load with such freed memory (the checkpoint's tensors, the loader's copies), so the
-rollout engine trims then (:class:`megarl.rollout.engine.EngineActor`).
+rollout engine trims after start-up (:class:`megarl.rollout.engine.EngineActor`) and each vLLM
+worker after every bucket it loads (``megarl_load_bucket`` in :mod:`megarl.rollout.worker_ext`:
+at rollout.tp > 1 the workers are processes of their own).
 """
 from __future__ import annotations
 

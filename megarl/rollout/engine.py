@@ -586,9 +586,7 @@ class EngineActor:
 
     def collective_rpc(self, method: str, args: tuple = ()):
         with self._errors(f"the weight sync ({method})"):
-            out = self.llm.collective_rpc(method, args=args)
-        heap.trim()   # a bucket's staging copies
-        return out
+            return self.llm.collective_rpc(method, args=args)
 
     def reset_prefix_cache(self):
         return self.llm.reset_prefix_cache()

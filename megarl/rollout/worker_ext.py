@@ -126,6 +126,7 @@ class BridgeWorkerExtension:
     def megarl_load_bucket(self, manifests: dict, version: int, fmt: str = "hf_full") -> dict:
         """``rpc.LOAD_BUCKET``: load this rank's buffer of one bucket."""
         from megarl.bridge.buffer import open_manifest
+        from megarl.compat import heap
 
         t = time.perf_counter()
         manifest = manifests.get(str(self.rank))
@@ -145,7 +146,10 @@ class BridgeWorkerExtension:
                 for name, tensor in named:
                     params[name].data.copy_(tensor)
         self._megarl_weight_version = version
-        return {"rank": self.rank, "loaded": len(named), "repacked_moe": repacked, "secs": time.perf_counter() - t}
+        loaded = len(named)
+        del named
+        heap.trim()   # the bucket's staging copies, in this vLLM worker's own process (megarl/compat/heap.py)
+        return {"rank": self.rank, "loaded": loaded, "repacked_moe": repacked, "secs": time.perf_counter() - t}
 
     def megarl_reload_bytes(self, blob: bytes) -> dict:
         """``rpc.RELOAD_BYTES`` (benchmark baseline): a safetensors blob of full HF tensors

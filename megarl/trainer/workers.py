@@ -65,7 +65,6 @@ class WorkerGroup:
         self.skipped_in_a_row = {"actor": 0, "critic": 0}
         self.timeline = None
         """A :class:`megarl.observability.timeline.Timeline`: each call's span per rank (lane rankR)."""
-        self.forward_outputs: dict = {}
         # trainer.balance_cost=flops: the FLOPs coefficients come from the model's config.json
         self.budget = budget_from_config(cfg.trainer, read_hf_config(cfg.model.path))
         # last: from here on, anything that raises must release the placement
@@ -255,20 +254,21 @@ class WorkerGroup:
         else ``forward`` is None."""
         a = self.cfg.algorithm
         assert not own_old_logprobs or (a.ppo_epochs, a.mini_batches) == (1, 1), "own old log-probs: one update only"
-        metrics = self._optimize("train", "actor", rollout, plan, per_sample, kl_coef, routing is not None,
-                                 own_old_logprobs, routing=routing)
+        metrics, outs = self._optimize("train", "actor", rollout, plan, per_sample, kl_coef, routing is not None,
+                                       own_old_logprobs, routing=routing)
         if not own_old_logprobs:
             return metrics, None
-        outs = self.forward_outputs
         column = lambda k: scatter_back(rollout, plan, {r: [x[k] for x in o] for r, o in outs.items()})  # noqa: E731
         return metrics, (column(0), column(1))
 
     def train_critic(self, rollout: Rollout, plan, per_sample: dict) -> dict:
-        return self._optimize("train_critic", "critic", rollout, plan, per_sample)
+        return self._optimize("train_critic", "critic", rollout, plan, per_sample)[0]
 
     def _optimize(self, method: str, tag: str, rollout: Rollout, plan, per_sample: dict, *args,
-                  routing: list | None = None) -> dict:
+                  routing: list | None = None) -> tuple[dict, dict]:
         """``ppo_epochs`` passes over ``mini_batches`` chunks of whole groups, one optimizer step each.
+        Returns the metrics and the last pass's ``outputs`` by DP rank (the training forward's own
+        log-probs, from the DP leaders of a ``train`` with ``own_old_logprobs``; else empty).
         ``<tag>/skipped_updates`` counts the updates skipped for a non-finite loss or gradient
         (:meth:`megarl.engine.policy.PolicyEngine.train_step`), ``<tag>/grad_norm`` averages the
         applied ones; more than ``trainer.max_skipped_updates`` skipped in a row raise
@@ -285,9 +285,7 @@ class WorkerGroup:
                 sub_routing = [routing[i] for i in keep] if routing is not None and len(chunks) > 1 else routing
                 batches = self._per_rank(sub, sub_plan, sub_samples, sub_routing)
                 outs = self._fan_out(method, [(b, *args) for b in batches])
-                # the training forward's own log-probs (train with own_old_logprobs), by DP rank
-                self.forward_outputs = {i["dp_rank"]: o.pop("outputs") for i, o in zip(self.info, outs)
-                                        if "outputs" in o}
+                outputs = {i["dp_rank"]: o.pop("outputs") for i, o in zip(self.info, outs) if "outputs" in o}
                 results.append(outs[0])
                 self._count_skips(tag, results[-1])
         out = {f"{tag}/{k}": v for k, v in results[-1].items() if isinstance(v, (int, float))}
@@ -296,7 +294,7 @@ class WorkerGroup:
         out[f"{tag}/grad_norm"] = sum(applied) / len(applied) if applied else float("nan")
         out[f"{tag}/optimizer_steps"] = len(results)
         out[f"{tag}/skipped_updates"] = len(results) - len(applied)
-        return out
+        return out, outputs
 
     def _count_skips(self, tag: str, result: dict) -> None:
         limit = self.cfg.trainer.max_skipped_updates

@@ -11,7 +11,6 @@ def pss():
         if line.startswith("Pss:"):
             return int(line.split()[1]) >> 10
 
-keep = []
 blocks = [bytearray(b"x" * 100_000) for _ in range(3000)]   # ~300 MiB of small (heap) blocks
 keep = blocks[-1:]                                          # the last one pins the heap's top
 del blocks
