@@ -116,8 +116,15 @@ def pack_sequences(
     cp: int = 1,
     cp_rank: int = 0,
     pad_value: Any = 0,
+    pad_to: int | None = None,
 ) -> PackedSequences:
-    """Pack ``[L_i, ...]`` tensors into one THD row (this CP rank's share under CP)."""
+    """Pack ``[L_i, ...]`` tensors into one THD row (this CP rank's share under CP).
+
+    ``pad_to``: the full row's length ``Tf`` (before the CP split) when every micro-batch of a
+    call must have one shape (megatron's fixed-shape pipeline exchange, see
+    :mod:`megarl.engine.build`): the extra tokens lengthen the last sequence's padding, so the
+    result is the same as without them. It must be at least the row's own length and keep the
+    alignment (a multiple of :func:`sequence_alignment` more)."""
     import torch
 
     _check_parallel(tp, cp)
@@ -135,6 +142,12 @@ def pack_sequences(
                 f"expected {tuple(first.shape[1:])} and {first.dtype} like sequences[0]")
     lengths = [int(s.shape[0]) for s in sequences]
     padded = [padded_length(n, tp, cp) for n in lengths]
+    if pad_to is not None:
+        extra = pad_to - sum(padded)
+        if extra < 0 or extra % sequence_alignment(tp, cp):
+            raise ValueError(f"pack_sequences: pad_to={pad_to} but the sequences pack to {sum(padded)} tokens; "
+                             f"expected at least that, more by a multiple of {sequence_alignment(tp, cp)}")
+        padded[-1] += extra
     device = first.device
     full_T = sum(padded)
     full = torch.full((full_T, *first.shape[1:]), pad_value, dtype=first.dtype, device=device)

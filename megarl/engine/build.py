@@ -15,7 +15,13 @@ Steps of :func:`build_model`:
 
 Megatron settings chosen here (and why): ``calculate_per_token_loss=False`` with the loss
 scaling described in :mod:`megarl.engine.policy`; ``variable_seq_lengths=True`` (packed rows
-differ per micro-batch); ``batch_p2p_comm=False`` on CPU (gloo swaps VPP messages otherwise);
+differ per micro-batch: each pipeline exchange first sends the shape), except under VPP on CPU:
+gloo's send waits for the matching receive, and the interleaved schedule's separate blocking
+shape exchange then deadlocks a training step (pp2: stage 0 in its last warm-up send, stage 1 in
+its first steady-state shape exchange, each waiting for the other); there every micro-batch of a
+call is padded to one length (:func:`megarl.engine.logprobs.pack_micro_batch` ``pad_to``, exact:
+the extra tokens are the last sequence's padding) and megatron exchanges no shapes;
+``batch_p2p_comm=False`` on CPU (gloo swaps VPP messages otherwise);
 sequence parallelism only when ``topology.sp``; uneven first/last pipeline stages
 (``num_layers_in_first/last_pipeline_stage``) only when the topology sets them; MoE dispatcher
 ``alltoall`` (mbridge default).
@@ -135,7 +141,8 @@ def _config_overrides(options: ModelOptions, topology: Topology) -> dict:
     extra = {} if cuda_available() else cpu_transformer_overrides()
     extra.update(
         sequence_parallel=topology.sp,
-        variable_seq_lengths=True,
+        # gloo under VPP: fixed shapes (see the module doc)
+        variable_seq_lengths=not (topology.vpp_size > 1 and not cuda_available()),
         calculate_per_token_loss=False,
         moe_aux_loss_coeff=options.moe_aux_loss_coeff,
         moe_z_loss_coeff=options.moe_z_loss_coeff or None,

@@ -42,7 +42,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megarl.data.packing import gather_cp_shares, pack_sequences, packed_seq_params_kwargs, unpack_sequences
+from megarl.data.packing import (gather_cp_shares, pack_sequences, packed_seq_params_kwargs, padded_length,
+                                 unpack_sequences)
 
 
 @dataclass
@@ -131,23 +132,30 @@ class PackedMicroBatch:
         return self.tokens_1T.shape[1]
 
 
-def pack_micro_batch(batch: SequenceBatch, tp: int, cp: int, cp_rank: int, sp: bool = False) -> PackedMicroBatch:
-    """THD-pack a micro-batch for this CP rank (tokens, labels, positions, PackedSeqParams)."""
+def packed_length(batch: SequenceBatch, tp: int, cp: int, sp: bool = False) -> int:
+    """Tokens of the full packed row (before the CP split) :func:`pack_micro_batch` builds."""
+    align_tp = tp if (sp or cp > 1) else 1
+    return sum(padded_length(ids.numel(), align_tp, cp) for ids in batch.input_ids)
+
+
+def pack_micro_batch(batch: SequenceBatch, tp: int, cp: int, cp_rank: int, sp: bool = False,
+                     pad_to: Optional[int] = None) -> PackedMicroBatch:
+    """THD-pack a micro-batch for this CP rank (tokens, labels, positions, PackedSeqParams);
+    ``pad_to``: the full row's length (see :func:`megarl.data.packing.pack_sequences`)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     # Without SP and CP, no alignment is needed (pad only for what the layout requires).
     align_tp = tp if (sp or cp > 1) else 1
+    kw = dict(tp=align_tp, cp=cp, cp_rank=cp_rank, pad_to=pad_to)
     seqs = [ids.to(torch.int64) for ids in batch.input_ids]
     labels = [torch.cat([ids[1:], ids.new_zeros(1)]) for ids in seqs]
-    tok = pack_sequences(seqs, tp=align_tp, cp=cp, cp_rank=cp_rank)
-    lab = pack_sequences(labels, tp=align_tp, cp=cp, cp_rank=cp_rank)
-    valid = pack_sequences([torch.ones(ids.numel(), dtype=torch.bool) for ids in seqs], tp=align_tp, cp=cp,
-                           cp_rank=cp_rank, pad_value=False)
+    tok = pack_sequences(seqs, **kw)
+    lab = pack_sequences(labels, **kw)
+    valid = pack_sequences([torch.ones(ids.numel(), dtype=torch.bool) for ids in seqs], pad_value=False, **kw)
     params = PackedSeqParams(**packed_seq_params_kwargs(tok))
     routing = None
     if batch.routing is not None:
-        routing = pack_sequences([r.to(torch.int64) for r in batch.routing], tp=align_tp, cp=cp, cp_rank=cp_rank,
-                                 pad_value=-1).tokens_T
+        routing = pack_sequences([r.to(torch.int64) for r in batch.routing], pad_value=-1, **kw).tokens_T
     return PackedMicroBatch(batch=batch, tokens_1T=tok.tokens_T[None], position_ids_1T=tok.position_ids_T[None],
                             labels_T=lab.tokens_T, packed_seq_params=params, cu_seqlens_N1=tok.cu_seqlens_N1,
                             cu_seqlens_padded_N1=tok.cu_seqlens_padded_N1, padding_mask_1T=~valid.tokens_T[None],

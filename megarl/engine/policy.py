@@ -43,7 +43,8 @@ import torch.distributed as dist
 
 from megarl.engine.build import BuiltModel, ModelOptions, build_model, check_layout, read_hf_config
 from megarl.engine.export import export_hf_weights, local_shards
-from megarl.engine.logprobs import PackedMicroBatch, SequenceBatch, pack_micro_batch, response_logprobs
+from megarl.engine.logprobs import (PackedMicroBatch, SequenceBatch, pack_micro_batch, packed_length,
+                                   response_logprobs)
 from megarl.engine.moe_stats import MoEStats
 from megarl.engine.offload import Offloader
 from megarl.engine.replay import RouterReplayer
@@ -186,7 +187,10 @@ class PolicyEngine:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         g, topo = self.groups, self.groups.topology
-        packed = [pack_micro_batch(b, topo.tp, topo.cp, g.cp_rank, topo.sp) for b in micro_batches]
+        pad_to = None
+        if not self.config.variable_seq_lengths:   # fixed-shape pipeline exchange (build.py): one length
+            pad_to = max(packed_length(b, topo.tp, topo.cp, topo.sp) for b in micro_batches)
+        packed = [pack_micro_batch(b, topo.tp, topo.cp, g.cp_rank, topo.sp, pad_to=pad_to) for b in micro_batches]
         for i, mb in enumerate(packed):
             mb.index = i
         self._packed = packed
@@ -207,7 +211,7 @@ class PolicyEngine:
         iters = [iter(packed) for _ in chunks] if len(chunks) > 1 else iter(packed)
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iters, model=chunks,
-            num_microbatches=len(packed), seq_length=max(p.num_packed_tokens for p in packed),
+            num_microbatches=len(packed), seq_length=max(p.num_packed_tokens for p in packed) * topo.cp,
             micro_batch_size=1, forward_only=forward_only)
 
     def _padding_mask(self, mb: PackedMicroBatch, model) -> torch.Tensor:
@@ -228,9 +232,10 @@ class PolicyEngine:
         if not micro_batches:
             raise ValueError("micro_batches is empty; expected at least one SequenceBatch")
         topo = self.groups.topology
-        if topo.vpp_size > 1 and len(micro_batches) < topo.pp:
+        if topo.vpp_size > 1 and (len(micro_batches) < topo.pp or len(micro_batches) % topo.pp):
             raise ValueError(f"{len(micro_batches)} micro-batches with pp={topo.pp} and vpp={topo.vpp}: the "
-                             f"interleaved schedule needs at least pp={topo.pp} micro-batches")
+                             f"interleaved schedule needs a multiple of pp={topo.pp} micro-batches (megatron "
+                             "runs them in groups of pp per virtual stage)")
         return micro_batches
 
     def _from_last_stage(self, obj):

@@ -1,6 +1,6 @@
 """HF <-> Megatron distributed-checkpoint conversion (gloo, 4 processes, fp32).
 
-One launch converts every tiny family and SmolLM2 HF -> Megatron at (tp, pp, ep) = (2, 2, 1)
+One launch converts tiny Llama, Qwen3-MoE, DeepSeek-V3 and SmolLM2 HF -> Megatron at (tp, pp, ep) = (2, 2, 1)
 (MoE: (2, 1, 2); SmolLM2 has 9 heads / 3 KV heads, so tp=2 is impossible for it: (1, 2, 1)), back to HF (sharded safetensors + index) at the same layout, and checks:
 every tensor bit-identical to the source; ``verify`` (exact weights, log-probs vs transformers
 < 1e-4); the dense and MoE checkpoints loaded at tp=1 and pp=2 into an engine whose parameters
@@ -25,7 +25,9 @@ pytestmark = pytest.mark.distributed
 UNEVEN = "tiny-deepseek_v3-3l"
 UNEVEN_LAYOUT = "pp2.ep2.first1"
 UNEVEN_RELOAD = ["tp1", "pp2.last1"]
-FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3_moe", "tiny-deepseek_v3", "smollm2", UNEVEN]
+# Qwen2 (qkv bias) and Qwen3 (q/k norms) are left out: the checkpoint path is the same for every
+# family, and their mappings' shard round trip is bit-exact in tests/unit/test_bridge_mapping.py
+FAMILIES = ["tiny-llama", "tiny-qwen3_moe", "tiny-deepseek_v3", "smollm2", UNEVEN]
 RELOAD = ["tiny-llama", "tiny-qwen3_moe"]
 MOE = {"tiny-qwen3_moe", "tiny-deepseek_v3"}
 

@@ -3,9 +3,9 @@
 - One SGD step (PPO loss, token-mean over the global token count, grad clip 1.0, lr 0.5) on one
   global batch of 4 sequences (59 tokens) leaves the same HF-exported weights at tp=2, pp=2
   (qwen2), ep=2, tp=2 x ep=2 (+SP), pp=2, cp=2 (qwen3-moe, aux and z losses on) and tp=2 x ep=2
-  (+SP), pp=2 with recompute="full" (DeepSeek-V3, a 4-layer variant of the fixture: dense first
-  layer, 3 MoE layers, group-limited sigmoid routing with expert bias; aux loss on, no z-loss) as at
-  tp=1 (dp=2): < 1e-5. Measured 0-1.2e-7, except qwen3-moe tp2.ep2.sp at 3.7e-6 and cp2 at 7.0e-6:
+  (+SP), pp=2 with recompute="full", pp=2 x vpp=2 (DeepSeek-V3, a 4-layer variant of the fixture:
+  dense first layer, 3 MoE layers, group-limited sigmoid routing with expert bias; aux loss on, no
+  z-loss) as at tp=1 (dp=2): < 1e-5. Measured 0-1.2e-7, except qwen3-moe tp2.ep2.sp at 3.7e-6 and cp2 at 7.0e-6:
   megatron's z-loss is a per-rank token mean under an SP / CP split, and alignment padding leaves
   the halves with different valid-token counts (cp2 without z-loss: 1.2e-7). Grad norms agree to
   relative 1e-5 (3e-5 for those two: measured 5.4e-6 / 8.3e-6 plain, 3.6e-6 / 1.5e-5 replayed).
@@ -19,8 +19,9 @@
   replayed step's (max 2.5e-6 qwen3-moe tp2.ep2.sp, 6.3e-6 cp2, else <= 1.2e-7) while differing
   from the plain step's by 0.016 (qwen3-moe) / 0.014 (DeepSeek-V3). Replaying the model's own
   recorded routing gives the plain step exactly (0.0).
-  Not covered: pp=2 x vpp=2 training (the interleaved schedule's train step hangs on CPU/gloo,
-  also for a dense model; forward-only VPP is covered by test_engine_parity).
+- DeepSeek-V3 at pp=2 x vpp=2 (one decoder layer per virtual stage; on CPU megatron exchanges
+  fixed shapes, every micro-batch padded to one length: see megarl.engine.build): plain step vs
+  tp1 1.2e-7, replayed 6.0e-8, recorded routing identical, train forward = old pass exactly.
 - The train step's own forward (train_step(return_logprobs=True): what a step that updates once
   uses instead of the old log-prob pass) returns on every last-stage rank the old pass's
   log-probs at every layout above: measured bit-identical (0.0; tolerance 1e-6), entropies finite.
@@ -52,7 +53,7 @@ def result():
 
 # MoE layouts of the routing checks (DeepSeek-V3: the 4-layer variant; "/full": recompute="full")
 MOE_LAYOUTS = {"qwen3_moe": ["tp1", "ep2", "tp2.ep2.etp1.sp1", "pp2", "cp2"],
-               "deepseek_v3": ["tp1", "tp2.ep2.etp1.sp1", "pp2/full"]}
+               "deepseek_v3": ["tp1", "tp2.ep2.etp1.sp1", "pp2/full", "pp2.vpp2"]}
 ROUTING_CASES = [(m, layout) for m, layouts in MOE_LAYOUTS.items() for layout in layouts]
 # the grad norm is a float32 sum of squares over differently sharded grads: relative 1e-5; 3e-5
 # where megatron's z-loss is a per-rank token mean over an SP / CP split (qwen3-moe has it on)
@@ -61,7 +62,7 @@ GRAD_NORM_REL = {"qwen3_moe|tp2.ep2.etp1.sp1": 3e-5, "qwen3_moe|cp2": 3e-5}
 
 @pytest.mark.parametrize("key", ["qwen2|tp2", "qwen2|pp2", "qwen3_moe|ep2", "qwen3_moe|tp2.ep2.etp1.sp1",
                                  "qwen3_moe|pp2", "qwen3_moe|cp2", "deepseek_v3|tp2.ep2.etp1.sp1",
-                                 "deepseek_v3|pp2/full"])
+                                 "deepseek_v3|pp2/full", "deepseek_v3|pp2.vpp2"])
 def test_step_equals_tp1(result, key):
     assert result[f"{key}|weights_vs_tp1"] < TOL
     assert result[f"{key}|loss_diff"] < TOL

@@ -86,6 +86,41 @@ def test_packed_seq_params_kwargs():
     assert params.qkv_format == "thd" and params.max_seqlen_kv == 16
 
 
+@SETTINGS
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6), tp=st.sampled_from([1, 2]),
+       cp=st.sampled_from([1, 2]), extra_units=st.integers(0, 5))
+def test_pad_to_only_lengthens_the_last_padding(lengths, tp, cp, extra_units):
+    """pad_to (one shape for every micro-batch of a call, the fixed-shape pipeline exchange):
+    the real tokens, real cu_seqlens and the other sequences' layout are unchanged; the last
+    sequence's padding grows; the full row has exactly pad_to tokens."""
+    seqs = _seqs(lengths)
+    align = sequence_alignment(tp, cp)
+    own = sum(padded_length(n, tp, cp) for n in lengths)
+    target = own + extra_units * align
+    for r in range(cp):
+        plain = pack_sequences(seqs, tp=tp, cp=cp, cp_rank=r)
+        padded = pack_sequences(seqs, tp=tp, cp=cp, cp_rank=r, pad_to=target)
+        assert padded.tokens_T.shape[0] * cp == target
+        assert torch.equal(padded.cu_seqlens_N1, plain.cu_seqlens_N1)
+        assert padded.cu_seqlens_padded_N1[:-1].tolist() == plain.cu_seqlens_padded_N1[:-1].tolist()
+        assert padded.cu_seqlens_padded_N1[-1].item() == target
+    shares = [pack_sequences(seqs, tp=tp, cp=cp, cp_rank=r, pad_to=target) for r in range(cp)]
+    p0 = shares[0]
+    full = gather_cp_shares([s.tokens_T for s in shares], p0.cu_seqlens_padded_N1)
+    out = unpack_sequences(full, p0.cu_seqlens_N1, p0.cu_seqlens_padded_N1)
+    assert all(torch.equal(a, b) for a, b in zip(out, seqs))
+
+
+def test_pad_to_errors():
+    with pytest.raises(ValueError) as err:
+        pack_sequences(_seqs([3, 5]), tp=2, pad_to=6)
+    assert str(err.value) == ("pack_sequences: pad_to=6 but the sequences pack to 10 tokens; expected at "
+                              "least that, more by a multiple of 2")
+    with pytest.raises(ValueError) as err:
+        pack_sequences(_seqs([3, 5]), tp=2, pad_to=11)
+    assert "pad_to=11" in str(err.value)
+
+
 def test_errors_are_exact():
     with pytest.raises(ValueError) as err:
         pack_sequences(_seqs([3]), cp=2, cp_rank=2)

@@ -10,7 +10,7 @@
    offload+onload equals the same step of an engine that never offloaded.
 4. LR warm-up, token counts, MoE aux / z loss and per-expert token counts reported.
    MoE models (qwen3-moe; DeepSeek-V3 on a 4-layer variant: dense first layer, 3 MoE layers, also
-   at pp2 with recompute="full"; pp2 x vpp2 training hangs on CPU), with the same engine at
+   at pp2 with recompute="full" and at pp2 x vpp2), with the same engine at
    every layout:
    - routing: the old log-prob pass records the layers' own routing (globally gathered per
      sequence, compared with tp1's), a compare pass with it measures agreement;
@@ -326,7 +326,7 @@ def main():
     out = {"world": world}
     dense = sys.argv[1].split(",") if len(sys.argv) > 1 else ["-", "tp2", "pp2"]
     moe = sys.argv[2].split(",") if len(sys.argv) > 2 else ["-", "ep2", "tp2.ep2.etp1.sp1", "pp2", "cp2"]
-    dsv3 = sys.argv[3].split(",") if len(sys.argv) > 3 else ["-", "tp2.ep2.etp1.sp1", "pp2/full"]
+    dsv3 = sys.argv[3].split(",") if len(sys.argv) > 3 else ["-", "tp2.ep2.etp1.sp1", "pp2/full", "pp2.vpp2"]
     moe_kw = dict(moe_aux_loss_coeff=float(os.environ.get("AUX", 0.01)), moe_z_loss_coeff=float(os.environ.get("ZL", 0.001)))
     t0 = time.perf_counter()   # seconds|<section>: cumulative since here
     layout_equality(fixture("tiny-qwen2"), [s.replace("-", "") for s in dense], world, out, "qwen2", {})
