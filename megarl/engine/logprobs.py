@@ -132,10 +132,15 @@ class PackedMicroBatch:
         return self.tokens_1T.shape[1]
 
 
+def _align_tp(tp: int, cp: int, sp: bool) -> int:
+    """The TP factor of the per-sequence alignment: without SP and CP no alignment is needed
+    (pad only for what the layout requires)."""
+    return tp if (sp or cp > 1) else 1
+
+
 def packed_length(batch: SequenceBatch, tp: int, cp: int, sp: bool = False) -> int:
     """Tokens of the full packed row (before the CP split) :func:`pack_micro_batch` builds."""
-    align_tp = tp if (sp or cp > 1) else 1
-    return sum(padded_length(ids.numel(), align_tp, cp) for ids in batch.input_ids)
+    return sum(padded_length(ids.numel(), _align_tp(tp, cp, sp), cp) for ids in batch.input_ids)
 
 
 def pack_micro_batch(batch: SequenceBatch, tp: int, cp: int, cp_rank: int, sp: bool = False,
@@ -144,9 +149,7 @@ def pack_micro_batch(batch: SequenceBatch, tp: int, cp: int, cp_rank: int, sp: b
     ``pad_to``: the full row's length (see :func:`megarl.data.packing.pack_sequences`)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    # Without SP and CP, no alignment is needed (pad only for what the layout requires).
-    align_tp = tp if (sp or cp > 1) else 1
-    kw = dict(tp=align_tp, cp=cp, cp_rank=cp_rank, pad_to=pad_to)
+    kw = dict(tp=_align_tp(tp, cp, sp), cp=cp, cp_rank=cp_rank, pad_to=pad_to)
     seqs = [ids.to(torch.int64) for ids in batch.input_ids]
     labels = [torch.cat([ids[1:], ids.new_zeros(1)]) for ids in seqs]
     tok = pack_sequences(seqs, **kw)

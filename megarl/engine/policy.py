@@ -232,7 +232,7 @@ class PolicyEngine:
         if not micro_batches:
             raise ValueError("micro_batches is empty; expected at least one SequenceBatch")
         topo = self.groups.topology
-        if topo.vpp_size > 1 and (len(micro_batches) < topo.pp or len(micro_batches) % topo.pp):
+        if topo.vpp_size > 1 and len(micro_batches) % topo.pp:   # non-empty: a multiple is >= pp
             raise ValueError(f"{len(micro_batches)} micro-batches with pp={topo.pp} and vpp={topo.vpp}: the "
                              f"interleaved schedule needs a multiple of pp={topo.pp} micro-batches (megatron "
                              "runs them in groups of pp per virtual stage)")

@@ -97,14 +97,13 @@ def test_pad_to_only_lengthens_the_last_padding(lengths, tp, cp, extra_units):
     align = sequence_alignment(tp, cp)
     own = sum(padded_length(n, tp, cp) for n in lengths)
     target = own + extra_units * align
-    for r in range(cp):
-        plain = pack_sequences(seqs, tp=tp, cp=cp, cp_rank=r)
-        padded = pack_sequences(seqs, tp=tp, cp=cp, cp_rank=r, pad_to=target)
+    shares = [pack_sequences(seqs, tp=tp, cp=cp, cp_rank=r, pad_to=target) for r in range(cp)]
+    plain = pack_sequences(seqs, tp=tp, cp=cp)   # the cu_seqlens are global: the same on every CP rank
+    for padded in shares:
         assert padded.tokens_T.shape[0] * cp == target
         assert torch.equal(padded.cu_seqlens_N1, plain.cu_seqlens_N1)
         assert padded.cu_seqlens_padded_N1[:-1].tolist() == plain.cu_seqlens_padded_N1[:-1].tolist()
         assert padded.cu_seqlens_padded_N1[-1].item() == target
-    shares = [pack_sequences(seqs, tp=tp, cp=cp, cp_rank=r, pad_to=target) for r in range(cp)]
     p0 = shares[0]
     full = gather_cp_shares([s.tokens_T for s in shares], p0.cu_seqlens_padded_N1)
     out = unpack_sequences(full, p0.cu_seqlens_N1, p0.cu_seqlens_padded_N1)
