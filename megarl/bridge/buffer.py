@@ -22,9 +22,11 @@ see :func:`megarl.bridge.mapping.unstack_hf`) is read back as per-expert checkpo
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import pickle
+import re
 
 import torch
 
@@ -33,6 +35,52 @@ from megarl.bridge.mapping import unstack_hf
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 STORAGES = ("shm", "cuda")
 _ALIGN = 64
+SHM_PREFIX = "megarl-ws-"
+_CREATOR = re.compile(re.escape(SHM_PREFIX) + r"p(\d+)-")
+logger = logging.getLogger(__name__)
+
+
+def shm_name(creator_pid: int, rest: str) -> str:
+    """The ``shm`` file name of a buffer its creator (``creator_pid``) unlinks: the pid lets
+    :func:`sweep_stale_buffers` tell the files of a run that was killed mid-sync."""
+    return f"{SHM_PREFIX}p{creator_pid}-{rest}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's process
+        return True
+    return True
+
+
+def sweep_stale_buffers(shm_dir: str = SHM_DIR) -> tuple[int, int]:
+    """Remove the ``shm`` buffers whose creating process is gone (a run killed between a
+    bucket's create and its close leaves them, up to a bucket per device). Returns the count
+    and bytes removed. Files of a live process, of another user, or not named by
+    :func:`shm_name` are left alone."""
+    removed = nbytes = 0
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return 0, 0
+    for name in names:
+        match = _CREATOR.match(name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            size = os.stat(path).st_size
+            os.unlink(path)
+        except OSError:   # another rank swept it first, or not ours to remove
+            continue
+        removed, nbytes = removed + 1, nbytes + size
+    if removed:
+        logger.warning("removed %d weight-sync buffers (%.2f GB) left in %s by processes that are gone",
+                       removed, nbytes / 1e9, shm_dir)
+    return removed, nbytes
 
 
 def buffer_layout(shapes: dict, dtype: torch.dtype) -> tuple[dict, int]:

@@ -40,6 +40,7 @@ engine and the parameter.
 """
 from __future__ import annotations
 
+import os
 import re
 import socket
 import time
@@ -51,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.bridge import rpc
-from megarl.bridge.buffer import DestBuffer, buffer_layout
+from megarl.bridge.buffer import DestBuffer, buffer_layout, shm_name, sweep_stale_buffers
 from megarl.bridge.mapping import get_mapping, slices
 from megarl.bridge.plan import FORMATS, MegatronLayout, Planner, VllmLayout
 from megarl.bridge.transport import get_transport
@@ -154,13 +155,17 @@ class WeightBridge:
         self.planner = Planner(self.mapping, self.src, self.dst)
         self.buckets = self.planner.buckets(self.options.bucket_bytes, itemsize=self._itemsize)
         node = socket.gethostname() if node is None else node
-        self.nodes = [node]
+        ranks = [(node, os.getpid())]
         if dist.is_initialized():
-            self.nodes = [None] * dist.get_world_size(group)
-            dist.all_gather_object(self.nodes, node, group=group)
+            ranks = [None] * dist.get_world_size(group)
+            dist.all_gather_object(ranks, (node, os.getpid()), group=group)
+        self.nodes = [n for n, _ in ranks]
+        self.pids = [pid for _, pid in ranks]   # each rank's process: it names (and unlinks) its buffers
         if self.options.transport == "shm":
             self._check_one_node()
         self.transport = get_transport(self.options.transport)(self.rank, group, self.nodes)
+        if self.transport.storage == "shm":
+            sweep_stale_buffers()   # a killed run's buffers would hold host memory until reboot
         self.engine_index = None   # the engine this rank drives
         if llm is not None:
             firsts = devices[::vllm_tp]
@@ -214,7 +219,7 @@ class WeightBridge:
             dist.barrier(group=self.group)
 
     def _buffer_name(self, bucket: int, device: int) -> str:
-        return f"megarl-ws-{self.uid}-v{self.version}-b{bucket}-d{device}"
+        return shm_name(self.pids[device], f"{self.uid}-v{self.version}-b{bucket}-d{device}")
 
     def _gather_manifests(self, buffers: dict) -> dict:
         """``{device: manifest}`` of every rank's buffers, on every rank. Each rank contributes

@@ -74,3 +74,24 @@ def test_transport_registry_and_formats_match_the_config_choices():
     assert {n for n, t in TRANSPORTS.items() if getattr(t, "device", "cpu") == "cuda"} == {"nccl", "cuda_ipc"}
     with pytest.raises(ValueError, match="unknown transport 'tcp'; known: shm, gloo, nccl, cuda_ipc"):
         get_transport("tcp")
+
+
+def test_sweep_removes_only_the_buffers_of_gone_processes(tmp_path):
+    import subprocess
+    import sys
+
+    from megarl.bridge.buffer import shm_name, sweep_stale_buffers
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()   # reaped: its pid names no process (until reused, which only keeps a file)
+    gone = tmp_path / shm_name(child.pid, "abc-v3-b0-d1")
+    gone.write_bytes(b"\0" * 1000)
+    live = tmp_path / shm_name(os.getpid(), "abc-v3-b0-d0")
+    live.write_bytes(b"\0" * 10)
+    other = tmp_path / "megarl-ws-0123abc-v1-b0-d0"   # no creator pid in the name: not ours to judge
+    other.write_bytes(b"\0")
+    assert gone.name == f"megarl-ws-p{child.pid}-abc-v3-b0-d1"
+    assert sweep_stale_buffers(str(tmp_path)) == (1, 1000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
+    assert sweep_stale_buffers(str(tmp_path)) == (0, 0)
+    assert sweep_stale_buffers(str(tmp_path / "missing")) == (0, 0)
