@@ -4,6 +4,18 @@
 # Idempotent: a second run only checks. ~4 min and ~3.5 GB the first time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The agent's python tool runs model-written code under bubblewrap (megarl/agent/sandbox.py) and
+# refuses to start without it: install it where we may (root or passwordless sudo, apt).
+if ! command -v bwrap > /dev/null; then
+    SUDO=$([ "$(id -u)" -eq 0 ] && echo "" || { sudo -n true 2> /dev/null && echo sudo; } || echo none)
+    if [ "$SUDO" != none ] && command -v apt-get > /dev/null; then
+        $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive \
+            apt-get install -y -qq --no-install-recommends bubblewrap > /dev/null
+    else
+        echo "megarl: warning: bubblewrap is not installed; the agent's python tool will refuse to start" \
+             "(install it: apt-get install bubblewrap)" >&2
+    fi
+fi
 VENV=${MEGARL_VENV:-.venv}
 PY=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"

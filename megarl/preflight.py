@@ -20,6 +20,10 @@ second instead of after a minute of engine start-up. What it checks, in this ord
 4. ``trainer.run_dir`` and, when ``checkpoint.save_every > 0``, the checkpoint folder can be
    created and written, and its file system has room for one checkpoint
    (:func:`checkpoint_bytes`: parameters x bytes per parameter of weights and optimizer state).
+5. ``rollout.tools`` naming ``python`` (``rollout.agent: tools``): bubblewrap can build the
+   python tool's sandbox on this machine (:func:`megarl.agent.sandbox.sandbox_problem`, one real
+   sandboxed call, ~0.1 s): an error of ``train`` naming the install line or the kernel setting,
+   a warning of ``config``. There is no weaker fallback sandbox.
 
 ``data.reward`` and the algorithm's functions are resolved by the loader itself
 (``check_sections`` in :mod:`megarl.config.loader`): an unknown name fails there with the list of
@@ -106,7 +110,22 @@ def preflight(cfg: MegaRLConfig, command: str = "train", backend: str | None = N
         existing = _probe_folder(key, folder)
         if dims is not None:
             _check_free_space(key, folder, existing, checkpoint_bytes(cfg, dims), cfg.model.path)
+    _check_sandbox(cfg, command, warnings)
     return warnings
+
+
+def _check_sandbox(cfg: MegaRLConfig, command: str, warnings: list[str]) -> None:
+    if cfg.rollout.agent != "tools" or "python" not in [t.strip() for t in cfg.rollout.tools.split(",")]:
+        return
+    from megarl.agent.sandbox import sandbox_problem
+
+    problem = sandbox_problem()
+    if problem is None:
+        return
+    if command == "config":
+        warnings.append(f"rollout.tools: {problem}")
+    else:
+        raise ConfigError("rollout.tools", f"rollout.tools: {problem}")
 
 
 def rollout_backend() -> str | None:

@@ -14,10 +14,84 @@ M1  ``TopKRouter._apply_expert_bias`` (moe/router.py): with a padding mask, the 
     between steps (``moe_router_bias_update_rate``), never the forward values.
     Tested by tests/unit/test_megatron_fixes.py and, through the whole loop, by
     tests/e2e/test_deepseek_e2e.py.
+
+M2  Distributed checkpoints load no code (torch DCP, which megatron's ``torch_dist`` format uses):
+    ``FileSystemReader.read_metadata`` unpickles the folder's ``.metadata`` with plain
+    ``pickle.load``, and ``DefaultLoadPlanner.load_bytes`` (parent of megatron's
+    ``MCoreLoadPlanner``) reads byte items such as TE's ``_extra_state`` with
+    ``torch.load(weights_only=False)``: a checkpoint folder that someone else wrote could run any
+    code on every rank at resume. Fixed: ``.metadata`` goes through an unpickler that constructs
+    only torch DCP's own metadata types (dataclasses and enums of ``torch.distributed.checkpoint``),
+    ``torch.Size``, dtypes and layouts (:func:`restricted_load`); byte items load with
+    ``weights_only=True``. Anything else raises :class:`UnsafePickleError` before it is built.
+    Seen in a megatron checkpoint: exactly those types. Not covered: TE FP8 extra state that
+    pickles a recipe object (GPU FP8 runs; it would be refused, not run). Tested by
+    tests/unit/test_safe_loads.py.
 """
 from __future__ import annotations
 
+import pickle
+
 _APPLIED = False
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+                "torch.distributed.checkpoint.filesystem")
+_PLAIN_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+
+
+class UnsafePickleError(pickle.UnpicklingError):
+    """A checkpoint pickle references something other than plain data and DCP's metadata types."""
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        import dataclasses
+        import enum
+        import importlib
+
+        import torch
+
+        if (module, name) in _PLAIN_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        if module in _DCP_MODULES:
+            obj = getattr(importlib.import_module(module), name, None)
+            if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
+                return obj
+        raise UnsafePickleError(f"unsafe GLOBAL {module}.{name}: not a type of torch's checkpoint metadata")
+
+
+def restricted_load(file):
+    """``pickle.load`` that builds only DCP metadata types and plain data (M2)."""
+    return _RestrictedUnpickler(file).load()
+
+
+def _load_bytes(self, read_item, value) -> None:
+    import torch
+    from torch.distributed.checkpoint._traverse import set_element
+
+    try:
+        obj = torch.load(value, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise UnsafePickleError(f"byte item {read_item.dest_index.fqn}: {str(err).splitlines()[-3:]}") from err
+    if self.flatten_state_dict:
+        set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+    else:
+        self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def find_unsafe(err: BaseException | None, depth: int = 0) -> UnsafePickleError | None:
+    """The :class:`UnsafePickleError` behind ``err``: its causes, and the per-rank failures that
+    torch DCP wraps into ``CheckpointException``."""
+    if err is None or depth > 8:
+        return None
+    if isinstance(err, UnsafePickleError):
+        return err
+    inner = [err.__cause__, err.__context__]
+    for failure in (getattr(err, "failures", None) or {}).values():
+        inner.append(failure[0] if isinstance(failure, tuple) else failure)
+    for e in inner:
+        if isinstance(e, BaseException) and (found := find_unsafe(e, depth + 1)) is not None:
+            return found
+    return None
 
 
 def _apply_expert_bias(self, routing_map, padding_mask=None):
@@ -31,11 +105,21 @@ def _apply_expert_bias(self, routing_map, padding_mask=None):
 
 
 def apply() -> None:
-    """Install M1 (once per process)."""
+    """Install M1 and M2 (once per process)."""
     global _APPLIED
     if _APPLIED:
         return
+    import types
+
     from megatron.core.transformer.moe.router import TopKRouter
+    from torch.distributed.checkpoint import default_planner, filesystem
 
     TopKRouter._apply_expert_bias = _apply_expert_bias
+    # filesystem.py's only other use of pickle is pickle.dump when saving: a copy of the module
+    # whose load is the restricted one
+    safe_pickle = types.ModuleType("pickle")
+    safe_pickle.__dict__.update({k: v for k, v in vars(pickle).items() if not k.startswith("__")})
+    safe_pickle.load = restricted_load
+    filesystem.pickle = safe_pickle
+    default_planner.DefaultLoadPlanner.load_bytes = _load_bytes
     _APPLIED = True

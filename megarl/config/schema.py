@@ -174,7 +174,9 @@ class RolloutConfig:
     max_turns: int = 4
     """agent=tools: model turns per trajectory at most (the last one gets no tool results)."""
     tools: str = "calculator"
-    """agent=tools: comma-separated tool names (calculator, python, search)."""
+    """agent=tools: comma-separated tool names (calculator, python, search), or dotted paths
+    'package.module:factory' to a function returning a megarl.agent.tools.Tool (e.g. a remote
+    sandbox service; docs/security.md). The python tool runs under bubblewrap (megarl.agent.sandbox)."""
     tool_timeout_s: float = 5.0
     """agent=tools: wall-clock limit of one tool call (the python tool's process is killed with
     its children); a timeout returns an error message to the model and is counted."""
@@ -195,9 +197,10 @@ class RolloutConfig:
         if self.agent == "tools":
             known = ("calculator", "python", "search")
             names = [t.strip() for t in self.tools.split(",") if t.strip()]
-            bad = [t for t in names if t not in known]
+            bad = [t for t in names if t not in known and ":" not in t and "." not in t]
             if not names or bad:
-                raise ConfigValueError("tools", self.tools, "comma-separated names from " + ", ".join(known))
+                raise ConfigValueError("tools", self.tools, "comma-separated names from " + ", ".join(known) +
+                                       " or dotted paths 'package.module:factory'")
             if "search" in names and not self.search_corpus:
                 raise ConfigValueError("search_corpus", self.search_corpus, "a .txt or .jsonl file with the "
                                        "search tool's documents (rollout.tools names search)")

@@ -30,6 +30,15 @@ of the kernel, not the CRC, is the limit. CRC-32 detects damage (truncation, tor
 bits), not tampering. zlib and file reads release the GIL, so :func:`hash_files` runs a thread
 pool over the files.
 
+Loads execute no code: a checkpoint folder is whatever ``--resume`` or ``checkpoint.dir`` points
+at, and a pickle runs arbitrary code when loaded. The RNG files load with
+``torch.load(weights_only=True)`` (:func:`load_plain`: tensors, numbers, strings and containers),
+megatron's ``common.pt`` likewise (torch's default since 2.6), the markers and manifests are JSON,
+and the distributed checkpoint's own pickles (torch DCP's ``.metadata`` and the byte items such
+as TE's ``_extra_state``) go through the allowlists of :mod:`megarl.compat.megatron_fixes` (M2).
+A file that needs anything else is refused with :class:`UnsafeCheckpointError`, which resume does
+not treat as damage to fall back from: it stops and names the file.
+
 Who reads the bytes: a 671B checkpoint with its optimizer state is ~10 TB; one controller
 reading it at a node's 2-5 GB/s would take an hour. So the hashing is a ``hasher`` the caller
 passes: :class:`megarl.trainer.workers.WorkerGroup` has every training worker hash a disjoint
@@ -69,6 +78,30 @@ fsync each file too (at save time). :func:`hash_files` is one."""
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written, or no checkpoint could be loaded; the message names
     the folders, files and causes."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file holds pickled objects that loading would construct by running code
+    (anything but tensors and plain data): refused, never loaded."""
+
+
+def load_plain(path: str | os.PathLike):
+    """``torch.load(path, weights_only=True)`` on the CPU; a file that holds anything but tensors,
+    numbers, strings and containers raises :class:`UnsafeCheckpointError` naming it and the
+    offending global, and nothing of it runs."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"(?:unsupported|unsafe) GLOBAL [^\s]+|Unsupported global: GLOBAL [^\s]+|"
+                          r"Unsupported operand \d+", str(err))
+        raise UnsafeCheckpointError(
+            f"{path}: refused to load: it holds a pickled object that would run code "
+            f"({found.group(0) if found else str(err).splitlines()[0]}); megarl loads checkpoint files as plain "
+            f"tensors and data only (weights_only). Only resume from checkpoints you trust.") from err
 
 
 def _hash_one(path: Path, sync: bool) -> dict:
@@ -244,6 +277,8 @@ class CheckpointManager:
             if not problems and load_fn is not None:
                 try:
                     load_fn(folder)
+                except UnsafeCheckpointError:   # not damage: someone put code there; stop, do not fall back
+                    raise
                 except Exception as err:   # the manifest cannot see every damage (e.g. valid size and CRC, bad pickle)
                     problems = [f"loading failed: {describe_error(err)}"]
             if not problems:
@@ -347,5 +382,6 @@ def find_checkpoints(path: str | os.PathLike) -> list[Path]:
     return []
 
 
-__all__ = ["CheckpointManager", "CheckpointError", "hash_files", "list_files", "describe_error",
+__all__ = ["CheckpointManager", "CheckpointError", "UnsafeCheckpointError", "hash_files", "list_files",
+           "load_plain", "describe_error",
            "find_checkpoints", "MARKER", "MANIFEST"]

@@ -263,18 +263,29 @@ class HybridWorker:
         import torch
         from megatron.core import dist_checkpointing, tensor_parallel
 
-        state = dist_checkpointing.load(self._sharded_state(is_loading=True), folder)
+        from megarl.compat.megatron_fixes import find_unsafe
+        from megarl.trainer.checkpoint import UnsafeCheckpointError
+
+        try:
+            state = dist_checkpointing.load(self._sharded_state(is_loading=True), folder)
+        except Exception as err:   # M2 refused a pickle of the folder: name it, do not treat it as damage
+            if (unsafe := find_unsafe(err)) is not None:
+                raise UnsafeCheckpointError(f"{folder}: refused to load the distributed checkpoint: {unsafe}; "
+                                            "only resume from checkpoints you trust") from err
+            raise
         for prefix, engine in self._engines().items():
             for i, chunk in enumerate(engine.model.modules):
                 chunk.load_state_dict(_strip(state[f"{prefix}model{i}"], prefix))
             engine.optimizer.load_state_dict(state[f"{prefix}optimizer"])
         rng_file = Path(folder) / f"rng_rank{self.rank:05d}.pt"
         if rng_file.exists():
-            try:
-                rng = torch.load(rng_file, weights_only=False)
-            except Exception as err:   # e.g. EOFError of a truncated file, which does not name it
-                from megarl.trainer.checkpoint import CheckpointError, describe_error
+            from megarl.trainer.checkpoint import CheckpointError, UnsafeCheckpointError, describe_error, load_plain
 
+            try:
+                rng = load_plain(rng_file)   # weights_only: a pickle that would run code is refused
+            except UnsafeCheckpointError:
+                raise
+            except Exception as err:   # e.g. EOFError of a truncated file, which does not name it
                 raise CheckpointError(f"{rng_file}: {describe_error(err)}") from err
             torch.set_rng_state(rng["torch"])
             tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])

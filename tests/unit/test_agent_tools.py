@@ -1,25 +1,15 @@
-"""megarl.agent.tools: the calculator's values and refusals, registry validation messages, the
-python sandbox's limits (timeout, fork bomb, output, memory, network, scratch directory, leftover
-processes), BM25 search, build_registry's errors, and the concurrent ToolRunner.
-
-The sandbox tests run real processes (about 0.1 s each, 1 s for each timeout case). Those with
-``isolate`` parametrized run both the namespace path and the fallback (no PID/network namespace)
-that containers without ``unshare`` get.
-"""
+"""megarl.agent.tools: the calculator's values and refusals, registry validation messages, BM25
+search, build_registry (built-in names, dotted-path factories, errors), and the concurrent
+ToolRunner. The python tool's sandbox has its own file: tests/unit/test_sandbox.py."""
 
 import json
-import os
-import socket
-import sys
 import threading
 import time
 
 import pytest
 
-from megarl.agent.tools import _needs_read_search  # noqa: I001 - the sandbox's own rule, checked below
 from megarl.agent.tools import (
     CALC_MAX_CHARS,
-    PythonSandbox,
     Tool,
     ToolError,
     ToolRegistry,
@@ -30,7 +20,6 @@ from megarl.agent.tools import (
     evaluate_arithmetic,
     python_tool,
     search_tool,
-    session_processes,
 )
 
 # -- calculator --------------------------------------------------------------------------------
@@ -149,138 +138,6 @@ def test_registry_call_never_raises():
     assert registry.call("missing", {}).content == "error: unknown tool 'missing'; known tools: echo, boom"
 
 
-# -- python sandbox ----------------------------------------------------------------------------
-
-def _leftovers(run):
-    """Processes (zombies too) still in the run's session."""
-    return session_processes(run.pid, include_zombies=True)
-
-
-def test_python_tool_results():
-    registry = ToolRegistry([python_tool(timeout_s=5.0)])
-    assert registry.call("python", {"code": "print(6 * 7)"}) == ToolResult("42\n", seconds=pytest.approx(0.0, abs=5))
-    failed = registry.call("python", {"code": "x = 1\n1 / x\nraise ValueError('bad value')"})
-    assert failed.error and not failed.timeout
-    assert 'File "main.py", line 3' in failed.content and "ValueError: bad value" in failed.content
-    assert failed.content.endswith("[exit status 1]")
-    assert registry.call("python", {"code": "import sys; sys.exit(3)"}).content == "[exit status 3]"
-    assert registry.call("python", {"code": "pass"}).content == "(no output)"
-
-
-def test_python_timeout_kills_a_busy_loop():
-    sandbox = PythonSandbox(timeout_s=1.0)
-    start = time.monotonic()
-    run = sandbox.run("print('started', flush=True)\nwhile True: pass")
-    assert time.monotonic() - start < 1.0 + 2.0
-    assert run.timed_out and run.output == "started\n"
-    assert _leftovers(run) == []
-    result = ToolRegistry([python_tool(timeout_s=0.5)]).call("python", {"code": "while True: pass"})
-    assert (result.content, result.error, result.timeout) == ("[timeout after 0.5 s: process killed]", True, True)
-
-
-@pytest.mark.parametrize("isolate", [True, False])
-def test_python_fork_bomb_is_bounded_and_killed(isolate):
-    sandbox = PythonSandbox(timeout_s=1.0, max_processes=32, isolate=isolate)
-    margin_s = 3.0  # killed processes must still be scheduled to exit: 0.1-0.5 s, >2 s at load 28 on 2 cores
-    # the plain bomb: forks refused by RLIMIT_NPROC raise (BlockingIOError) and end their process;
-    # the program ends when its first process does, or at the timeout
-    start = time.monotonic()
-    run = sandbox.run("import os\nwhile True: os.fork()")
-    assert time.monotonic() - start < 1.0 + margin_s
-    assert run.returncode != 0 and run.output.startswith("Traceback (most recent call last):")
-    assert _leftovers(run) == []
-    # a bomb that survives refused forks runs until the wall clock kills all of it
-    start = time.monotonic()
-    run = sandbox.run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")
-    assert time.monotonic() - start < 1.0 + margin_s
-    assert run.timed_out
-    assert _leftovers(run) == []
-
-
-def test_python_process_limit_counts():
-    # forks that wait: exactly max_processes - 1 succeed (the program itself is the first task);
-    # threads count too
-    code = ("import os, threading, time\nn = 0\nwhile True:\n    try:\n        pid = os.fork()\n"
-            "    except OSError as e:\n        print('forks', n, e.errno); break\n"
-            "    if pid == 0:\n        time.sleep(60); os._exit(0)\n    n += 1\n"
-            "try:\n    threading.Thread(target=time.sleep, args=(1,)).start()\n"
-            "except RuntimeError as e:\n    print(e)")
-    run = PythonSandbox(timeout_s=5.0, max_processes=8).run(code)
-    assert run.output == "forks 7 11\ncan't start new thread\n"  # 11 = EAGAIN
-    assert run.seconds < 2.0 and _leftovers(run) == []  # the sleeping children ended with the program
-
-
-def test_python_output_truncated():
-    sandbox = PythonSandbox(timeout_s=5.0, output_limit=1000)
-    run = sandbox.run("print('a' * 5000)")  # 5001 bytes with the newline
-    assert run.output == "a" * 1000 + "\n...[output truncated: 4001 more bytes]"
-    start = time.monotonic()
-    run = sandbox.run("while True: print('x' * 100)")
-    assert time.monotonic() - start < 5.0  # killed past the output cap, not at the timeout
-    assert run.output_exceeded and run.output.startswith("x" * 100)
-    head, marker = run.output.split("\n...[output truncated: ")
-    assert len(head.encode()) == 1000 and marker.endswith(" more bytes]")
-    assert _leftovers(run) == []
-    result = ToolRegistry([python_tool(output_limit=1000)]).call("python", {"code": "while True: print('x' * 100)"})
-    assert result.error and result.content.endswith(f"bytes]\n[process killed: output exceeded {1 << 20} bytes]")
-    assert len(result.content) < 1000 + 100
-
-
-def test_python_memory_limit():
-    sandbox = PythonSandbox(timeout_s=5.0, memory_mb=128)
-    assert sandbox.run("x = bytearray(32 << 20); print(len(x))").output == f"{32 << 20}\n"
-    run = sandbox.run("x = bytearray(256 << 20)")
-    assert run.returncode == 1 and run.output.rstrip().endswith("MemoryError")
-
-
-@pytest.mark.parametrize("isolate", [True, False])
-def test_python_network_blocked(isolate):
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen(1)
-        server.settimeout(0.2)
-        port = server.getsockname()[1]
-        run = PythonSandbox(timeout_s=5.0, isolate=isolate).run(
-            f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')")
-        assert run.returncode == 1 and "connected" not in run.output
-        # the second message is the fallback's, also taken by isolate=True where unshare is refused
-        assert "Network is unreachable" in run.output or "network access is disabled" in run.output
-        with pytest.raises(socket.timeout):
-            server.accept()
-
-
-@pytest.mark.parametrize("isolate", [True, False])
-def test_python_scratch_dir_and_leftover_processes(isolate):
-    # a background process (one of them leaving the session) must not outlive the call
-    code = ("import os, subprocess\nprint(os.getcwd())\nopen('out.txt', 'w').write('data')\n"
-            "subprocess.Popen(['sleep', '987.25'])\n"
-            "if os.fork() == 0:\n    os.setsid()\n    os.execvp('sleep', ['sleep', '987.5'])\n")
-    run = PythonSandbox(timeout_s=5.0, isolate=isolate).run(code)
-    assert run.returncode == 0 and not run.timed_out and run.seconds < 2.0
-    assert run.output == run.scratch_dir + "\n"
-    assert os.path.basename(run.scratch_dir).startswith("megarl-python-")
-    assert not os.path.exists(run.scratch_dir)
-    assert _leftovers(run) == []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/cmdline", "rb") as f:
-                    assert f.read() not in (b"sleep\x00987.25\x00", b"sleep\x00987.5\x00")
-            except OSError:
-                pass
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="a root parent drops the code to uid 65534")
-def test_python_root_drops_to_nobody():
-    code = ("import os, math\nprint(os.getuid(), os.getgid(), os.getgroups())\n"
-            "print([line.split()[1] for line in open('/proc/self/status')\n"
-            "       if line.startswith(('CapEff', 'NoNewPrivs'))])")
-    run = PythonSandbox(timeout_s=5.0).run(code)
-    # CAP_DAC_READ_SEARCH (bit 2) only when the interpreter sits under a directory closed to others
-    cap_eff = "0000000000000004" if _needs_read_search(sys.executable) else "0000000000000000"
-    assert run.output == f"65534 65534 []\n['{cap_eff}', '1']\n"
-
-
 # -- search ------------------------------------------------------------------------------------
 
 DOCS = ["The Eiffel Tower is a wrought-iron lattice tower in Paris, France.",
@@ -321,12 +178,32 @@ def test_build_registry():
     registry = build_registry(["calculator", "python", "search"], timeout_s=2.0, memory_mb=128,
                               output_limit=512, search_corpus=DOCS)
     assert registry.names() == ["calculator", "python", "search"]
-    assert registry.get("python").fn.timeout_s == 2.0 and registry.get("python").fn.output_limit == 512
+    sandbox = registry.get("python").fn.sandbox
+    assert sandbox.timeout_s == 2.0 and sandbox.output_limit == 512 and sandbox.memory_mb == 128
     with pytest.raises(ValueError, match=r"rollout.tools: unknown tool 'shell'; known tools: calculator, python, "
                                          r"search"):
         build_registry(["calculator", "shell"], timeout_s=1, memory_mb=64, output_limit=64)
     with pytest.raises(ValueError, match="rollout.search_corpus"):
         build_registry(["search"], timeout_s=1, memory_mb=64, output_limit=64)
+    with pytest.raises(ValueError, match="tool 'calculator' is named twice"):
+        build_registry(["calculator", "calculator"], timeout_s=1, memory_mb=64, output_limit=64)
+    # a factory by dotted path (a remote executor, say) gets the tool settings and returns a Tool
+    registry = build_registry(["calculator", f"{__name__}:echo_factory"], timeout_s=3.0, memory_mb=64,
+                              output_limit=100)
+    assert registry.names() == ["calculator", "echo"]
+    assert registry.call("echo", {"text": "hi", "times": 1, "scale": 1}).content == "hi timeout=3.0 limit=100"
+    with pytest.raises(TypeError, match=r"returned str, expected a megarl.agent.tools.Tool"):
+        build_registry([f"{__name__}:not_a_tool_factory"], timeout_s=1, memory_mb=64, output_limit=64)
+
+
+def echo_factory(*, timeout_s, memory_mb, output_limit):
+    tool = _echo_tool()
+    return Tool(tool.name, tool.description, tool.parameters,
+                lambda args: f"{args['text']} timeout={timeout_s} limit={output_limit}")
+
+
+def not_a_tool_factory(**settings):
+    return "calculator"
 
 
 # -- runner ------------------------------------------------------------------------------------
