@@ -38,10 +38,28 @@ def _rendezvous_address() -> tuple[str, int]:
     return ip, _free_port(ip)
 
 
+_AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+def ray_auth_mode() -> str:
+    """'token' or 'disabled': the authentication of the Ray cluster this process is connected to."""
+    from ray._raylet import AuthenticationMode, get_authentication_mode
+
+    return "token" if get_authentication_mode() == AuthenticationMode.TOKEN else "disabled"
+
+
 def init_ray(num_devices: int, verbose: bool) -> bool:
     """Join the cluster named by RAY_ADDRESS, or start a local one-node Ray with ``num_devices``
     CPUs; True when this call connected (so the run disconnects or stops it at the end).
-    Workers' output reaches this terminal (``(pid=...)`` prefixed) only when ``verbose``."""
+    Workers' output reaches this terminal (``(pid=...)`` prefixed) only when ``verbose``.
+
+    Authentication: Ray 2.60's daemons listen on every interface (GCS, raylet, object manager,
+    workers: no option binds them to loopback), so what keeps other hosts out is Ray's token
+    authentication. A local cluster gets a fresh random token for this run, in the environment of
+    the driver and so of every Ray process it starts (Ray's own default is a token file,
+    ``~/.ray/auth_token``, that it writes world-readable and keeps across runs), unless the user
+    set RAY_AUTH_MODE, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH. Joining a cluster, the run says
+    whether the cluster authenticated it (launch/slurm/megarl.sbatch makes a token per job)."""
     import ray
 
     if ray.is_initialized():
@@ -51,9 +69,25 @@ def init_ray(num_devices: int, verbose: bool) -> bool:
         if os.environ.get("MEGARL_NODE_IP"):   # this node's address as the launcher knows it (Slurm's NodeAddr)
             opts["_node_ip_address"] = os.environ["MEGARL_NODE_IP"]
         ray.init(address=os.environ["RAY_ADDRESS"], **opts)
-        log.info(f"joined the Ray cluster at {os.environ['RAY_ADDRESS']} "
-                 f"({len(ray.nodes())} node(s), {ray.cluster_resources()})")
+        auth = ("token authentication on" if ray_auth_mode() == "token" else
+                "NO authentication: whoever reaches this address can run code in the cluster; start Ray with "
+                "RAY_AUTH_MODE=token and a RAY_AUTH_TOKEN shared by every node")
+        log.info(f"joined the Ray cluster at {os.environ['RAY_ADDRESS']} ({auth}; "
+                 f"{len(ray.nodes())} node(s), {ray.cluster_resources()})")
+        if ray_auth_mode() != "token":
+            log.warning(f"the Ray cluster at {os.environ['RAY_ADDRESS']} has no authentication")
     else:
+        if not any(os.environ.get(var) for var in _AUTH_VARS):
+            import secrets
+
+            from ray._raylet import AuthenticationTokenLoader, Config
+
+            os.environ["RAY_AUTH_MODE"] = "token"
+            os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+            # Ray read its settings when it was imported: re-read them, as ray.init does when it
+            # turns token authentication on itself, and forget any token it cached
+            Config.initialize("")
+            AuthenticationTokenLoader.instance().reset_cache()
         # Ray's daemons on one node (Ray 2.60, measured PSS on CPU): gcs_server 40 MB, raylet 24,
         # dashboard agent 68, runtime-env agent 51, autoscaler monitor 51, log monitor 47 and the
         # dashboard's API server 72 (with include_dashboard=False it still starts, loading only
@@ -64,6 +98,9 @@ def init_ray(num_devices: int, verbose: bool) -> bool:
         # (3.5% of a core). The log monitor (useless without log_to_driver) and the autoscaler
         # monitor could only go through Ray's private RayParams (-98 MB): not done.
         ray.init(num_cpus=max(num_devices, 1), include_dashboard=False, **opts)
+        if ray_auth_mode() != "token":
+            log.warning("Ray token authentication is off (RAY_AUTH_MODE): any host that reaches this machine's Ray "
+                        "ports can run code as this user")
     return True
 
 

@@ -17,6 +17,9 @@ generates).
    from step 1 and trains steps 2 and 3: ranks on both nodes (by Slurm node name), rollout-vs-train
    log-prob gap below 1e-4 on every step, bytes moved by gloo between the nodes (and by shared
    memory within n1), exit code 0, and no Ray or vLLM process of either job left.
+   Ray token authentication holds meanwhile: once both nodes are up, a client without the job's
+   token and one with a wrong token are refused by the head's GCS ("Unauthenticated"), a client
+   with the token attaches to n1 and sees both nodes, and the job goes on unaffected.
 
 And a node whose Ray never joins is named by the job, which fails before megarl starts.
 """
@@ -24,12 +27,15 @@ import json
 import os
 import random
 import re
+import secrets
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import ray_auth_probe
 from e2e_common import HERE, metrics, recipe, tied_tiny_llama
 from slurm_cluster import REPO, job_processes, slurm_cluster  # noqa: F401  (the fixture)
 
@@ -108,15 +114,31 @@ def test_node_failure_then_resume_on_two_nodes(slurm_cluster, tmp_path):  # noqa
     assert [r["step"] for r in metrics(run_dir) if "actor/weight_checksum" in r] == [1], log[-3000:]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000001"]
 
-    # 2. a fresh allocation (n2 is back) resumes from step 1
+    # 2. a fresh allocation (n2 is back) resumes from step 1; its Ray admits only its own token
     cluster.start_node("n2")
     t = time.time()
-    second = sbatch(cluster, tmp_path, recipe_file, "--resume")
+    port, token = ray_port(), secrets.token_hex(32)
+    second = sbatch(cluster, tmp_path, recipe_file, "--resume", MEGARL_RAY_PORT=str(port), RAY_AUTH_TOKEN=token)
+    wait_for(lambda: "Ray node(s) up" in job_log(tmp_path, second), 300, "both nodes of the resumed job",
+             lambda: job_log(tmp_path, second))
+    address, env = f"127.0.0.11:{port}", {**os.environ, "MEGARL_PROBE_NODE_IP": "127.0.0.11"}
+    home = tempfile.mkdtemp(prefix="home-")   # no ~/.ray/auth_token for the clients without a token
+    with ThreadPoolExecutor(3) as pool:
+        no_token, wrong, good = pool.map(lambda e: ray_auth_probe.run_client(address, e), [
+            ray_auth_probe.without_auth(env, home),
+            {**ray_auth_probe.without_auth(env, home), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64},
+            {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}])
+    for refused in (no_token, wrong):
+        assert not refused["connected"] and "Unauthenticated" in refused["stderr"], refused
+    assert good["connected"] and good["nodes"] == 2 and good["task"] == 42, good
+    print(f"Ray auth: a client without the token and one with a wrong token refused, the job's token admitted "
+          f"{time.time() - t:.1f} s after the resubmission")
     info = cluster.wait_ended(second, 900)
     print(f"the resumed job ran {time.time() - t:.1f} s")
     log = job_log(tmp_path, second)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, log[-5000:])
     assert "megarl: job exit code 0" in log and "megarl: 2 Ray node(s) up" in log, log[-3000:]
+    assert re.search(r"joined the Ray cluster at 127\.0\.0\.11:\d+ \(token authentication on", log), log[-3000:]
     assert re.search(r"resum\w+ from .*step_00000001", log), log[-3000:]
     placement = json.loads((run_dir / "logs" / "placement.json").read_text())
     assert [(r["rank"], r["node_name"], r["ip"]) for r in placement["ranks"]] == [(0, "n1", "127.0.0.11"),

@@ -249,3 +249,64 @@ def test_runner_python_calls_in_parallel_and_close():
     release.set()
     with pytest.raises(RuntimeError, match="closed"):
         runner.submit("stuck", {})
+
+
+# -- a remote executor (megarl.agent.remote) -------------------------------------------------------
+
+def test_sandbox_fusion_tool_against_a_local_service(monkeypatch):
+    """The client side of the remote executor: a local HTTP server answering in SandboxFusion's
+    run_code format (a fake of the service, for the client's request and result handling)."""
+    import http.server
+
+    from megarl.agent.remote import sandbox_fusion_python
+
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append((self.path, body))
+            answers = {"print(42)": {"status": "Success", "run_result": {"status": "Finished", "return_code": 0,
+                                                                         "stdout": "42\n", "stderr": ""}},
+                       "boom": {"status": "Failed", "run_result": {"status": "Finished", "return_code": 1,
+                                                                   "stdout": "", "stderr": "NameError\n"}},
+                       "loop": {"status": "Failed", "run_result": {"status": "TimeLimitExceeded", "return_code": None,
+                                                                   "stdout": "x" * 50, "stderr": ""}},
+                       "broken": {"status": "SandboxError", "message": "no executor"}}
+            if body["code"] == "http500":
+                self.send_response(500)
+                self.end_headers()
+                return
+            data = json.dumps(answers[body["code"]]).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        monkeypatch.setenv("MEGARL_SANDBOX_URL", f"http://127.0.0.1:{server.server_port}/run_code")
+        registry = build_registry(["megarl.agent.remote:sandbox_fusion_python"], timeout_s=3.0, memory_mb=64,
+                                  output_limit=20)
+        assert registry.names() == ["python"]
+        assert registry.call("python", {"code": "print(42)"}).content == "42\n"
+        assert seen[0] == ("/run_code", {"code": "print(42)", "language": "python", "run_timeout": 3})
+        failed = registry.call("python", {"code": "boom"})
+        assert failed.error and failed.content == "NameError\n\n[exit status 1]"
+        slow = registry.call("python", {"code": "loop"})
+        assert slow.timeout and slow.content == ("x" * 20 + "\n...[output truncated: 30 more bytes]\n"
+                                                 "[timeout after 3 s: process killed]")
+        assert registry.call("python", {"code": "broken"}).content == "error: sandbox service: no executor"
+        assert registry.call("python", {"code": "http500"}).content.endswith(": HTTP 500")
+    finally:
+        server.shutdown()
+        server.server_close()
+    gone = build_registry(["megarl.agent.remote:sandbox_fusion_python"], timeout_s=1.0, memory_mb=64,
+                          output_limit=20).call("python", {"code": "print(1)"})
+    assert gone.error and "unreachable" in gone.content
