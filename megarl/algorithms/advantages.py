@@ -1,4 +1,6 @@
-"""Advantage estimators: GRPO, Dr.GRPO, RLOO, REINFORCE++ and GAE, over packed response tokens.
+"""Advantage estimators over packed response tokens: GRPO, Dr.GRPO, RLOO, REINFORCE++ (and its
+group-baseline variant), GAE, and at the end of the file pass@k GRPO, OPO, GPG, ReMax and the
+Optimal Token Baseline, each documented on its function.
 
 Layout (see :mod:`megarl.algorithms.packed`): per-token tensors are packed 1-D over all response
 tokens of the batch (``_T``), sequence boundaries are ``cu_seqlens_N1``, ``mask_T`` marks the
@@ -63,6 +65,12 @@ __all__ = [
     "gae_advantages",
     "outcome_to_token_rewards",
     "discounted_returns",
+    "reinforce_pp_baseline_advantages",
+    "grpo_passk_advantages",
+    "opo_advantages",
+    "gpg_advantages",
+    "remax_advantages",
+    "optimal_token_baseline_advantages",
 ]
 
 
@@ -258,4 +266,156 @@ def gae_advantages(
     returns_T = (adv_T + values_T) * mask_f
     if whiten:
         adv_T = masked_whiten(adv_T, mask_T, eps=eps)
+    return AdvantageResult(adv_T, returns_T)
+
+
+# -- more estimators (each from its paper) --------------------------------------------------------
+
+def reinforce_pp_baseline_advantages(**kwargs) -> AdvantageResult:
+    """REINFORCE++-baseline (Hu 2025): the group mean subtracted from the outcome rewards, then the
+    per-token returns whitened over the batch (:func:`reinforce_pp_advantages`, group_baseline)."""
+    kwargs.setdefault("group_baseline", True)
+    return reinforce_pp_advantages(**kwargs)
+
+
+def _per_sequence(adv_N: torch.Tensor, mask_T: torch.Tensor, cu_seqlens_N1: torch.Tensor) -> AdvantageResult:
+    adv_T = broadcast_to_tokens(adv_N, cu_seqlens_N1) * mask_T.to(adv_N.dtype)
+    return AdvantageResult(adv_T, adv_T.clone())
+
+
+def grpo_passk_advantages(
+    *,
+    rewards_N: torch.Tensor,
+    cu_seqlens_N1: torch.Tensor,
+    mask_T: torch.Tensor,
+    group_ids_N: torch.Tensor,
+    token_rewards_T: torch.Tensor | None = None,
+    values_T: torch.Tensor | None = None,
+) -> AdvantageResult:
+    """Pass@k training: in each group only the best response gets an advantage, its score minus
+    the second-best score (0 when two share the best score, or the group has one response); the
+    first of equal scores counts as the best."""
+    _validate(rewards_N, cu_seqlens_N1, mask_T, group_ids_N)
+    scores_N = _sequence_scores(rewards_N, token_rewards_T, mask_T, cu_seqlens_N1)
+    index_N, num_groups = group_index(group_ids_N)
+    adv_N = torch.zeros_like(scores_N)
+    for g in range(num_groups):
+        members = torch.nonzero(index_N == g).flatten()
+        if members.numel() < 2:
+            continue
+        top = torch.topk(scores_N[members], 2)
+        best = members[int(torch.argmax(scores_N[members]))]   # argmax: the first of equal maxima
+        adv_N[best] = top.values[0] - top.values[1]
+    return _per_sequence(adv_N, mask_T, cu_seqlens_N1)
+
+
+def opo_advantages(
+    *,
+    rewards_N: torch.Tensor,
+    cu_seqlens_N1: torch.Tensor,
+    mask_T: torch.Tensor,
+    group_ids_N: torch.Tensor,
+    token_rewards_T: torch.Tensor | None = None,
+    values_T: torch.Tensor | None = None,
+) -> AdvantageResult:
+    """OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline"): the baseline of a group is
+    its length-weighted mean score, b = sum_i L_i r_i / sum_i L_i (L_i: the response's masked-in
+    tokens), the variance-minimising baseline when the gradient norm grows with length."""
+    _validate(rewards_N, cu_seqlens_N1, mask_T, group_ids_N)
+    scores_N = _sequence_scores(rewards_N, token_rewards_T, mask_T, cu_seqlens_N1)
+    index_N, num_groups = group_index(group_ids_N)
+    length_N = segment_sum(mask_T.to(scores_N.dtype), cu_seqlens_N1)
+    weighted_G = torch.zeros(num_groups, dtype=scores_N.dtype).index_add(0, index_N, length_N * scores_N)
+    length_G = torch.zeros(num_groups, dtype=scores_N.dtype).index_add(0, index_N, length_N)
+    adv_N = scores_N - (weighted_G / length_G.clamp(min=1.0))[index_N]
+    _, _, _, constant_G = _group_stats(scores_N, group_ids_N)
+    adv_N = torch.where(constant_G[index_N], torch.zeros_like(adv_N), adv_N)
+    return _per_sequence(adv_N, mask_T, cu_seqlens_N1)
+
+
+def gpg_advantages(
+    *,
+    rewards_N: torch.Tensor,
+    cu_seqlens_N1: torch.Tensor,
+    mask_T: torch.Tensor,
+    group_ids_N: torch.Tensor,
+    token_rewards_T: torch.Tensor | None = None,
+    values_T: torch.Tensor | None = None,
+) -> AdvantageResult:
+    """GPG (Chu et al. 2025): the group mean subtracted, no std division, times the paper's
+    correction alpha = B / (B - M), B the batch's responses and M those of groups whose scores are
+    all equal (their advantage is 0: without alpha they would dilute the batch's gradient)."""
+    _validate(rewards_N, cu_seqlens_N1, mask_T, group_ids_N)
+    scores_N = _sequence_scores(rewards_N, token_rewards_T, mask_T, cu_seqlens_N1)
+    index_N, count_G, sum_G, constant_G = _group_stats(scores_N, group_ids_N)
+    zero_N = constant_G[index_N]
+    adv_N = torch.where(zero_N, torch.zeros_like(scores_N), scores_N - (sum_G / count_G)[index_N])
+    valid = int((~zero_N).sum())
+    alpha = scores_N.numel() / valid if valid else 1.0
+    return _per_sequence(alpha * adv_N, mask_T, cu_seqlens_N1)
+
+
+def remax_advantages(
+    *,
+    rewards_N: torch.Tensor,
+    cu_seqlens_N1: torch.Tensor,
+    mask_T: torch.Tensor,
+    group_ids_N: torch.Tensor,
+    baseline_rewards_N: torch.Tensor | None = None,
+    token_rewards_T: torch.Tensor | None = None,
+    values_T: torch.Tensor | None = None,
+) -> AdvantageResult:
+    """ReMax (Li et al. 2023): REINFORCE whose baseline is the reward of the greedy response to the
+    same prompt, A_i = r_i - r(greedy of prompt i); ``baseline_rewards_N`` carries it per sequence
+    (the trainer generates and scores one greedy response per prompt in the same step)."""
+    _validate(rewards_N, cu_seqlens_N1, mask_T, group_ids_N)
+    if baseline_rewards_N is None or baseline_rewards_N.shape != rewards_N.shape:
+        raise ValueError("remax needs baseline_rewards_N, the greedy response's reward per sequence "
+                         f"(shape {tuple(rewards_N.shape)}), got {None if baseline_rewards_N is None else tuple(baseline_rewards_N.shape)}")
+    scores_N = _sequence_scores(rewards_N, token_rewards_T, mask_T, cu_seqlens_N1)
+    return _per_sequence(scores_N - _float(baseline_rewards_N), mask_T, cu_seqlens_N1)
+
+
+def optimal_token_baseline_advantages(
+    *,
+    rewards_N: torch.Tensor,
+    cu_seqlens_N1: torch.Tensor,
+    mask_T: torch.Tensor,
+    group_ids_N: torch.Tensor,
+    logprobs_T: torch.Tensor | None = None,
+    sum_pi_squared_T: torch.Tensor | None = None,
+    token_rewards_T: torch.Tensor | None = None,
+    values_T: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    eps: float = 1e-8,
+) -> AdvantageResult:
+    """Optimal Token Baseline (Li et al. 2026, arXiv 2602.07078): a baseline per response position
+    t across the group, weighted by each response's accumulated "realized energy",
+    B_t = sum_i G_t^i W_t^i / (sum_i W_t^i + eps) over the group's responses that reach position t,
+    W_t = sum_{j <= t} (1 - 2 pi_j + sum_v pi_j(v)^2), G_t the return-to-go; A_t = G_t - B_t.
+    pi_j: the sampling policy's probability of the sampled token (``logprobs_T``: vLLM's sample
+    log-probs); ``sum_pi_squared_T`` = sum over the vocabulary of pi^2 at each position when the
+    forward provides it, else pi_j^2 (its lower bound: exact for a one-hot distribution; megarl's
+    forward does not return it yet). Without ``logprobs_T`` every token weighs 1 (W_t = t + 1), and
+    B_t is the mean return-to-go of the group's responses at position t."""
+    _validate(rewards_N, cu_seqlens_N1, mask_T, group_ids_N)
+    returns_T = discounted_returns(outcome_to_token_rewards(rewards_N, mask_T, cu_seqlens_N1, token_rewards_T),
+                                   mask_T, cu_seqlens_N1, gamma)
+    mask_f = mask_T.to(returns_T.dtype)
+    if logprobs_T is not None:
+        _check_token_tensor("logprobs_T", logprobs_T, mask_T)
+        pi_T = torch.exp(torch.nan_to_num(logprobs_T.detach().to(returns_T.dtype), nan=0.0))
+        sq_T = pi_T**2 if sum_pi_squared_T is None else sum_pi_squared_T.detach().to(returns_T.dtype)
+        energy_T = (1.0 - 2.0 * pi_T + sq_T).clamp(min=0.0)
+    else:
+        energy_T = torch.ones_like(mask_f)
+    weight_NL = torch.cumsum(pad_by_seq(energy_T * mask_f, cu_seqlens_N1), dim=1)
+    returns_NL = pad_by_seq(returns_T, cu_seqlens_N1)
+    present_NL = pad_by_seq(mask_f, cu_seqlens_N1)
+    index_N, num_groups = group_index(group_ids_N)
+    length = returns_NL.shape[1]
+    num_G = returns_NL.new_zeros(num_groups, length).index_add(0, index_N, returns_NL * weight_NL * present_NL)
+    den_G = returns_NL.new_zeros(num_groups, length).index_add(0, index_N, weight_NL * present_NL)
+    baseline_NL = (num_G / (den_G + eps))[index_N]
+    adv_T = (returns_T - unpad_by_seq(baseline_NL, cu_seqlens_N1)) * mask_f
     return AdvantageResult(adv_T, returns_T)

@@ -233,6 +233,18 @@ def check_sections(cfg: MegaRLConfig) -> None:
                             "rollout.return_routing (the routing of a multi-turn trajectory is not collected yet)")
     if cfg.rollout.agent == "tools" and cfg.rollout.search_corpus and not Path(cfg.rollout.search_corpus).is_file():
         raise invalid_value("rollout.search_corpus", cfg.rollout.search_corpus, "an existing .txt or .jsonl file")
+    a = cfg.algorithm
+    if a.advantage == "remax" and (cfg.rollout.agent == "tools" or cfg.trainer.mode == "async"):
+        key, value = ("rollout.agent", "tools") if cfg.rollout.agent == "tools" else ("trainer.mode", "async")
+        raise invalid_value(key, value, f"{'single_turn' if key == 'rollout.agent' else 'on_policy or one_step_off'} "
+                            "with algorithm.advantage='remax' (its greedy baseline is generated with each step's "
+                            "single-turn samples)")
+    if a.sample_filter not in (None, "none") and cfg.trainer.mode == "async":
+        raise invalid_value("algorithm.sample_filter", a.sample_filter, "'none' with trainer.mode='async' (the "
+                            "filter picks from each prompt's whole group, which async mode trains as it finishes)")
+    if a.sample_filter not in (None, "none") and cfg.rollout.n < 2:
+        raise invalid_value("algorithm.sample_filter", a.sample_filter, f"'none' with rollout.n={cfg.rollout.n} "
+                            "(it keeps 2 of each prompt's responses)")
     if cfg.trainer.offload_train_state and cfg.rollout.placement == "split":
         raise invalid_value("trainer.offload_train_state", True, "false with rollout.placement='split' "
                             "(training and rollout do not share devices: nothing to make room for)")

@@ -4,18 +4,30 @@ The preset fields of :class:`megarl.config.schema.AlgorithmConfig` default to ``
 preset"); :func:`resolve_algorithm` fills them at load time, so the resolved config written to
 the run folder shows the effective values, and a value the user sets always wins.
 
-============  ============  ===========  ===============  =======================  =========  ========
-name          advantage     policy_loss  norm_adv_by_std  loss_agg_mode            clip_high  DAPO
-                                                                                               extras
-============  ============  ===========  ===============  =======================  =========  ========
-grpo          grpo          ppo          true             token-mean               0.2        off
-drgrpo        drgrpo        ppo          false            seq-mean-token-sum-norm  0.2        off
-dapo          grpo          ppo          true             token-mean               0.28       on
-rloo          rloo          ppo          (n/a)            token-mean               0.2        off
-reinforce_pp  reinforce_pp  ppo          (n/a)            token-mean               0.2        off
-gspo          grpo          gspo         true             token-mean               4e-4       off
-ppo           gae           ppo          (n/a)            token-mean               0.2        off
-============  ============  ===========  ===============  =======================  =========  ========
+=====================  ======================  ===========  ===============  =======================  ==========
+name                   advantage               policy_loss  norm_adv_by_std  loss_agg_mode            other
+=====================  ======================  ===========  ===============  =======================  ==========
+grpo                   grpo                    ppo          true             token-mean
+drgrpo                 drgrpo                  ppo          false            seq-mean-token-sum-norm
+dapo                   grpo                    ppo          true             token-mean               DAPO extras
+rloo                   rloo                    ppo          (n/a)            token-mean
+reinforce_pp           reinforce_pp            ppo          (n/a)            token-mean
+reinforce_pp_baseline  reinforce_pp_baseline   ppo          (n/a)            token-mean
+gspo                   grpo                    gspo         true             token-mean
+ppo                    gae                     ppo          (n/a)            token-mean
+remax                  remax                   ppo          (n/a)            token-mean               greedy baseline
+gpg                    gpg                     gpg          (n/a)            token-mean
+opo                    opo                     ppo          (n/a)            token-mean
+cispo                  grpo                    cispo        true             token-mean
+sapo                   grpo                    sapo         true             token-mean
+gmpo                   grpo                    geo_mean     true             (sequence mean)
+clip_cov               grpo                    clip_cov     true             token-mean
+kl_cov                 grpo                    kl_cov       true             token-mean
+grpo_passk             grpo_passk              ppo          (n/a)            token-mean
+pf_ppo                 gae                     ppo          (n/a)            token-mean               best_worst filter
+=====================  ======================  ===========  ===============  =======================  ==========
+
+Formulas, papers, the options each reads and what each refuses: docs/algorithms.md.
 
 "DAPO extras": ``dynamic_sampling`` and ``overlong_buffer`` (off: false and 0).
 
@@ -25,7 +37,9 @@ ppo           gae           ppo          (n/a)            token-mean            
   4096-token buffer under a 20480-token limit.
 - The clip range follows the policy loss, not the name: ``ppo`` clips token ratios at 0.2 / 0.2,
   ``gspo`` the sequence ratio at the GSPO paper's 3e-4 / 4e-4 (also with ``algorithm.name=grpo
-  policy_loss=gspo``); DAPO's preset raises ``clip_high`` to 0.28 for its ppo loss.
+  policy_loss=gspo``), ``cispo`` its IS weight at [0, 4] (no lower bound, as in MiniMax-M1),
+  ``geo_mean`` log-ratios at +-0.4 (GMPO's range); DAPO's preset raises ``clip_high`` to 0.28 for
+  its ppo loss. sapo, clip_cov, kl_cov and gpg read no clip range (the fields keep ppo's values).
 - ``norm_adv_by_std`` is an option of the grpo / drgrpo estimators only ("n/a": left null). A
   field set where it would do nothing is an error naming it: ``norm_adv_by_std`` or
   ``critic_lr`` with an advantage that does not use it, ``dual_clip_c`` with the gspo loss, an
@@ -56,14 +70,28 @@ ALGORITHM_PRESETS: dict[str, dict] = {
     "reinforce_pp": dict(advantage="reinforce_pp", policy_loss="ppo"),
     "gspo": dict(advantage="grpo", policy_loss="gspo"),
     "ppo": dict(advantage="gae", policy_loss="ppo"),
+    "reinforce_pp_baseline": dict(advantage="reinforce_pp_baseline", policy_loss="ppo"),
+    "remax": dict(advantage="remax", policy_loss="ppo"),
+    "gpg": dict(advantage="gpg", policy_loss="gpg"),
+    "opo": dict(advantage="opo", policy_loss="ppo"),
+    "cispo": dict(advantage="grpo", policy_loss="cispo"),
+    "sapo": dict(advantage="grpo", policy_loss="sapo"),
+    "gmpo": dict(advantage="grpo", policy_loss="geo_mean"),
+    "clip_cov": dict(advantage="grpo", policy_loss="clip_cov"),
+    "kl_cov": dict(advantage="grpo", policy_loss="kl_cov"),
+    "grpo_passk": dict(advantage="grpo_passk", policy_loss="ppo"),
+    "pf_ppo": dict(advantage="gae", policy_loss="ppo", sample_filter="best_worst"),
 }
-_COMMON = dict(norm_adv_by_std=True, loss_agg_mode="token-mean", dynamic_sampling=False, overlong_buffer=0)
+_COMMON = dict(norm_adv_by_std=True, loss_agg_mode="token-mean", dynamic_sampling=False, overlong_buffer=0,
+               sample_filter="none")
 # policy loss -> (clip_low, clip_high); any other loss (a dotted path) gets the ppo range
-CLIP_RANGES = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4)}
+CLIP_RANGES = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 3.0), "geo_mean": (0.4, 0.4)}
+# the built-in losses (a dotted-path loss gets the clip range and dual_clip_c like ppo)
+POLICY_LOSS_NAMES = ("ppo", "gspo", "sapo", "cispo", "geo_mean", "clip_cov", "kl_cov", "gpg")
 # estimators that take the ``norm_by_std`` option
 STD_NORMALISED_ADVANTAGES = ("grpo", "drgrpo")
 PRESET_FIELDS = ("advantage", "policy_loss", "norm_adv_by_std", "loss_agg_mode", "clip_low", "clip_high",
-                 "dynamic_sampling", "overlong_buffer")
+                 "dynamic_sampling", "overlong_buffer", "sample_filter")
 
 
 def resolve_algorithm(algorithm, max_response_tokens: int):
@@ -72,7 +100,7 @@ def resolve_algorithm(algorithm, max_response_tokens: int):
     :class:`ConfigError` naming the key for combinations that would silently do nothing."""
     preset = {**_COMMON, **ALGORITHM_PRESETS[algorithm.name]}
     filled = {}
-    for name in ("advantage", "policy_loss", "loss_agg_mode", "dynamic_sampling"):
+    for name in ("advantage", "policy_loss", "loss_agg_mode", "dynamic_sampling", "sample_filter"):
         if getattr(algorithm, name) is None:
             filled[name] = preset[name]
     advantage = filled.get("advantage", algorithm.advantage)
@@ -100,9 +128,9 @@ def resolve_algorithm(algorithm, max_response_tokens: int):
     if resolved.critic_lr is not None and advantage != "gae":
         raise invalid_value("algorithm.critic_lr", resolved.critic_lr,
                             f"null with algorithm.advantage={advantage!r} (only the gae advantage trains a critic)")
-    if resolved.dual_clip_c is not None and policy_loss == "gspo":
+    if resolved.dual_clip_c is not None and policy_loss in POLICY_LOSS_NAMES and policy_loss != "ppo":
         raise invalid_value("algorithm.dual_clip_c", resolved.dual_clip_c,
-                            "null with algorithm.policy_loss='gspo' (dual-clip applies to token ratios: ppo)")
+                            f"null with algorithm.policy_loss={policy_loss!r} (dual-clip is an option of the ppo loss)")
     return resolved
 
 

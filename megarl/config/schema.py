@@ -228,22 +228,28 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: Literal["grpo", "drgrpo", "dapo", "ppo", "rloo", "reinforce_pp", "gspo"] = "grpo"
+    name: Literal["grpo", "drgrpo", "dapo", "ppo", "rloo", "reinforce_pp", "gspo", "remax", "gpg", "opo", "cispo",
+                  "sapo", "gmpo", "clip_cov", "kl_cov", "grpo_passk", "reinforce_pp_baseline", "pf_ppo"] = "grpo"
     """RL algorithm: a preset for every field below whose default is null (advantage,
     policy_loss, norm_adv_by_std, loss_agg_mode, clip_low, clip_high, dynamic_sampling,
-    overlong_buffer), filled at load time; a value set in the recipe wins. dapo turns on
-    clip_high=0.28, dynamic sampling and overlong shaping; drgrpo turns off the std division and
-    uses seq-mean-token-sum-norm. Table: megarl/config/presets.py."""
+    overlong_buffer, sample_filter), filled at load time; a value set in the recipe wins. Presets:
+    grpo, drgrpo, dapo, ppo, rloo, reinforce_pp, reinforce_pp_baseline, gspo, remax, gpg, opo,
+    cispo, sapo, gmpo, clip_cov, kl_cov, grpo_passk, pf_ppo; each one's formula, paper and options:
+    docs/algorithms.md (table also in megarl/config/presets.py)."""
     advantage: Optional[str] = None
-    """Advantage estimator by registry name (grpo, drgrpo, rloo, reinforce_pp, gae) or dotted path
-    (module:function); null: from name."""
+    """Advantage estimator by registry name (grpo, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline,
+    gae, grpo_passk, opo, gpg, remax, optimal_token_baseline) or dotted path (module:function);
+    null: from name."""
     policy_loss: Optional[str] = None
-    """Policy loss by registry name (ppo, gspo) or dotted path; null: from name."""
+    """Policy loss by registry name (ppo, gspo, sapo, cispo, geo_mean, clip_cov, kl_cov, gpg) or
+    dotted path; null: from name."""
     clip_low: Optional[float] = None
-    """Ratio clip below 1 (1 - clip_low); null: 0.2, or 3e-4 with the gspo policy loss."""
+    """Ratio clip below 1 (1 - clip_low; 1 removes the lower bound); null: 0.2, or 3e-4 with the
+    gspo loss, 1 with cispo (no lower bound on its IS weight), 0.4 with geo_mean (a log-space
+    range: r >= e^-0.4)."""
     clip_high: Optional[float] = None
     """Ratio clip above 1 (1 + clip_high); null: 0.2 (dapo: 0.28, DAPO's clip-higher), or 4e-4
-    with the gspo policy loss."""
+    with the gspo loss, 3 with cispo (IS weight at most 4), 0.4 with geo_mean (r <= e^0.4)."""
     dual_clip_c: Optional[float] = None
     """Dual-clip bound c > 1 for negative advantages (ppo policy loss); null disables it."""
     loss_agg_mode: Optional[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
@@ -253,6 +259,26 @@ class AlgorithmConfig:
     norm_adv_by_std: Optional[bool] = None
     """grpo / drgrpo advantages: divide group-centred rewards by the group std; null: true
     (drgrpo: false). Must stay null with other advantages."""
+    tau_pos: float = 1.0
+    """sapo loss: temperature of the soft gate for tokens with a positive advantage (paper: 1.0)."""
+    tau_neg: float = 1.05
+    """sapo loss: the same for negative advantages (paper: 1.05; larger decays faster off-policy)."""
+    cov_clip_ratio: float = 2e-4
+    """clip_cov loss: share of the micro-batch's tokens whose gradient is cut, drawn at random from
+    those with a covariance in [cov_low, cov_high] (paper: 2e-4; at least one when any qualifies)."""
+    cov_low: float = 1.0
+    """clip_cov loss: lower end of the covariance band (paper: 1)."""
+    cov_high: float = 5.0
+    """clip_cov loss: upper end of the covariance band (paper: 5)."""
+    kl_cov_ratio: float = 2e-3
+    """kl_cov loss: share of the micro-batch's tokens, those of the largest covariance, that get the
+    KL penalty (paper: 2e-3; at least one)."""
+    kl_cov_coef: float = 1.0
+    """kl_cov loss: coefficient of the penalty |log r| on the selected tokens (paper: 1)."""
+    sample_filter: Optional[Literal["none", "best_worst", "best_random"]] = None
+    """PF-PPO's reward-based policy filtration: of each prompt's rollout.n responses train only the
+    highest- and the lowest-rewarded (best_worst) or the highest and one other drawn at random
+    (best_random); the rest are scored and dropped. null: best_worst for pf_ppo, else none."""
     kl_coef: float = 0.0
     """KL-to-reference coefficient; 0 disables the reference policy."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -315,8 +341,15 @@ class AlgorithmConfig:
     def validate(self):
         _positive(self, "clip_low", "clip_high", "ppo_epochs", "mini_batches", "max_sampling_tries")
         _positive(self, "kl_coef", "entropy_coef", "overlong_buffer", allow_zero=True)
-        if self.clip_low is not None and self.clip_low >= 1:
-            raise ConfigValueError("clip_low", self.clip_low, "a number in (0, 1)")
+        if self.clip_low is not None and self.clip_low > 1:
+            raise ConfigValueError("clip_low", self.clip_low, "a number in (0, 1] (1: no lower bound)")
+        _positive(self, "tau_pos", "tau_neg", "cov_clip_ratio", "kl_cov_ratio")
+        _positive(self, "kl_cov_coef", allow_zero=True)
+        if self.cov_clip_ratio > 1 or self.kl_cov_ratio > 1:
+            field = "cov_clip_ratio" if self.cov_clip_ratio > 1 else "kl_cov_ratio"
+            raise ConfigValueError(field, getattr(self, field), "a share of tokens in (0, 1]")
+        if self.cov_low >= self.cov_high:
+            raise ConfigValueError("cov_low", self.cov_low, f"less than cov_high={self.cov_high}")
         if self.kl_target is not None and self.kl_target <= 0:
             raise ConfigValueError("kl_target", self.kl_target, "null or a number > 0")
         if self.kl_target is not None and self.kl_coef == 0:

@@ -29,7 +29,7 @@ def resolve(cfg: AlgorithmConfig):
     adv_opts = {}
     if cfg.advantage in STD_NORMALISED_ADVANTAGES:
         adv_opts["norm_by_std"] = cfg.norm_adv_by_std
-    if cfg.advantage == "reinforce_pp":
+    if cfg.advantage in ("reinforce_pp", "reinforce_pp_baseline", "optimal_token_baseline"):
         adv_opts["gamma"] = cfg.gamma
     if needs_critic(cfg):
         adv_opts.update(gamma=cfg.gamma, lam=cfg.lam)
@@ -77,6 +77,34 @@ def needs_old_logprob_pass(cfg) -> bool:
             or a.router_replay != "off" or cfg.rollout.return_routing)
 
 
+def loss_options(cfg: AlgorithmConfig) -> dict:
+    """The options of the configured policy loss (each built-in loss takes only its own); a loss
+    given by dotted path gets ppo's: the clip range and dual_clip_c."""
+    clip = dict(clip_eps_low=cfg.clip_low, clip_eps_high=cfg.clip_high)
+    own = {
+        "gspo": clip, "cispo": clip, "geo_mean": clip,
+        "sapo": dict(tau_pos=cfg.tau_pos, tau_neg=cfg.tau_neg),
+        "clip_cov": dict(cov_clip_ratio=cfg.cov_clip_ratio, cov_low=cfg.cov_low, cov_high=cfg.cov_high),
+        "kl_cov": dict(kl_cov_ratio=cfg.kl_cov_ratio, kl_cov_coef=cfg.kl_cov_coef),
+        "gpg": {},
+    }
+    return own.get(cfg.policy_loss, dict(clip, dual_clip_c=cfg.dual_clip_c))
+
+
+def micro_batch_generator(batch):
+    """A torch.Generator seeded from the micro-batch's token ids: the same draws on every rank and
+    at every layout that trains this micro-batch (clip_cov's random token choice), whatever order
+    the micro-batches come in."""
+    import zlib
+
+    import torch
+
+    crc = 0
+    for ids in batch.input_ids:
+        crc = zlib.crc32(ids.to(torch.int64).numpy().tobytes(), crc)
+    return torch.Generator().manual_seed(crc)
+
+
 def make_value_loss_fn(cfg: AlgorithmConfig, max_response_tokens: int):
     """``loss_fn(values_R, batch)`` for the critic's ``train_step``: clipped value loss towards
     ``extras['returns_T']`` around ``extras['old_values_T']`` (the rollout's values)."""
@@ -108,10 +136,7 @@ def make_loss_fn(cfg: AlgorithmConfig, max_response_tokens: int, kl_coef: float 
     from megarl.algorithms import kl_loss
 
     _, _, policy_loss = resolve(cfg)
-    # dual-clip is an option of the token-ratio (ppo) loss only; the loader refuses it with gspo
-    clip = dict(clip_eps_low=cfg.clip_low, clip_eps_high=cfg.clip_high)
-    if cfg.policy_loss != "gspo":
-        clip["dual_clip_c"] = cfg.dual_clip_c
+    clip = loss_options(cfg)
 
     def loss_fn(logprobs_R, batch):
         ex, cu = batch.extras, batch.cu_seqlens_N1
@@ -120,9 +145,10 @@ def make_loss_fn(cfg: AlgorithmConfig, max_response_tokens: int, kl_coef: float 
         # only when present: a policy loss given by dotted path need not know the option
         weights = {"is_weights_T": ex["is_weights_T"]} if "is_weights_T" in ex else {}
         old_T = logprobs_R.detach() if own_old_logprobs else ex["old_logprobs_T"]
+        draws = {"generator": micro_batch_generator(batch)} if cfg.policy_loss == "clip_cov" else {}
         loss, metrics = policy_loss(logprobs_R, old_T, ex["advantages_T"], ex["mask_T"], cu,
                                     agg_mode=cfg.loss_agg_mode, entropy_T=ex.get("entropy_T"),
-                                    entropy_coef=cfg.entropy_coef, **clip, **counts, **weights)
+                                    entropy_coef=cfg.entropy_coef, **clip, **counts, **weights, **draws)
         metrics = dict(metrics)
         if kl_coef > 0 and cfg.kl_mode == "loss":
             kl, kl_metrics = kl_loss(logprobs_R, ex["ref_logprobs_T"], ex["mask_T"], cu, kind=cfg.kl_estimator,

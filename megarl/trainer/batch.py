@@ -4,6 +4,7 @@ Legend: N samples (sequences), T packed response tokens of the whole step, R of 
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -36,6 +37,9 @@ class Rollout:
     """MoE models with rollout.return_routing (or router_replay r3): per sample, the experts vLLM
     routed each prompt and response token to, int16 ``[P + R, Lm, K]`` (-1 rows: not computed,
     e.g. the last token); empty otherwise."""
+    baseline_rewards: list[float] = field(default_factory=list)
+    """algorithm.advantage=remax: per sample, the reward of the greedy response to its prompt
+    (generated and scored in the same step, not trained on); empty otherwise."""
     loss_masks: list[list[bool]] = field(default_factory=list)
     """rollout.agent=tools: per response token, whether it carries loss (true: sampled by the
     model; false: inserted tool-result tokens, whose ``sample_logprobs`` are NaN); empty: every
@@ -109,11 +113,28 @@ def compute_advantages(rollout: Rollout, adv_fn, adv_opts: dict, token_rewards=N
     cu = rollout.cu_seqlens_N1()
     cat = lambda xs: torch.cat([x.float() for x in xs]) if xs is not None else None   # noqa: E731
     extra = {"values_T": cat(values)} if values is not None else {}
+    takes = inspect.signature(adv_fn).parameters
+    if "logprobs_T" in takes:          # the sampling policy's (vLLM's) log-probs, NaN where none
+        extra["logprobs_T"] = torch.tensor([lp for s in rollout.sample_logprobs for lp in s], dtype=torch.float32)
+    if "baseline_rewards_N" in takes and rollout.baseline_rewards:
+        extra["baseline_rewards_N"] = torch.tensor(rollout.baseline_rewards, dtype=torch.float32)
     result = adv_fn(rewards_N=torch.tensor(rollout.rewards, dtype=torch.float32), cu_seqlens_N1=cu,
                     mask_T=torch.cat([rollout.loss_mask_T(i) for i in range(len(rollout))]),
                     group_ids_N=torch.tensor(rollout.group_ids),
                     token_rewards_T=cat(token_rewards), **extra, **adv_opts)
     return split_tokens(result.advantages_T, cu), split_tokens(result.returns_T, cu)
+
+
+def advantage_metrics(rollout: Rollout, advantages: list[torch.Tensor]) -> dict:
+    """adv/mean and adv/abs_max over the loss-carrying tokens, and adv/nonzero_frac: the share of
+    samples with any non-zero advantage (e.g. pass@k GRPO trains one per group, a constant group
+    none)."""
+    mask = torch.cat([rollout.loss_mask_T(i) for i in range(len(rollout))])
+    adv = torch.cat([a.float() for a in advantages])[mask]
+    if adv.numel() == 0:
+        return {}
+    return {"adv/mean": float(adv.mean()), "adv/abs_max": float(adv.abs().max()),
+            "adv/nonzero_frac": sum(bool((a != 0).any()) for a in advantages) / len(advantages)}
 
 
 def split_tokens(values_T: torch.Tensor, cu_seqlens_N1: torch.Tensor) -> list[torch.Tensor]:

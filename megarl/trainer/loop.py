@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import torch
 
 from megarl.config.schema import MegaRLConfig
-from megarl.trainer.batch import Rollout, compute_advantages
+from megarl.trainer.batch import Rollout, advantage_metrics, compute_advantages
 from megarl.trainer.interrupt import RunInterrupted, StepAbandoned, StopRequest
 
 HARD_STOP_WAIT_S = 5.0
@@ -54,14 +54,18 @@ class WeightSyncAlarm(RuntimeError):
 
 
 def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
-          after_sync: Optional[Callable] = None) -> Path:
+          after_sync: Optional[Callable] = None, group=None) -> Path:
     """Run ``cfg``; ``verbose`` shows third-party output on the terminal instead of
     <run_dir>/logs/. ``after_sync(group, step)``, when given, runs after each step's weight sync
     (e.g. to probe the engines; :class:`megarl.trainer.workers.WorkerGroup`). On any exception too, the failed step's metrics so far are written and the
     reward workers, vLLM engines, Ray actors and (when started here) Ray are stopped. On
     SIGINT/SIGTERM the run stops at the next safe point, writes a checkpoint of the last completed
     step when it has none (``checkpoint.save_on_interrupt``) and raises :class:`RunInterrupted`
-    once everything is released; a second signal stops it at once."""
+    once everything is released; a second signal stops it at once.
+
+    ``group``: an existing :class:`megarl.trainer.workers.WorkerGroup` to run on instead of
+    starting one (:meth:`WorkerGroup.reuse_for` checks it fits ``cfg``); it is neither released
+    nor shut down here, also on error: its owner does that."""
     from megarl.algorithms import build_kl_controller
     from megarl.config import save_resolved
     from megarl.observability import MetricsLogger, PhaseTimer, gpu_stats
@@ -82,8 +86,11 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
     with contextlib.ExitStack() as cleanup:   # unwinds in reverse order, on success, error and interrupt
         console = cleanup.enter_context(run_console(run_dir / "logs", cfg.logging.level, verbose))
         stop = cleanup.enter_context(StopRequest(console))   # restores the signal handlers once all is released
-        group = WorkerGroup(cfg, None if verbose else run_dir / "logs", verbose)
-        cleanup.callback(_release, group, stop)
+        if group is None:
+            group = WorkerGroup(cfg, None if verbose else run_dir / "logs", verbose)
+            cleanup.callback(_release, group, stop)
+        else:
+            group.reuse_for(cfg)
         stop.arm()                                           # after ray.init, which installs a SIGTERM handler
         megarl_log.info(precision_line(group.precision(), cfg))
         rollouts = Rollouts(cfg, group.generate)
@@ -171,6 +178,7 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
             if ref_lp is not None:
                 per_sample["ref_logprobs_T"] = ref_lp
             per_sample["advantages_T"], returns = compute_advantages(rollout, adv_fn, adv_opts, kl_rewards, values)
+            m.update(advantage_metrics(rollout, per_sample["advantages_T"]))
             stop.abandon_if_requested(m)                       # last safe point: the updates follow
             if values is not None:
                 phase(step, "critic")

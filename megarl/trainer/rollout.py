@@ -202,9 +202,15 @@ class Rollouts:
             part = self.generate(step, records, rewards=rewards)
             m_part = self.score(part, rewards)
             score_s += self.score_s                   # most of it overlapped with generation
+            if cfg.algorithm.advantage == "remax":
+                m_part.update(self._greedy_baselines(step, records, part, rewards))
+                score_s += self.score_s
             gen_s += time.perf_counter() - t0 - self.score_s
             if not m:   # the first round's raw statistics are the step's reward metrics
                 m = dict(m_part, **_sample_metrics(part))
+            if cfg.algorithm.sample_filter not in (None, "none"):
+                part, m["pf/kept_frac"] = filter_samples(part, cfg.algorithm.sample_filter,
+                                                         seed=cfg.trainer.seed * 1_000_003 + step)
             if cfg.algorithm.dynamic_sampling:
                 keep = informative_group_mask(torch.tensor(part.rewards), torch.tensor(part.group_ids))
                 part = part.select([i for i, k in enumerate(keep.tolist()) if k])
@@ -220,11 +226,45 @@ class Rollouts:
             m.update(self.agent.metrics)
         return kept, m
 
+    def _greedy_baselines(self, step: int, records, part: Rollout, rewards) -> dict:
+        """ReMax: one greedy response per prompt, on the fleet, scored like the samples and not
+        trained on; its reward becomes each sample's ``baseline_rewards``."""
+        greedy = self.generate(step, records, greedy=True, rewards=rewards)
+        self.score(greedy, rewards)
+        part.baseline_rewards = [greedy.rewards[g] for g in part.group_ids]
+        return {"remax/greedy_reward_mean": sum(greedy.rewards) / len(greedy),
+                "remax/greedy_length_mean": sum(len(r) for r in greedy.response_ids) / len(greedy)}
+
     def evaluate(self, rewards) -> dict:
         """Greedy accuracy on ``data.eval_prompts`` held-out prompts."""
         rollout = self.generate(0, self.prompts.eval_batch(self.cfg.data.eval_prompts), greedy=True, rewards=rewards)
         m = self.score(rollout, rewards)
         return {"eval/accuracy": m["reward/accuracy"], "eval/reward_mean": sum(rollout.rewards) / len(rollout)}
+
+
+def filter_samples(rollout: Rollout, mode: str, seed: int) -> tuple[Rollout, float]:
+    """PF-PPO's policy filtration (Shen et al. 2024, "Policy Filtration in RLHF to Fine-Tune LLM for
+    Code Generation"): per prompt group keep the highest-rewarded sample and the lowest
+    (``best_worst``) or one other drawn at random (``best_random``, seeded); the first of equal
+    rewards wins. A group of one keeps its sample. Returns the kept samples (in their order) and
+    the kept share."""
+    import random
+
+    rng = random.Random(seed)
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(rollout.group_ids):
+        members.setdefault(g, []).append(i)
+    keep = []
+    for idx in members.values():
+        best = max(idx, key=lambda i: (rollout.rewards[i], -i))
+        rest = [i for i in idx if i != best]
+        if rest:
+            other = (min(rest, key=lambda i: (rollout.rewards[i], i)) if mode == "best_worst" else rng.choice(rest))
+            keep += [best, other]
+        else:
+            keep.append(best)
+    keep.sort()
+    return rollout.select(keep), len(keep) / len(rollout)
 
 
 def _sample_metrics(rollout: Rollout) -> dict:

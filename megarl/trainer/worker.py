@@ -83,6 +83,11 @@ class HybridWorker:
             self.critic = PolicyEngine(dataclasses.replace(opts, value_head=True), self.groups, critic_optim)
         self.bridge, self.engine_index = None, None
 
+    def set_config(self, cfg) -> None:
+        """Run ``cfg`` from now on (:meth:`megarl.trainer.workers.WorkerGroup.reuse_for` checked that
+        the model, layout and fleet are the ones these engines were built for)."""
+        self.cfg = cfg
+
     def attach_engines(self, engines: list) -> None:
         """Build the weight bridge to the fleet's ``engines`` (EngineActor handles, engine order;
         collective). vLLM TP rank r of engine k is written by training rank k*tp + r, and rank

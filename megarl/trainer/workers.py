@@ -58,8 +58,8 @@ class WorkerGroup:
         from megarl.trainer.placement import Placement
 
         self.cfg = cfg
-        self.has_reference = cfg.algorithm.kl_coef > 0
-        self.has_critic = needs_critic(cfg.algorithm)
+        self.has_reference = self.built_reference = cfg.algorithm.kl_coef > 0
+        self.has_critic = self.built_critic = needs_critic(cfg.algorithm)
         self.offloaded_bytes = 0
         self.info, self.failed = [], False
         self.skipped_in_a_row = {"actor": 0, "critic": 0}
@@ -118,6 +118,32 @@ class WorkerGroup:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+    REUSED_SECTIONS = ("model", "topology", "rollout", "bridge")
+
+    def reuse_for(self, cfg: MegaRLConfig) -> None:
+        """Run ``cfg`` on these workers and engines, e.g. a sweep over algorithms without starting
+        them again: the sections :data:`REUSED_SECTIONS` must equal the ones the group was built
+        from, and a reference or critic the algorithm needs must have been built. The policy, its
+        optimizer state and learning-rate schedule carry on from the previous run; the engines
+        hold its last synced weights. Unused models (a critic the new algorithm does not need) stay
+        loaded and are skipped."""
+        from megarl.trainer.algorithm import needs_critic
+
+        differ = [name for name in self.REUSED_SECTIONS if getattr(cfg, name) != getattr(self.cfg, name)]
+        if differ:
+            raise ValueError(f"WorkerGroup.reuse_for: {', '.join(differ)} differ from the config the workers were "
+                             "built from; start a new WorkerGroup")
+        if cfg.algorithm.kl_coef > 0 and not self.built_reference:
+            raise ValueError("WorkerGroup.reuse_for: algorithm.kl_coef > 0 needs a reference model, which this group "
+                             "was built without")
+        if needs_critic(cfg.algorithm) and not self.built_critic:
+            raise ValueError(f"WorkerGroup.reuse_for: algorithm.advantage={cfg.algorithm.advantage!r} needs a critic, "
+                             "which this group was built without")
+        self.cfg = cfg
+        self.has_reference, self.has_critic = cfg.algorithm.kl_coef > 0, needs_critic(cfg.algorithm)
+        self.skipped_in_a_row = {"actor": 0, "critic": 0}
+        self._all("set_config", cfg)
 
     def shutdown(self) -> None:
         """Stop the engines and actors, remove the placement group, stop Ray if the run started it."""

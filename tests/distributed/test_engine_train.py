@@ -180,3 +180,20 @@ def test_nan_loss_skips_the_update_on_every_rank(result):
 def test_adam_state_made_for_a_checkpoint_before_any_update_changes_nothing(result):
     assert result["nan|ensured_state_tensors"] > 0 and result["nan|ensured_state_kept_weights"] == 0.0
     assert result["nan|ensured_state_then_step_vs_plain"] == 0.0
+
+
+NEW_LOSSES = ("sapo", "cispo", "geo_mean", "clip_cov", "kl_cov", "gpg")
+LOSS_TOL = 1e-6   # the algorithm-breadth issue's bound for one step of each new loss at tp2 / cp2 vs tp1
+
+
+@pytest.mark.parametrize("name", NEW_LOSSES)
+def test_new_losses_step_equals_tp1_at_tp2_and_cp2(result, name):
+    assert result[f"loss|{name}|tp1|step_changed_weights"] > 1e-4
+    for layout in ("tp2", "cp2"):
+        assert result[f"loss|{name}|{layout}|weights_vs_tp1"] < LOSS_TOL, (layout, result[f"loss|{name}|{layout}|weights_vs_tp1"])
+        assert result[f"loss|{name}|{layout}|loss_diff"] < LOSS_TOL
+        # the loss's own statistics (clipped share, gate, covariance selection) agree too
+        ref, got = result[f"loss|{name}|tp1|metrics"], result[f"loss|{name}|{layout}|metrics"]
+        assert set(ref) == set(got) and all(abs(ref[k] - got[k]) < 1e-6 for k in ref), (layout, ref, got)
+    if name in ("clip_cov", "kl_cov"):
+        assert result[f"loss|{name}|tp1|metrics"]["cov_selected_frac"] > 0

@@ -7,6 +7,12 @@ def token_parity_reward(response: str, answer: str, **extra) -> float:
     return float(len(response) % 2 == 0)
 
 
+def char_variety_reward(response: str, answer: str, **extra) -> float:
+    """Distinct characters per character (+1): a graded reward in [0, 1) whose ties are rare, so
+    that estimators that rank a group's responses (pass@k GRPO, PF-PPO's filter) have a best."""
+    return len(set(response)) / (len(response) + 1)
+
+
 def column_reward(response: str, answer: str, *, bonus: float, data_source: str) -> float:
     """The row's ``bonus`` column plus the parity of the response's length. Takes no ``**extra``:
     the pool passes only the keywords named here, and ``data_source`` must arrive too."""

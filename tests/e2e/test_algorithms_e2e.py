@@ -141,3 +141,48 @@ def test_algorithm_runs_two_steps(tmp_path, name):
         assert "eval/accuracy" not in rows[0] and "eval/accuracy" in rows[1]   # trainer.eval_every: 2
         assert (tmp_path / name / "dapo_checkpoints" / "step_00000002").is_dir()
         assert not (tmp_path / name / "checkpoints").exists()
+
+
+# every preset of the algorithm-breadth issue: (metric of its own that must be there, or None)
+PRESETS = {"pf_ppo": "pf/kept_frac", "remax": "remax/greedy_reward_mean", "gpg": "adv/nonzero_frac",
+           "opo": "adv/nonzero_frac", "cispo": "actor/clip_frac", "sapo": "actor/gate_mean",
+           "gmpo": "actor/clip_frac", "clip_cov": "actor/cov_selected_frac", "kl_cov": "actor/cov_selected_frac",
+           "grpo_passk": "adv/nonzero_frac", "reinforce_pp_baseline": "adv/nonzero_frac"}
+
+
+def test_every_preset_runs_two_steps_on_one_group(tmp_path):
+    """One launch: one WorkerGroup (Ray, two training ranks at tp2... here tp1 x 1 rank, one vLLM
+    engine) and every preset's two steps on it in turn (tests/e2e/preset_sweep.py): weights change,
+    vLLM samples from the synced policy (gap < 1e-4), and each preset's own metrics are there."""
+    import subprocess
+    import sys
+
+    from e2e_common import HERE, ray_tmpdir, write_recipe
+
+    # a constant learning rate: the presets run one after another on the same optimizer, whose
+    # schedule carries on (WorkerGroup.reuse_for); a graded reward, so a group's best is unique
+    text = recipe("  name: grpo", steps=2, trainer_extra="  min_lr: 2.0e-3").replace(
+        "prompts_per_step: 4", "prompts_per_step: 2").replace("token_parity_reward", "char_variety_reward")
+    recipe_file = write_recipe(tmp_path, "sweep", text)
+    env = dict(os.environ, PYTHONPATH=f"{HERE}:{os.environ.get('PYTHONPATH', '')}", RAY_TMPDIR=ray_tmpdir())
+    proc = subprocess.run([sys.executable, str(HERE / "preset_sweep.py"), str(recipe_file), str(tmp_path / "runs"),
+                           *PRESETS], env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert [line for line in proc.stdout.splitlines() if line.startswith("done ")] == [f"done {n}" for n in PRESETS]
+    for name, own in PRESETS.items():
+        rows = metrics(tmp_path / "runs" / name)
+        check_trains_and_syncs(rows, 2)
+        resolved = yaml.safe_load((tmp_path / "runs" / name / "config.yaml").read_text())["algorithm"]
+        assert resolved["name"] == name
+        for r in rows:
+            assert own in r, (name, sorted(r))
+            assert "adv/mean" in r and r["adv/abs_max"] >= 0
+        if name == "grpo_passk":   # one response of each group of 4 has an advantage (no ties here)
+            assert all(0 < r["adv/nonzero_frac"] <= 0.25 for r in rows), rows
+        if name == "pf_ppo":       # best and worst of 4, with the critic trained on them
+            assert all(r["pf/kept_frac"] == 0.5 and r["rollout/num_samples"] == 4 for r in rows), rows
+            assert all("critic/values_mean" in r for r in rows)
+        if name == "kl_cov":       # at least one token per micro-batch gets the penalty
+            assert all(r["actor/cov_selected_frac"] > 0 for r in rows), rows
+        if name == "remax":
+            assert all(0.0 <= r["remax/greedy_reward_mean"] <= 1.0 for r in rows)

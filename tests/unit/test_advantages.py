@@ -192,6 +192,13 @@ def test_gae_with_lambda_one_is_monte_carlo():
     close(out.advantages_T, [2 - 0.3, 2 + 0.2, 2 - 0.9, -1 - 0.0])
 
 
+def _optional_inputs(fn, num_seqs: int) -> dict:
+    """The inputs the registry contract passes only to estimators that name them (remax)."""
+    import inspect
+
+    return {"baseline_rewards_N": torch.zeros(num_seqs)} if "baseline_rewards_N" in inspect.signature(fn).parameters else {}
+
+
 def test_estimators_finite_on_degenerate_batches():
     # Groups of one, all-equal rewards, an empty sequence and a fully masked one.
     cu_N1 = torch.tensor([0, 2, 2, 3])
@@ -199,7 +206,7 @@ def test_estimators_finite_on_degenerate_batches():
     for name, fn in ADVANTAGE_ESTIMATORS.items():
         out = fn(
             rewards_N=torch.tensor([1.0, 1.0, 1.0]), cu_seqlens_N1=cu_N1, mask_T=mask_T,
-            group_ids_N=torch.tensor([0, 1, 2]), values_T=torch.zeros(3),
+            group_ids_N=torch.tensor([0, 1, 2]), values_T=torch.zeros(3), **_optional_inputs(fn, 3),
         )
         assert torch.isfinite(out.advantages_T).all(), name
         assert torch.isfinite(out.returns_T).all(), name
@@ -224,7 +231,8 @@ def test_registry_names_dotted_paths_and_errors():
     with pytest.raises(ValueError) as err:
         get_advantage_estimator("ppo2")
     assert str(err.value) == (
-        "unknown advantage estimator 'ppo2'; known: ['drgrpo', 'gae', 'grpo', 'reinforce_pp', 'rloo'] "
+        "unknown advantage estimator 'ppo2'; known: ['drgrpo', 'gae', 'gpg', 'grpo', 'grpo_passk', 'opo', "
+        "'optimal_token_baseline', 'reinforce_pp', 'reinforce_pp_baseline', 'remax', 'rloo'] "
         "(or a dotted path 'package.module:function')"
     )
     with pytest.raises(ValueError, match="has no attribute 'nope'"):
@@ -238,7 +246,7 @@ def test_registry_contract_signature():
     for name, fn in ADVANTAGE_ESTIMATORS.items():
         out = fn(
             rewards_N=torch.tensor([1.0, 0.0, 0.0, 1.0]), cu_seqlens_N1=CU_N1, mask_T=MASK_T, group_ids_N=GROUPS_N,
-            token_rewards_T=torch.zeros(9), values_T=torch.zeros(9),
+            token_rewards_T=torch.zeros(9), values_T=torch.zeros(9), **_optional_inputs(fn, 4),
         )
         advantages_T, returns_T = out
         assert advantages_T.shape == (9,) and returns_T.shape == (9,), name

@@ -37,7 +37,8 @@ def test_wrong_type_names_key_value_and_type():
 def test_invalid_choice():
     assert error_of(["algorithm.name=foo"]) == (
         "invalid value for config key 'algorithm.name': got 'foo', expected one of 'grpo', 'drgrpo', "
-        "'dapo', 'ppo', 'rloo', 'reinforce_pp', 'gspo'")
+        "'dapo', 'ppo', 'rloo', 'reinforce_pp', 'gspo', 'remax', 'gpg', 'opo', 'cispo', 'sapo', 'gmpo', 'clip_cov', "
+        "'kl_cov', 'grpo_passk', 'reinforce_pp_baseline', 'pf_ppo'")
 
 
 def test_tp_that_does_not_divide_heads():
@@ -224,7 +225,31 @@ def test_algorithm_combinations_that_would_do_nothing_fail_at_load():
         "algorithm.advantage='rloo' (only the grpo and drgrpo advantages divide by the group std)")
     assert error_of(["algorithm.name=gspo", "algorithm.dual_clip_c=3"]) == (
         "invalid value for config key 'algorithm.dual_clip_c': got 3.0, expected null with "
-        "algorithm.policy_loss='gspo' (dual-clip applies to token ratios: ppo)")
+        "algorithm.policy_loss='gspo' (dual-clip is an option of the ppo loss)")
+    assert error_of(["algorithm.name=cispo", "algorithm.dual_clip_c=3"]).endswith(
+        "null with algorithm.policy_loss='cispo' (dual-clip is an option of the ppo loss)")
+    # the algorithm-breadth options: out of range, named
+    assert error_of(["algorithm.cov_low=5"]) == \
+        "invalid value for config key 'algorithm.cov_low': got 5.0, expected less than cov_high=5.0"
+    assert error_of(["algorithm.cov_clip_ratio=2"]) == \
+        "invalid value for config key 'algorithm.cov_clip_ratio': got 2.0, expected a share of tokens in (0, 1]"
+    assert error_of(["algorithm.kl_cov_ratio=0"]) == \
+        "invalid value for config key 'algorithm.kl_cov_ratio': got 0.0, expected a positive number"
+    assert error_of(["algorithm.tau_neg=-1"]) == \
+        "invalid value for config key 'algorithm.tau_neg': got -1.0, expected a positive number"
+    assert error_of(["algorithm.kl_cov_coef=-1"]) == \
+        "invalid value for config key 'algorithm.kl_cov_coef': got -1.0, expected a non-negative number"
+    assert error_of(["algorithm.tau_pos=0"]).endswith("expected a positive number")
+    assert error_of(["algorithm.cov_high=0.5"]).endswith("expected less than cov_high=0.5")
+    assert error_of(["algorithm.name=pf_ppo", "rollout.n=1"]) == (
+        "invalid value for config key 'algorithm.sample_filter': got 'best_worst', expected 'none' with "
+        "rollout.n=1 (it keeps 2 of each prompt's responses)")
+    assert error_of(["algorithm.sample_filter=best_random", "trainer.mode=async"]).startswith(
+        "invalid value for config key 'algorithm.sample_filter': got 'best_random', expected 'none' with "
+        "trainer.mode='async'")
+    assert error_of(["algorithm.name=remax", "trainer.mode=async"]).startswith(
+        "invalid value for config key 'trainer.mode': got 'async', expected on_policy or one_step_off with "
+        "algorithm.advantage='remax'")
     assert error_of(["algorithm.critic_lr=1e-5"]) == (
         "invalid value for config key 'algorithm.critic_lr': got 1e-05, expected null with "
         "algorithm.advantage='grpo' (only the gae advantage trains a critic)")
@@ -238,7 +263,7 @@ def test_algorithm_combinations_that_would_do_nothing_fail_at_load():
         "invalid value for config key 'algorithm.overlong_buffer': got 200, expected at most "
         "rollout.max_response_tokens=128 (the soft penalty starts this many tokens before the limit)")
     assert error_of(["algorithm.clip_low=1.5"]) == \
-        "invalid value for config key 'algorithm.clip_low': got 1.5, expected a number in (0, 1)"
+        "invalid value for config key 'algorithm.clip_low': got 1.5, expected a number in (0, 1] (1: no lower bound)"
     assert error_of(["algorithm.clip_high=-0.1"]) == \
         "invalid value for config key 'algorithm.clip_high': got -0.1, expected a positive number"
 
@@ -246,7 +271,8 @@ def test_algorithm_combinations_that_would_do_nothing_fail_at_load():
 def test_function_names_are_resolved_at_load():
     assert error_of(["algorithm.policy_loss=ppo2"]) == (
         "invalid value for config key 'algorithm.policy_loss': unknown policy loss 'ppo2'; known: "
-        "['gspo', 'ppo'] (or a dotted path 'package.module:function')")
+        "['cispo', 'clip_cov', 'geo_mean', 'gpg', 'gspo', 'kl_cov', 'ppo', 'sapo'] (or a dotted path "
+        "'package.module:function')")
     assert error_of(["algorithm.advantage=grpoo"]).startswith(
         "invalid value for config key 'algorithm.advantage': unknown advantage estimator 'grpoo'; known: ")
     assert error_of(["data.reward=nope"]).startswith(

@@ -311,6 +311,47 @@ def test_dynamic_sampling_and_overlong_shaping_of_the_dapo_preset():
         r.collect(1, FakeRewards())
 
 
+def test_remax_greedy_baseline_and_pf_ppo_filtration():
+    # remax: one greedy response per prompt (4 tokens: reward 1) after the samples (8 and 9 tokens),
+    # generated on the same engines, scored, not trained on; its reward is every sample's baseline
+    r, calls = rollouts("algorithm.name=remax")
+    r.sample_fn = _lengths_by_call(r, [(8, 9), (4,)])
+    batch, m = r.collect(1, FakeRewards())
+    assert [c[2] for c in r.sample_fn.calls] == [False, True] and len(batch) == 4
+    assert batch.baseline_rewards == [1.0] * 4 and batch.rewards == [1.0, 0.0] * 2
+    assert m["remax/greedy_reward_mean"] == 1.0 and m["remax/greedy_length_mean"] == 4.0
+    # pf_ppo (best_worst) of groups of 4 keeps each group's best and worst response
+    r, _ = rollouts("algorithm.name=pf_ppo", "rollout.n=4")
+    r.sample_fn = _lengths_by_call(r, [(5, 6, 7, 8)])
+    batch, m = r.collect(1, FakeRewards())
+    # rewards 0, 1, 0, 1 (even lengths): the best is the first 1 (6 tokens), the worst the first 0 (5)
+    assert [len(x) for x in batch.response_ids] == [5, 6] * 2 and batch.group_ids == [0, 0, 1, 1]
+    assert m["pf/kept_frac"] == 0.5 and m["rollout/num_samples"] == 4
+    # best_random: the best plus a seeded random other one
+    from megarl.trainer.batch import Rollout
+    from megarl.trainer.rollout import filter_samples
+
+    roll = Rollout([[1]] * 4, [[1]] * 4, [[0.0]] * 4, [0] * 4, [""] * 4, [False] * 4, rewards=[0.2, 0.9, 0.1, 0.9])
+    kept, share = filter_samples(roll, "best_worst", seed=0)
+    assert kept.rewards == [0.9, 0.1] and share == 0.5   # the first of equal bests
+    picks = {tuple(filter_samples(roll, "best_random", seed=s)[0].rewards) for s in range(20)}
+    assert picks <= {(0.2, 0.9), (0.9, 0.1), (0.9, 0.9)} and len(picks) > 1
+
+
+def _lengths_by_call(r, lengths_per_call):
+    """A sample_fn whose k-th call answers every prompt with responses of ``lengths_per_call[k]``."""
+    n = r.cfg.rollout.n
+
+    def sample_fn(ids, seeds, greedy, on_done=None):
+        lengths = lengths_per_call[len(sample_fn.calls)]
+        sample_fn.calls.append((ids, seeds, greedy))
+        assert len(lengths) == (1 if greedy else n)
+        return [[{"token_ids": [7] * k, "logprobs": [-1.0] * k, "clipped": False} for k in lengths] for _ in ids]
+
+    sample_fn.calls = []
+    return sample_fn
+
+
 def test_data_and_seed_keys_choose_the_prompts_and_the_sampling_seeds(tmp_path):
     from megarl.tasks import PromptRecord, save_prompt_dataset
 

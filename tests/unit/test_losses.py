@@ -226,7 +226,9 @@ def test_policy_loss_registry():
     assert get_policy_loss("megarl.algorithms.losses:gspo_policy_loss") is gspo_policy_loss
     with pytest.raises(ValueError) as err:
         get_policy_loss("grpo")
-    assert str(err.value) == "unknown policy loss 'grpo'; known: ['gspo', 'ppo'] (or a dotted path 'package.module:function')"
+    assert str(err.value) == ("unknown policy loss 'grpo'; known: ['cispo', 'clip_cov', 'geo_mean', 'gpg', 'gspo', "
+                              "'kl_cov', 'ppo', 'sapo'] (or a dotted path 'package.module:function')")
     for name, fn in POLICY_LOSSES.items():  # contract: (loss scalar, metrics dict)
         loss, metrics = fn(torch.zeros(6), torch.zeros(6), torch.ones(6), MASK_T, CU_N1, agg_mode="token-mean")
-        assert loss.dim() == 0 and {"clip_frac", "approx_kl", "ratio_mean", "ratio_min", "ratio_max"} <= set(metrics), name
+        # clip_frac where the loss clips (ppo, gspo, cispo, geo_mean); sapo, the cov losses and gpg do not
+        assert loss.dim() == 0 and {"approx_kl", "ratio_mean", "ratio_min", "ratio_max", "pg_loss"} <= set(metrics), name

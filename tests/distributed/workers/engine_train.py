@@ -314,6 +314,57 @@ def nan_skip(path, world, out):
     gc.collect()
 
 
+NEW_LOSSES = ("sapo", "cispo", "geo_mean", "clip_cov", "kl_cov", "gpg")
+
+
+def loss_layouts(path, world, out):
+    """One SGD step with each policy loss of the algorithm-breadth issue, built the trainer's way
+    (megarl.trainer.algorithm.make_loss_fn from a resolved AlgorithmConfig), at tp2 and cp2 against
+    tp1 (dp2): the same micro-batches at every layout (2 sequences each), old log-probs shifted by
+    a fixed ramp so the ratios leave 1 (clips, gates and covariance selections act; the cov losses
+    select 20% of the tokens). One engine per layout, its weights restored between losses."""
+    from megarl.config.presets import resolve_algorithm
+    from megarl.config.schema import AlgorithmConfig
+    from megarl.trainer.algorithm import make_loss_fn
+
+    ids, prompts, adv = global_batch(json.load(open(f"{path}/config.json"))["vocab_size"])
+    optim = OptimOptions(optimizer="sgd", lr=0.5, grad_clip=1.0)
+    refs = {}
+    for layout in ("", "tp2", "cp2"):
+        engine = PolicyEngine(ModelOptions(path=path), groups_for(layout, world), optim)
+        saved = snapshot(engine)
+        for name in NEW_LOSSES:
+            cfg = resolve_algorithm(AlgorithmConfig(policy_loss=name, cov_clip_ratio=0.2, cov_low=0.0,
+                                                    cov_high=1e3, kl_cov_ratio=0.2), 16)
+            restore(engine, saved)
+            mbs = my_micro_batches(engine, ids, prompts, adv)
+            attach_old_logprobs(engine, mbs)
+            for mb in mbs:
+                old = mb.extras["old_logprobs_T"]
+                mb.extras["old_logprobs_T"] = old + torch.linspace(-0.6, 0.6, old.numel())
+            stats = engine.train_step(mbs, make_loss_fn(cfg, 16))
+            weights = export(engine)
+            key = f"loss|{name}|{layout or 'tp1'}"
+            if not layout:
+                refs[name] = (weights, stats)
+                out[f"{key}|step_changed_weights"] = max_diff(weights, {k: v for k, v in export_before(engine, saved)})
+            else:
+                out[f"{key}|weights_vs_tp1"] = max_diff(weights, refs[name][0])
+                out[f"{key}|loss_diff"] = abs(stats["loss"] - refs[name][1]["loss"])
+            out[f"{key}|metrics"] = {k: v for k, v in stats.items() if k.startswith(("cov_", "clip_frac", "gate_"))}
+        del engine
+        gc.collect()
+
+
+def export_before(engine, saved):
+    """The HF export of ``engine`` at the ``saved`` weights (then put back as they were)."""
+    now = snapshot(engine)
+    restore(engine, saved)
+    before = export(engine)
+    restore(engine, now)
+    return before.items()
+
+
 def _opt_tensors(engine):
     from megarl.engine.offload import _torch_optimizers
 
@@ -348,6 +399,8 @@ def main():
     out["seconds|deepseek_v3"] = round(time.perf_counter() - t0, 2)
     for k in [k for k in out if k.endswith("|replay_ref_weights")]:
         del out[k]
+    loss_layouts(fixture("tiny-qwen2"), world, out)
+    out["seconds|loss_layouts"] = round(time.perf_counter() - t0, 2)
     reference_and_offload(fixture("tiny-qwen2"), world, out)
     nan_skip(fixture("tiny-qwen2"), world, out)
     out["seconds|total"] = round(time.perf_counter() - t0, 2)
