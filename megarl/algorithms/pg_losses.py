@@ -45,8 +45,12 @@ __all__ = ["sapo_policy_loss", "cispo_policy_loss", "geo_mean_policy_loss", "cli
            "kl_cov_policy_loss", "gpg_policy_loss", "token_covariance"]
 
 
-def _log_ratio(logprobs_T, old_logprobs_T):
-    return (logprobs_T - old_logprobs_T.detach()).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+def _inputs(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_seqlens_N1, entropy_T, is_weights_T):
+    """Shapes checked; (detached advantages, clamped log-ratio, ratio)."""
+    _check_shapes(mask_T, cu_seqlens_N1, old_logprobs_T=old_logprobs_T, advantages_T=advantages_T,
+                  logprobs_T=logprobs_T, entropy_T=entropy_T, is_weights_T=is_weights_T)
+    log_ratio_T = (logprobs_T - old_logprobs_T.detach()).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    return advantages_T.detach(), log_ratio_T, torch.exp(log_ratio_T)
 
 
 def _weighted(loss_T, is_weights_T):
@@ -57,13 +61,10 @@ def sapo_policy_loss(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_seqlen
                      tau_neg: float = 1.05, agg_mode: str = "token-mean", entropy_T=None, entropy_coef: float = 0.0,
                      max_response_length=None, num_tokens=None, num_seqs=None, is_weights_T=None):
     """SAPO: a sigmoid gate sigmoid(tau (r - 1)) * 4 / tau instead of the hard clip (module docstring)."""
-    _check_shapes(mask_T, cu_seqlens_N1, old_logprobs_T=old_logprobs_T, advantages_T=advantages_T,
-                  logprobs_T=logprobs_T, entropy_T=entropy_T, is_weights_T=is_weights_T)
+    advantages_T, log_ratio_T, ratio_T = _inputs(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_seqlens_N1,
+                                                 entropy_T, is_weights_T)
     if not (tau_pos > 0 and tau_neg > 0):
         raise ValueError(f"sapo: tau_pos and tau_neg must be > 0, got {tau_pos}, {tau_neg}")
-    advantages_T = advantages_T.detach()
-    log_ratio_T = _log_ratio(logprobs_T, old_logprobs_T)
-    ratio_T = torch.exp(log_ratio_T)
     tau_T = torch.where(advantages_T > 0, torch.full_like(ratio_T, tau_pos), torch.full_like(ratio_T, tau_neg))
     gate_T = torch.sigmoid(tau_T * (ratio_T - 1.0))
     loss_T = _weighted(-advantages_T * gate_T * 4.0 / tau_T, is_weights_T)
@@ -78,15 +79,12 @@ def cispo_policy_loss(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_seqle
                       entropy_T=None, entropy_coef: float = 0.0, max_response_length=None, num_tokens=None,
                       num_seqs=None, is_weights_T=None):
     """CISPO: -sg(clip(r)) * A * logp (module docstring)."""
-    _check_shapes(mask_T, cu_seqlens_N1, old_logprobs_T=old_logprobs_T, advantages_T=advantages_T,
-                  logprobs_T=logprobs_T, entropy_T=entropy_T, is_weights_T=is_weights_T)
+    advantages_T, log_ratio_T, ratio_T = _inputs(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_seqlens_N1,
+                                                 entropy_T, is_weights_T)
     clip_eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
     if not (0.0 <= clip_eps_low <= 1.0 and clip_eps_high >= 0.0):
         raise ValueError(f"cispo: clip_eps_low must be in [0, 1] and clip_eps_high >= 0, got {clip_eps_low}, "
                          f"{clip_eps_high}")
-    advantages_T = advantages_T.detach()
-    log_ratio_T = _log_ratio(logprobs_T, old_logprobs_T)
-    ratio_T = torch.exp(log_ratio_T)
     weight_T = ratio_T.detach().clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
     loss_T = _weighted(-weight_T * advantages_T * logprobs_T, is_weights_T)
     metrics = _ratio_metrics(ratio_T, log_ratio_T, mask_T)
@@ -100,14 +98,12 @@ def geo_mean_policy_loss(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_se
                          entropy_T=None, entropy_coef: float = 0.0, max_response_length=None, num_tokens=None,
                          num_seqs=None, is_weights_T=None):
     """GMPO: -A_i * exp(mean_t of the sign-aware clipped log-ratios), averaged over sequences."""
-    _check_shapes(mask_T, cu_seqlens_N1, old_logprobs_T=old_logprobs_T, advantages_T=advantages_T,
-                  logprobs_T=logprobs_T, entropy_T=entropy_T, is_weights_T=is_weights_T)
+    advantages_T, log_ratio_T, ratio_T = _inputs(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_seqlens_N1,
+                                                 entropy_T, is_weights_T)
     clip_eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
     if not (clip_eps_low > 0 and clip_eps_high > 0):
         raise ValueError(f"geo_mean: the log-space clip range must be > 0, got {clip_eps_low}, {clip_eps_high}")
-    advantages_T = advantages_T.detach()
     mask_f = mask_T.to(logprobs_T.dtype)
-    log_ratio_T = _log_ratio(logprobs_T, old_logprobs_T)
     clipped_T = log_ratio_T.clamp(-clip_eps_low, clip_eps_high)
     s_T = torch.where(advantages_T > 0, torch.minimum(log_ratio_T, clipped_T), torch.maximum(log_ratio_T, clipped_T))
     if is_weights_T is not None:   # a correction weight enters the product as its log
@@ -119,7 +115,6 @@ def geo_mean_policy_loss(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_se
     loss_N = torch.where(count_N > 0, -adv_N * torch.exp(mean_s_N), torch.zeros_like(mean_s_N))
     denom = (count_N > 0).sum().clamp(min=1).to(s_T.dtype) if num_seqs is None else num_seqs
     pg_loss = loss_N.sum() / denom
-    ratio_T = torch.exp(log_ratio_T)
     metrics = _ratio_metrics(ratio_T, log_ratio_T, mask_T)
     metrics["clip_frac"] = masked_mean((s_T.detach() != log_ratio_T.detach()).to(s_T.dtype), mask_T)
     metrics["pg_loss"] = pg_loss.detach()
@@ -152,14 +147,11 @@ def clip_cov_policy_loss(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_se
                          entropy_coef: float = 0.0, max_response_length=None, num_tokens=None, num_seqs=None,
                          is_weights_T=None):
     """Clip-Cov: -r A, with a random share of the high-covariance tokens cut from the gradient."""
-    _check_shapes(mask_T, cu_seqlens_N1, old_logprobs_T=old_logprobs_T, advantages_T=advantages_T,
-                  logprobs_T=logprobs_T, entropy_T=entropy_T, is_weights_T=is_weights_T)
+    advantages_T, log_ratio_T, ratio_T = _inputs(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_seqlens_N1,
+                                                 entropy_T, is_weights_T)
     if not (0 < cov_clip_ratio <= 1 and cov_low < cov_high):
         raise ValueError(f"clip_cov: need 0 < cov_clip_ratio <= 1 and cov_low < cov_high, got {cov_clip_ratio}, "
                          f"[{cov_low}, {cov_high}]")
-    advantages_T = advantages_T.detach()
-    log_ratio_T = _log_ratio(logprobs_T, old_logprobs_T)
-    ratio_T = torch.exp(log_ratio_T)
     cov_T = token_covariance(logprobs_T, advantages_T, mask_T)
     mask_b = mask_T.bool()
     candidates = torch.nonzero(mask_b & (cov_T >= cov_low) & (cov_T <= cov_high)).flatten()
@@ -180,13 +172,10 @@ def kl_cov_policy_loss(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_seql
                        entropy_T=None, entropy_coef: float = 0.0, max_response_length=None, num_tokens=None,
                        num_seqs=None, is_weights_T=None):
     """KL-Cov: -r A, plus kl_cov_coef * |log r| on the top-covariance tokens."""
-    _check_shapes(mask_T, cu_seqlens_N1, old_logprobs_T=old_logprobs_T, advantages_T=advantages_T,
-                  logprobs_T=logprobs_T, entropy_T=entropy_T, is_weights_T=is_weights_T)
+    advantages_T, log_ratio_T, ratio_T = _inputs(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_seqlens_N1,
+                                                 entropy_T, is_weights_T)
     if not (0 < kl_cov_ratio <= 1 and kl_cov_coef >= 0):
         raise ValueError(f"kl_cov: need 0 < kl_cov_ratio <= 1 and kl_cov_coef >= 0, got {kl_cov_ratio}, {kl_cov_coef}")
-    advantages_T = advantages_T.detach()
-    log_ratio_T = _log_ratio(logprobs_T, old_logprobs_T)
-    ratio_T = torch.exp(log_ratio_T)
     cov_T = token_covariance(logprobs_T, advantages_T, mask_T)
     mask_b = mask_T.bool()
     masked_idx = torch.nonzero(mask_b).flatten()
@@ -206,10 +195,9 @@ def gpg_policy_loss(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_seqlens
                     entropy_T=None, entropy_coef: float = 0.0, max_response_length=None, num_tokens=None,
                     num_seqs=None, is_weights_T=None):
     """GPG: -A * logp (no ratio, no clip)."""
-    _check_shapes(mask_T, cu_seqlens_N1, old_logprobs_T=old_logprobs_T, advantages_T=advantages_T,
-                  logprobs_T=logprobs_T, entropy_T=entropy_T, is_weights_T=is_weights_T)
-    log_ratio_T = _log_ratio(logprobs_T, old_logprobs_T)
-    loss_T = _weighted(-advantages_T.detach() * logprobs_T, is_weights_T)
-    metrics = _ratio_metrics(torch.exp(log_ratio_T), log_ratio_T, mask_T)
+    advantages_T, log_ratio_T, ratio_T = _inputs(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_seqlens_N1,
+                                                 entropy_T, is_weights_T)
+    loss_T = _weighted(-advantages_T * logprobs_T, is_weights_T)
+    metrics = _ratio_metrics(ratio_T, log_ratio_T, mask_T)
     return _finish(loss_T, mask_T, cu_seqlens_N1, agg_mode, entropy_T, entropy_coef, max_response_length,
                    num_tokens, num_seqs, metrics)

@@ -126,15 +126,15 @@ def compute_advantages(rollout: Rollout, adv_fn, adv_opts: dict, token_rewards=N
 
 
 def advantage_metrics(rollout: Rollout, advantages: list[torch.Tensor]) -> dict:
-    """adv/mean and adv/abs_max over the loss-carrying tokens, and adv/nonzero_frac: the share of
-    samples with any non-zero advantage (e.g. pass@k GRPO trains one per group, a constant group
-    none)."""
+    """actor/adv_mean and actor/adv_abs_max over the loss-carrying tokens, and
+    actor/adv_nonzero_frac: the share of samples with any non-zero advantage (pass@k GRPO: one per
+    group; a constant group: none)."""
     mask = torch.cat([rollout.loss_mask_T(i) for i in range(len(rollout))])
     adv = torch.cat([a.float() for a in advantages])[mask]
     if adv.numel() == 0:
         return {}
-    return {"adv/mean": float(adv.mean()), "adv/abs_max": float(adv.abs().max()),
-            "adv/nonzero_frac": sum(bool((a != 0).any()) for a in advantages) / len(advantages)}
+    return {"actor/adv_mean": float(adv.mean()), "actor/adv_abs_max": float(adv.abs().max()),
+            "actor/adv_nonzero_frac": sum(bool((a != 0).any()) for a in advantages) / len(advantages)}
 
 
 def split_tokens(values_T: torch.Tensor, cu_seqlens_N1: torch.Tensor) -> list[torch.Tensor]:

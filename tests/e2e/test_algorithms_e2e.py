@@ -144,10 +144,10 @@ def test_algorithm_runs_two_steps(tmp_path, name):
 
 
 # every preset of the algorithm-breadth issue: (metric of its own that must be there, or None)
-PRESETS = {"pf_ppo": "pf/kept_frac", "remax": "remax/greedy_reward_mean", "gpg": "adv/nonzero_frac",
-           "opo": "adv/nonzero_frac", "cispo": "actor/clip_frac", "sapo": "actor/gate_mean",
+PRESETS = {"pf_ppo": "pf/kept_frac", "remax": "remax/greedy_reward_mean", "gpg": "actor/adv_nonzero_frac",
+           "opo": "actor/adv_nonzero_frac", "cispo": "actor/clip_frac", "sapo": "actor/gate_mean",
            "gmpo": "actor/clip_frac", "clip_cov": "actor/cov_selected_frac", "kl_cov": "actor/cov_selected_frac",
-           "grpo_passk": "adv/nonzero_frac", "reinforce_pp_baseline": "adv/nonzero_frac"}
+           "grpo_passk": "actor/adv_nonzero_frac", "reinforce_pp_baseline": "actor/adv_nonzero_frac"}
 
 
 def test_every_preset_runs_two_steps_on_one_group(tmp_path):
@@ -176,9 +176,9 @@ def test_every_preset_runs_two_steps_on_one_group(tmp_path):
         assert resolved["name"] == name
         for r in rows:
             assert own in r, (name, sorted(r))
-            assert "adv/mean" in r and r["adv/abs_max"] >= 0
+            assert "actor/adv_mean" in r and r["actor/adv_abs_max"] >= 0
         if name == "grpo_passk":   # one response of each group of 4 has an advantage (no ties here)
-            assert all(0 < r["adv/nonzero_frac"] <= 0.25 for r in rows), rows
+            assert all(0 < r["actor/adv_nonzero_frac"] <= 0.25 for r in rows), rows
         if name == "pf_ppo":       # best and worst of 4, with the critic trained on them
             assert all(r["pf/kept_frac"] == 0.5 and r["rollout/num_samples"] == 4 for r in rows), rows
             assert all("critic/values_mean" in r for r in rows)

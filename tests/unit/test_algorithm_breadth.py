@@ -244,3 +244,21 @@ def test_registries_name_every_estimator_and_loss():
     assert set(POLICY_LOSSES) == {"ppo", "gspo", "sapo", "cispo", "geo_mean", "clip_cov", "kl_cov", "gpg"}
     with pytest.raises(ValueError, match="unknown policy loss 'gmpo'"):
         get_policy_loss("gmpo")
+
+
+def test_the_trainer_passes_sample_logprobs_and_greedy_baselines_to_the_estimators_that_name_them():
+    from megarl.trainer.batch import Rollout, compute_advantages
+
+    nan = float("nan")
+    roll = Rollout([[1], [1], [2]], [[5, 6], [7], [8, 9]], [[-0.7, -1.4], [-0.2], [nan, -0.1]], [0, 0, 1],
+                   ["", "", ""], [False] * 3, rewards=[1.0, 0.0, 2.0], baseline_rewards=[0.5, 0.5, 1.0],
+                   loss_masks=[[True, True], [True], [False, True]])
+    adv, _ = compute_advantages(roll, get_advantage_estimator("optimal_token_baseline"), {"gamma": 1.0})
+    direct = get_advantage_estimator("optimal_token_baseline")(
+        rewards_N=torch.tensor([1.0, 0.0, 2.0]), cu_seqlens_N1=torch.tensor([0, 2, 3, 5]),
+        mask_T=torch.tensor([True, True, True, False, True]), group_ids_N=torch.tensor([0, 0, 1]),
+        logprobs_T=torch.tensor([-0.7, -1.4, -0.2, nan, -0.1]))
+    assert torch.allclose(torch.cat(adv), direct.advantages_T, atol=1e-7)
+    assert torch.isfinite(torch.cat(adv)).all() and float(adv[2][0]) == 0.0   # the inserted token: no loss
+    adv, _ = compute_advantages(roll, get_advantage_estimator("remax"), {})
+    assert [a.tolist() for a in adv] == [[0.5, 0.5], [-0.5], [0.0, 1.0]]
