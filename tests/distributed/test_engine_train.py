@@ -25,6 +25,11 @@
 - The train step's own forward (train_step(return_logprobs=True): what a step that updates once
   uses instead of the old log-prob pass) returns on every last-stage rank the old pass's
   log-probs at every layout above: measured bit-identical (0.0; tolerance 1e-6), entropies finite.
+- Each policy loss of the algorithm-breadth issue (sapo, cispo, geo_mean, clip_cov, kl_cov, gpg),
+  built as the trainer builds it (make_loss_fn of a resolved AlgorithmConfig), one SGD step on the
+  same micro-batches with old log-probs shifted off the current ones (ratios leave 1): tp2 and
+  cp2 equal tp1 within 1e-6 in weights, loss and the loss's own metrics (clip_frac, gate_mean,
+  cov_selected_frac: the covariance losses select the same tokens at every layout).
 - The reference engine is frozen (no grads, no optimizer) and equals the policy before training.
 - Offload + onload (params, grads, Adam state) restores every value exactly, really frees the
   storages, and the next step equals the step of an engine that never offloaded (exactly).
