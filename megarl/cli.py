@@ -257,6 +257,12 @@ def _cmd_plan(args) -> int:
     return 0
 
 
+def _cmd_samples(args) -> int:
+    from megarl.observability.generations import main as samples
+
+    return samples(args.run_dir, step=args.step, order=args.order, count=args.count)
+
+
 def _cmd_doctor(args) -> int:
     from megarl.doctor import main as doctor
 
@@ -323,6 +329,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["verify"])
     p.add_argument("dir", help="a checkpoint folder, a folder of step_* checkpoints, or a run dir")
     p.set_defaults(func=_cmd_checkpoint)
+
+    p = sub.add_parser("samples", help="print a run's decoded samples (generations.jsonl): prompt, response or agent "
+                                       "turns, reward, length, version gap")
+    p.add_argument("run_dir")
+    p.add_argument("--step", type=int, help="the step (default: the last one written)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--best", dest="order", action="store_const", const="best", help="highest reward first")
+    which.add_argument("--worst", dest="order", action="store_const", const="worst", help="lowest reward first")
+    p.add_argument("-n", type=int, dest="count", help="at most this many samples")
+    p.set_defaults(func=_cmd_samples)
 
     p = sub.add_parser("doctor", help="report the environment: packages, CPU and bf16 probe, GPUs, Slurm, sandbox, disk, "
                                       "fixtures (ok / warning / missing with the fix)")

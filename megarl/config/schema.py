@@ -516,9 +516,14 @@ class LoggingConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
     """Log level of the megarl logger and of the third-party library logs written to the run
     directory."""
+    samples_per_step: int = 2
+    """Decoded samples written each step to <run_dir>/generations.jsonl and TensorBoard (text):
+    the best-rewarded, the worst, the second best, ... with prompt, response (agent runs: the
+    model and tool turns), reward, length and version gap; `megarl samples RUN_DIR` prints them.
+    0 off."""
 
     def validate(self):
-        pass
+        _positive(self, "samples_per_step", allow_zero=True)
 
 
 @dataclass

@@ -98,6 +98,12 @@ class MetricsLogger:
         if self.stdout:
             self._print_table(step, clean)
 
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        """A text entry in TensorBoard (when it is on)."""
+        if self._tb is not None:
+            self._tb.add_text(tag, text, step)
+            self._tb.flush()
+
     @contextlib.contextmanager
     def step(self, step: int):
         """``with logger.step(s) as m:`` fill ``m``; it is logged when the block ends, also when

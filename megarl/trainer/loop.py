@@ -70,6 +70,7 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
     from megarl.config import save_resolved
     from megarl.observability import MetricsLogger, PhaseTimer, gpu_stats
     from megarl.observability.console import run_console
+    from megarl.observability.generations import GenerationLog
     from megarl.rewards import RewardPool
     from megarl.trainer.algorithm import needs_old_logprob_pass, resolve
     from megarl.algorithms.offpolicy import correct_rollout
@@ -116,6 +117,7 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
         log = cleanup.enter_context(MetricsLogger(
             run_dir, stdout=cfg.logging.stdout, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
             progress=cfg.logging.progress, total_steps=cfg.trainer.steps, resume_step=start + 1, stream=console))
+        generations = GenerationLog(run_dir, rollouts.tokenizer, cfg.logging.samples_per_step, start + 1, log.add_text)
         rewards = cleanup.enter_context(RewardPool(num_workers=1, timeout_s=cfg.data.reward_timeout_s))
         source = make_source(cfg, rollouts, group, rewards, timeline, start, source_state)
         cleanup.callback(source.close)   # before the engines stop: the producer must not see them die
@@ -133,6 +135,7 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
             phase(step, "generate")
             rollout, m_gen = source.batch(step, lambda: stop.abandon_if_requested(m))   # times itself
             m.update(m_gen, **offpolicy_metrics(rollout, step))
+            generations.write(step, rollout)                   # decoded samples: generations.jsonl
             stop.abandon_if_requested(m)                       # safe point: nothing updated yet
             routing_out = {}
             old_lp = entropy = ref_lp = values = None

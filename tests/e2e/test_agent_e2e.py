@@ -23,7 +23,7 @@ def test_agent_trajectories_keep_token_fidelity(tmp_path):
     cmd = [sys.executable, "-m", "megarl.cli", "train", str(REPO / "configs/agent_calculator.yaml"),
            "trainer.steps=1", "data.prompts_per_step=2", "rollout.n=4", "rollout.max_response_tokens=192",
            "rollout.max_turns=3", f"trainer.run_dir={run_dir}", "logging.progress=false", "trainer.seed=3",
-           "trainer.max_tokens_per_micro_batch=1024"]
+           "trainer.max_tokens_per_micro_batch=1024", "logging.samples_per_step=8"]
     log = tmp_path / "agent.log"
     with open(log, "w") as out:
         rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=1200).returncode
@@ -42,6 +42,43 @@ def test_agent_trajectories_keep_token_fidelity(tmp_path):
     worst = max(s["logprob_diff_max"] for s in samples)
     assert worst < TOLERANCE, samples
     assert m["rollout/logprob_diff_max"] < TOLERANCE and not math.isnan(m["rollout/logprob_diff_mean"])
+    check_generations(run_dir, samples)
     print(f"agent e2e: {len(multi)} of {len(samples)} trajectories with tool turns, turns max "
           f"{m['agent/turns_max']}, masked share {m['agent/masked_token_share']:.3f}, max |vLLM - Megatron| "
           f"{worst:.2e} (multi-turn {max(s['logprob_diff_max'] for s in multi):.2e})")
+
+
+def check_generations(run_dir: Path, samples: list[dict]) -> None:
+    """generations.jsonl (all 8 trajectories logged) and `megarl samples`: a trajectory with a tool
+    call shows the model's call, then the tool's result, then the model again, in order; each
+    turn's text is the decode of its ids, the turns' ids are the trained token ids (their counts
+    equal samples.jsonl's sampled / tool tokens of the same sample), and the tool results, which the
+    loop tokenized from their text, re-encode to the same ids."""
+    from transformers import AutoTokenizer
+
+    from megarl.models.fixtures import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("fixture:smollm2"))
+    [line] = [json.loads(x) for x in (run_dir / "generations.jsonl").read_text().splitlines()]
+    logged = {s["id"]: s for s in line["samples"]}
+    assert len(logged) == 8 and set(logged) == {s["id"] for s in samples}
+    for s in samples:
+        g = logged[s["id"]]
+        assert [i for t in g["turns"] for i in t["ids"]] == g["response_ids"] and g["length"] == len(g["response_ids"])
+        assert sum(len(t["ids"]) for t in g["turns"] if t["role"] == "model") == s["sampled"]
+        assert sum(len(t["ids"]) for t in g["turns"] if t["role"] == "tool") == s["tool_tokens"]
+        for t in g["turns"]:
+            assert tok.decode(t["ids"], skip_special_tokens=False) == t["text"]
+            if t["role"] == "tool":
+                assert tok(t["text"], add_special_tokens=False).input_ids == t["ids"], t
+    with_tool = next(s for s in line["samples"] if any(t["role"] == "tool" for t in s["turns"]))
+    out = subprocess.run([sys.executable, "-m", "megarl.cli", "samples", str(run_dir), "--step", "1", "--best"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    block = out.stdout[out.stdout.index(f"sample {with_tool['id']} "):]
+    block = block.split("\nstep 1  sample ")[0]                      # this sample's lines only
+    turns = block[block.index("--- model ("):]                        # after its prompt
+    first_tool = next(i for i, t in enumerate(with_tool["turns"]) if t["role"] == "tool")
+    call, result = with_tool["turns"][first_tool - 1], with_tool["turns"][first_tool]
+    assert call["role"] == "model" and ("<tool_call>" in call["text"] or "calculator" in call["text"]), call
+    assert turns.index(call["text"]) < turns.index("--- tool (") < turns.index(result["text"]), turns[:3000]
