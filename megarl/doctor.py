@@ -16,12 +16,13 @@ import os
 import platform
 import shutil
 import sys
-import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-__all__ = ["Check", "checks", "main"]
+from megarl.precision import CPU_FLAGS, cpu_flags, matmul_gflops
+
+__all__ = ["CPU_FLAGS", "Check", "checks", "cpu_flags", "main"]
 
 # (distribution names, one of which must be installed; what it is for; required)
 PACKAGES = [
@@ -33,7 +34,6 @@ PACKAGES = [
     (("transformers",), "tokenizers, HF configs and the parity oracle", True),
     (("nvidia-ml-py",), "GPU memory and utilisation metrics", False),
 ]
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 MIN_FREE_GB = 10.0
 
 
@@ -82,36 +82,6 @@ def package_checks() -> list[Check]:
     out.append(Check("apex", "ok" if apex else "warning", "NVIDIA apex installed" if apex else
                      "not installed (optional fused kernels; never the package index's unrelated 'apex')"))
     return out
-
-
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, set[str]]:
-    """(model name, the flags of :data:`CPU_FLAGS` this CPU has)."""
-    model, flags = platform.processor() or "unknown", set()
-    try:
-        for line in Path(cpuinfo).read_text().splitlines():
-            if line.startswith("model name") and model in ("unknown", "", platform.machine()):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    return model, flags & set(CPU_FLAGS)
-
-
-def matmul_gflops(dtype_name: str, size: int = 512, budget_s: float = 0.25) -> float:
-    """GFLOP/s of size^3 matmuls in ``dtype_name`` on this CPU, over about ``budget_s`` seconds."""
-    import torch
-
-    dtype = getattr(torch, dtype_name)
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
-    torch.mm(a, b)   # warm-up (oneDNN picks its kernel)
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < budget_s or n == 0:
-        torch.mm(a, b)
-        n += 1
-    return 2 * size**3 * n / (time.perf_counter() - t0) / 1e9
 
 
 def cpu_checks(probe: bool = True) -> list[Check]:

@@ -195,6 +195,10 @@ def resolve_presets(cfg: MegaRLConfig) -> MegaRLConfig:
     if cfg.rollout.dp is None:   # the fleet's size: as many engines as the devices hold
         dp = cfg.topology.world_size // cfg.rollout.tp if cfg.rollout.placement == "colocated" else 1
         cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, dp=max(1, dp)))
+    if cfg.model.dtype == "auto":   # once, here: every process gets the same concrete dtype
+        from megarl.precision import resolve_auto
+
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=resolve_auto()))
     if cfg.trainer.logprob_diff_threshold is None:   # the alarm's default for the run's precision
         from megarl.config.schema import LOGPROB_DIFF_THRESHOLDS
 

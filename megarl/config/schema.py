@@ -83,9 +83,12 @@ class ModelConfig:
     path: str = "fixture:smollm2"
     """HF checkpoint folder, or fixture:<name> (smollm2, tiny-llama, tiny-qwen2, tiny-qwen3,
     tiny-qwen3_moe, tiny-deepseek_v3) built offline into ~/.cache/megarl."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype of the policy and of vLLM (fp32 on CPU for exact parity checks). float16 is
-    not offered: the engine has no fp16 loss scaling."""
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+    """Parameter dtype of the policy and of vLLM (fp32 on CPU for exact parity checks). auto:
+    bfloat16 on a GPU, and on a CPU with native bf16 (avx512_bf16 / AMX) whose bf16 matmuls a
+    sub-second probe measures >= 1.2x fp32; float32 otherwise (decided when the config is
+    loaded; the run's precision line says why: megarl/precision.py). float16 is not offered: the
+    engine has no fp16 loss scaling."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recompute granularity of the Megatron policy."""
     moe_aux_loss_coeff: float = 0.0

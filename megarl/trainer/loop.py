@@ -273,8 +273,10 @@ def precision_line(p: dict, cfg: MegaRLConfig) -> str:
     """One line of the run's dtypes (``p``: :meth:`WorkerGroup.precision`) and the alarm bound."""
     join = lambda names: "/".join(names) if names else "-"   # noqa: E731
     state = join(p["optimizer_state"] or p["main_params"])   # Adam's moments follow the main params
+    from megarl.precision import auto_reason
+
     threshold = cfg.trainer.logprob_diff_threshold
-    return (f"precision: params {join(p['params'])}, main params {join(p['main_params'])}, optimizer state {state}, "
+    return ((f"{auto_reason()}; " if auto_reason() else "") + f"precision: params {join(p['params'])}, main params {join(p['main_params'])}, optimizer state {state}, "
             f"grads {join(p['grads'])}; vLLM {cfg.model.dtype}; rollout-vs-train alarm "
             + (f"at mean |vLLM - Megatron| log-prob > {threshold:g}" if threshold else "off"))
 

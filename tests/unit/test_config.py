@@ -155,10 +155,12 @@ def test_dtype_float16_is_refused_and_every_allowed_dtype_builds():
     from megarl.engine.build import ModelOptions
 
     assert error_of(["model.dtype=float16"]) == (
-        "invalid value for config key 'model.dtype': got 'float16', expected one of 'float32', 'bfloat16'")
+        "invalid value for config key 'model.dtype': got 'float16', expected one of 'float32', 'bfloat16', 'auto'")
     for dtype in typing.get_args(typing.get_type_hints(ModelConfig)["dtype"]):
         cfg = load_config(None, [f"model.dtype={dtype}"])
-        assert ModelOptions(path=cfg.model.path, dtype=cfg.model.dtype).dtype == dtype   # the engine takes it
+        # the engine takes it; auto is resolved to a concrete dtype at load (tests/unit/test_precision_auto.py)
+        assert ModelOptions(path=cfg.model.path, dtype=cfg.model.dtype).dtype == cfg.model.dtype
+        assert cfg.model.dtype == dtype or (dtype == "auto" and cfg.model.dtype in ("float32", "bfloat16"))
 
 
 def test_logging_level_is_validated():
