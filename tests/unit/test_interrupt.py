@@ -133,9 +133,15 @@ class FakeGroup:
         self.placement.close()
 
 
+class FakeTokenizer:
+    def decode(self, ids, skip_special_tokens=False):   # generations.jsonl's decoded samples
+        return " ".join(map(str, ids))
+
+
 class FakeRollouts:
     def __init__(self, cfg, sample_fn):
         self.sample_fn = sample_fn
+        self.tokenizer = FakeTokenizer()
 
     def collect(self, step: int, rewards):
         self.sample_fn([[1, 2]], [step], False)
