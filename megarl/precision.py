@@ -25,9 +25,10 @@ BF16_MIN_SPEEDUP = 1.2
 _REASON: list[str] = []
 
 
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, set[str]]:
-    """(model name, the flags of :data:`CPU_FLAGS` this CPU has)."""
-    model, flags = platform.processor() or "unknown", set()
+def read_cpuinfo(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, set[str] | None]:
+    """(model name, every flag of the first CPU); flags None where ``cpuinfo`` cannot be read
+    (not Linux) or lists none (not x86)."""
+    model, flags = platform.processor() or "unknown", None
     try:
         for line in Path(cpuinfo).read_text().splitlines():
             if line.startswith("model name") and model in ("unknown", "", platform.machine()):
@@ -37,7 +38,13 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, set[str]]:
                 break
     except OSError:
         pass
-    return model, flags & set(CPU_FLAGS)
+    return model, flags
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, set[str]]:
+    """(model name, the flags of :data:`CPU_FLAGS` this CPU has)."""
+    model, flags = read_cpuinfo(cpuinfo)
+    return model, (flags or set()) & set(CPU_FLAGS)
 
 
 def matmul_gflops(dtype_name: str, size: int = 512, budget_s: float = 0.2) -> float:

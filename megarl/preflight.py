@@ -143,15 +143,10 @@ def rollout_backend() -> str | None:
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this x86 CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16); True where
     ``cpuinfo`` cannot be read (not Linux, or not x86: no claim made)."""
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    return True
+    from megarl.precision import NATIVE_BF16, read_cpuinfo
+
+    flags = read_cpuinfo(cpuinfo)[1]
+    return flags is None or bool(flags & set(NATIVE_BF16))
 
 
 def checkpoint_bytes(cfg: MegaRLConfig, dims: ModelDims) -> int:

@@ -64,14 +64,27 @@ def restricted_load(file):
     return _RestrictedUnpickler(file).load()
 
 
-def _load_bytes(self, read_item, value) -> None:
+def load_weights_only(source, what: str, map_location=None):
+    """``torch.load(source, weights_only=True)`` (tensors, numbers, strings, containers); anything
+    else raises :class:`UnsafePickleError` naming ``what`` and the global torch's unpickler
+    refused, before it is built."""
+    import re
+
     import torch
-    from torch.distributed.checkpoint._traverse import set_element
 
     try:
-        obj = torch.load(value, weights_only=True)
+        return torch.load(source, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
-        raise UnsafePickleError(f"byte item {read_item.dest_index.fqn}: {str(err).splitlines()[-3:]}") from err
+        found = re.search(r"(?:unsupported|unsafe) GLOBAL [^\s]+|Unsupported global: GLOBAL [^\s]+|"
+                          r"Unsupported operand \d+", str(err))
+        raise UnsafePickleError(f"{what}: refused to load: it holds a pickled object that would run code "
+                                f"({found.group(0) if found else str(err).splitlines()[0]})") from err
+
+
+def _load_bytes(self, read_item, value) -> None:
+    from torch.distributed.checkpoint._traverse import set_element
+
+    obj = load_weights_only(value, f"byte item {read_item.dest_index.fqn}")
     if self.flatten_state_dict:
         set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
     else:

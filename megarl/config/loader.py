@@ -243,10 +243,10 @@ def check_sections(cfg: MegaRLConfig) -> None:
         raise invalid_value(key, value, f"{'single_turn' if key == 'rollout.agent' else 'on_policy or one_step_off'} "
                             "with algorithm.advantage='remax' (its greedy baseline is generated with each step's "
                             "single-turn samples)")
-    if a.sample_filter not in (None, "none") and cfg.trainer.mode == "async":
+    if a.sample_filter != "none" and cfg.trainer.mode == "async":
         raise invalid_value("algorithm.sample_filter", a.sample_filter, "'none' with trainer.mode='async' (the "
                             "filter picks from each prompt's whole group, which async mode trains as it finishes)")
-    if a.sample_filter not in (None, "none") and cfg.rollout.n < 2:
+    if a.sample_filter != "none" and cfg.rollout.n < 2:
         raise invalid_value("algorithm.sample_filter", a.sample_filter, f"'none' with rollout.n={cfg.rollout.n} "
                             "(it keeps 2 of each prompt's responses)")
     if cfg.trainer.offload_train_state and cfg.rollout.placement == "split":

@@ -96,6 +96,10 @@ class Rollout:
             return torch.tensor(self.loss_masks[i], dtype=torch.bool)
         return torch.ones(len(self.response_ids[i]), dtype=torch.bool)
 
+    def loss_mask_all_T(self) -> torch.Tensor:
+        """Every sample's loss mask, packed in sample order."""
+        return torch.cat([self.loss_mask_T(i) for i in range(len(self))])
+
     def cu_seqlens_N1(self) -> torch.Tensor:
         lengths = torch.tensor([len(r) for r in self.response_ids])
         return torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
@@ -119,7 +123,7 @@ def compute_advantages(rollout: Rollout, adv_fn, adv_opts: dict, token_rewards=N
     if "baseline_rewards_N" in takes and rollout.baseline_rewards:
         extra["baseline_rewards_N"] = torch.tensor(rollout.baseline_rewards, dtype=torch.float32)
     result = adv_fn(rewards_N=torch.tensor(rollout.rewards, dtype=torch.float32), cu_seqlens_N1=cu,
-                    mask_T=torch.cat([rollout.loss_mask_T(i) for i in range(len(rollout))]),
+                    mask_T=rollout.loss_mask_all_T(),
                     group_ids_N=torch.tensor(rollout.group_ids),
                     token_rewards_T=cat(token_rewards), **extra, **adv_opts)
     return split_tokens(result.advantages_T, cu), split_tokens(result.returns_T, cu)
@@ -129,8 +133,7 @@ def advantage_metrics(rollout: Rollout, advantages: list[torch.Tensor]) -> dict:
     """actor/adv_mean and actor/adv_abs_max over the loss-carrying tokens, and
     actor/adv_nonzero_frac: the share of samples with any non-zero advantage (pass@k GRPO: one per
     group; a constant group: none)."""
-    mask = torch.cat([rollout.loss_mask_T(i) for i in range(len(rollout))])
-    adv = torch.cat([a.float() for a in advantages])[mask]
+    adv = torch.cat([a.float() for a in advantages])[rollout.loss_mask_all_T()]
     if adv.numel() == 0:
         return {}
     return {"actor/adv_mean": float(adv.mean()), "actor/adv_abs_max": float(adv.abs().max()),

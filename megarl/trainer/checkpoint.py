@@ -89,19 +89,13 @@ def load_plain(path: str | os.PathLike):
     """``torch.load(path, weights_only=True)`` on the CPU; a file that holds anything but tensors,
     numbers, strings and containers raises :class:`UnsafeCheckpointError` naming it and the
     offending global, and nothing of it runs."""
-    import pickle
-
-    import torch
+    from megarl.compat.megatron_fixes import UnsafePickleError, load_weights_only
 
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        found = re.search(r"(?:unsupported|unsafe) GLOBAL [^\s]+|Unsupported global: GLOBAL [^\s]+|"
-                          r"Unsupported operand \d+", str(err))
-        raise UnsafeCheckpointError(
-            f"{path}: refused to load: it holds a pickled object that would run code "
-            f"({found.group(0) if found else str(err).splitlines()[0]}); megarl loads checkpoint files as plain "
-            f"tensors and data only (weights_only). Only resume from checkpoints you trust.") from err
+        return load_weights_only(path, str(path), map_location="cpu")
+    except UnsafePickleError as err:
+        raise UnsafeCheckpointError(f"{err}; megarl loads checkpoint files as plain tensors and data only "
+                                    "(weights_only). Only resume from checkpoints you trust.") from err
 
 
 def _hash_one(path: Path, sync: bool) -> dict:

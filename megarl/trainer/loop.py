@@ -270,14 +270,16 @@ def critic_metrics(values: list, returns: list) -> dict:
 
 
 def precision_line(p: dict, cfg: MegaRLConfig) -> str:
-    """One line of the run's dtypes (``p``: :meth:`WorkerGroup.precision`) and the alarm bound."""
-    join = lambda names: "/".join(names) if names else "-"   # noqa: E731
-    state = join(p["optimizer_state"] or p["main_params"])   # Adam's moments follow the main params
+    """One line of the run's dtypes (``p``: :meth:`WorkerGroup.precision`) and the alarm bound,
+    after why ``model.dtype: auto`` chose its dtype (when it did)."""
     from megarl.precision import auto_reason
 
+    join = lambda names: "/".join(names) if names else "-"   # noqa: E731
+    state = join(p["optimizer_state"] or p["main_params"])   # Adam's moments follow the main params
     threshold = cfg.trainer.logprob_diff_threshold
-    return ((f"{auto_reason()}; " if auto_reason() else "") + f"precision: params {join(p['params'])}, main params {join(p['main_params'])}, optimizer state {state}, "
-            f"grads {join(p['grads'])}; vLLM {cfg.model.dtype}; rollout-vs-train alarm "
+    auto = f"{auto_reason()}; " if auto_reason() else ""
+    return (f"{auto}precision: params {join(p['params'])}, main params {join(p['main_params'])}, "
+            f"optimizer state {state}, grads {join(p['grads'])}; vLLM {cfg.model.dtype}; rollout-vs-train alarm "
             + (f"at mean |vLLM - Megatron| log-prob > {threshold:g}" if threshold else "off"))
 
 

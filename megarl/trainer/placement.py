@@ -69,12 +69,13 @@ def init_ray(num_devices: int, verbose: bool) -> bool:
         if os.environ.get("MEGARL_NODE_IP"):   # this node's address as the launcher knows it (Slurm's NodeAddr)
             opts["_node_ip_address"] = os.environ["MEGARL_NODE_IP"]
         ray.init(address=os.environ["RAY_ADDRESS"], **opts)
-        auth = ("token authentication on" if ray_auth_mode() == "token" else
+        token = ray_auth_mode() == "token"
+        auth = ("token authentication on" if token else
                 "NO authentication: whoever reaches this address can run code in the cluster; start Ray with "
                 "RAY_AUTH_MODE=token and a RAY_AUTH_TOKEN shared by every node")
         log.info(f"joined the Ray cluster at {os.environ['RAY_ADDRESS']} ({auth}; "
                  f"{len(ray.nodes())} node(s), {ray.cluster_resources()})")
-        if ray_auth_mode() != "token":
+        if not token:
             log.warning(f"the Ray cluster at {os.environ['RAY_ADDRESS']} has no authentication")
     else:
         if not any(os.environ.get(var) for var in _AUTH_VARS):

@@ -201,14 +201,15 @@ class Rollouts:
             records = self.prompts.batch(step, cfg.data.prompts_per_step, offset=attempt)
             part = self.generate(step, records, rewards=rewards)
             m_part = self.score(part, rewards)
-            score_s += self.score_s                   # most of it overlapped with generation
+            round_score_s = self.score_s              # most of it overlapped with generation
             if cfg.algorithm.advantage == "remax":
                 m_part.update(self._greedy_baselines(step, records, part, rewards))
-                score_s += self.score_s
-            gen_s += time.perf_counter() - t0 - self.score_s
+                round_score_s += self.score_s
+            score_s += round_score_s
+            gen_s += time.perf_counter() - t0 - round_score_s
             if not m:   # the first round's raw statistics are the step's reward metrics
                 m = dict(m_part, **_sample_metrics(part))
-            if cfg.algorithm.sample_filter not in (None, "none"):
+            if cfg.algorithm.sample_filter != "none":
                 part, m["pf/kept_frac"] = filter_samples(part, cfg.algorithm.sample_filter,
                                                          seed=cfg.trainer.seed * 1_000_003 + step)
             if cfg.algorithm.dynamic_sampling:

@@ -269,7 +269,7 @@ class HybridWorker:
         from megatron.core import dist_checkpointing, tensor_parallel
 
         from megarl.compat.megatron_fixes import find_unsafe
-        from megarl.trainer.checkpoint import UnsafeCheckpointError
+        from megarl.trainer.checkpoint import CheckpointError, UnsafeCheckpointError, describe_error, load_plain
 
         try:
             state = dist_checkpointing.load(self._sharded_state(is_loading=True), folder)
@@ -284,8 +284,6 @@ class HybridWorker:
             engine.optimizer.load_state_dict(state[f"{prefix}optimizer"])
         rng_file = Path(folder) / f"rng_rank{self.rank:05d}.pt"
         if rng_file.exists():
-            from megarl.trainer.checkpoint import CheckpointError, UnsafeCheckpointError, describe_error, load_plain
-
             try:
                 rng = load_plain(rng_file)   # weights_only: a pickle that would run code is refused
             except UnsafeCheckpointError:
