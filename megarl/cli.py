@@ -5,6 +5,9 @@
     megarl generate [RECIPE] [key=value ...]           sample from the model with vLLM
     megarl plot RUN_DIR                                PNG curves and timeline of a run
     megarl train [RECIPE] [key=value ...] [--resume]   RL training (GRPO by default) on Ray
+    megarl sft [RECIPE] [key=value ...] [--resume]     supervised fine-tuning on the same engine
+    megarl rm [RECIPE] [key=value ...] [--resume]      a Bradley-Terry reward model on the same engine
+    megarl data NAME OUT [--num-examples N]           write a built-in SFT / preference set
     megarl convert {hf-to-megatron,megatron-to-hf,verify} ...   checkpoint conversion (one process;
                                                        use torchrun conversion/*.py for several)
     megarl checkpoint verify DIR                       check training checkpoints against their manifests
@@ -168,6 +171,51 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _cmd_stage(args) -> int:
+    """``megarl sft`` / ``megarl rm`` (:mod:`megarl.posttrain.run`): exit 0 with the export's
+    folder, 2 for a config or data error (before any process starts), 1 for an error, 128 + the
+    signal's number when stopped."""
+    import traceback
+    from pathlib import Path
+
+    from megarl.config import load_config
+    from megarl.posttrain.data import DataError
+    from megarl.trainer.checkpoint import describe_error
+
+    cfg = load_config(args.recipe, args.overrides)
+    _preflight(args, cfg, args.command)
+    from megarl.posttrain.run import run_stage
+    from megarl.trainer.interrupt import RunInterrupted
+
+    try:
+        export = run_stage(cfg, args.command, resume=args.resume, verbose=args.verbose)
+    except DataError as err:
+        print(f"megarl: data error: {err}", file=sys.stderr)
+        return 2
+    except RunInterrupted as stop:
+        print(_resume_line(str(stop), cfg, args), file=sys.stderr)
+        return stop.exit_code
+    except Exception as err:
+        driver_log = Path(cfg.trainer.run_dir) / "logs" / "driver.log"
+        if args.verbose:
+            traceback.print_exc()
+        where = f" (traceback in {driver_log})" if not args.verbose and driver_log.exists() else ""
+        print(_resume_line(f"error: {describe_error(err)}{where}", cfg, args), file=sys.stderr)
+        return 1
+    print(f"{args.command} finished: {cfg.trainer.run_dir}/metrics.jsonl; the model: {export} "
+          f"({'model.path' if args.command == 'sft' else 'data.reward=model:' + str(export)})")
+    return 0
+
+
+def _cmd_data(args) -> int:
+    from megarl.posttrain.data import builtin_rows, write_rows
+
+    rows = builtin_rows(f"builtin:{args.name}", args.num_examples, args.difficulty, args.seed)
+    write_rows(rows, args.out)
+    print(f"written {len(rows)} rows of builtin:{args.name} to {args.out}")
+    return 0
+
+
 def _resume_line(what: str, cfg, args) -> str:
     """``megarl: <what>``, then the run's newest complete checkpoint and the command that resumes
     from it (the recipe and overrides as given, plus --resume)."""
@@ -179,7 +227,7 @@ def _resume_line(what: str, cfg, args) -> str:
     latest = CheckpointManager(cfg.checkpoint.dir or Path(cfg.trainer.run_dir) / "checkpoints").latest()
     if latest is None:
         return f"megarl: {what}; no checkpoint to resume from"
-    command = shlex.join(["megarl", "train", *([args.recipe] if args.recipe else []), *args.overrides, "--resume"])
+    command = shlex.join(["megarl", getattr(args, "command", "train"), *([args.recipe] if args.recipe else []), *args.overrides, "--resume"])
     return f"megarl: {what}; resume from {latest[1]} (step {latest[0]}): {command}"
 
 
@@ -307,6 +355,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help=_VERBOSE)
     p.add_argument("--no-preflight", action="store_true", help=_NO_PREFLIGHT)
     p.set_defaults(func=_cmd_train)
+
+    for name, what in (("sft", "supervised fine-tuning (posttrain.*): loss on response tokens, packed, every "
+                                "parallelism; exports an HF folder"),
+                       ("rm", "a Bradley-Terry reward model (posttrain.*) on preference pairs; exports an HF "
+                              "*ForSequenceClassification folder")):
+        p = sub.add_parser(name, help=what)
+        p.add_argument("recipe", nargs="?")
+        p.add_argument("overrides", nargs="*")
+        p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+        p.add_argument("--verbose", action="store_true", help=_VERBOSE)
+        p.add_argument("--no-preflight", action="store_true", help=_NO_PREFLIGHT)
+        p.set_defaults(func=_cmd_stage)
+
+    p = sub.add_parser("data", help="write a built-in data set (arithmetic SFT rows or preference pairs) to a file")
+    p.add_argument("name", choices=["arithmetic_sft", "arithmetic_prefs"])
+    p.add_argument("out", help="a .jsonl or .parquet path")
+    p.add_argument("--num-examples", type=int, default=2000)
+    p.add_argument("--difficulty", type=int, default=2, help="the arithmetic level (data.difficulty, >= 2)")
+    p.add_argument("--seed", type=int, default=0, help="data.seed")
+    p.set_defaults(func=_cmd_data)
 
     p = sub.add_parser("convert", help="HF <-> Megatron distributed checkpoint conversion and verification")
     p.add_argument("what", choices=sorted(_CONVERTERS))

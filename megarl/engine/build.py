@@ -74,10 +74,16 @@ class ModelOptions:
     value_head: bool = False
     """Build a critic: the LM head replaced by a zero-initialised scalar value head
     (:mod:`megarl.engine.value`)."""
+    score_head: bool = False
+    """Build a reward model: the LM head replaced by a bias-free scalar head read at each
+    sequence's last token (:func:`megarl.engine.value.sequence_scores`), loaded from the folder's
+    ``score.weight`` (an HF ``*ForSequenceClassification`` folder) when it has one, else zero."""
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise ValueError(f"ModelOptions.dtype={self.dtype!r}, expected one of {sorted(_DTYPES)}")
+        if self.value_head and self.score_head:
+            raise ValueError("ModelOptions: value_head and score_head are exclusive (a critic or a reward model)")
         if self.recompute not in ("none", "selective", "full"):
             raise ValueError(f"ModelOptions.recompute={self.recompute!r}, expected none, selective or full")
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
@@ -193,12 +199,24 @@ def build_model(options: ModelOptions, groups: ParallelGroups, *, ddp: bool = Fa
                               use_cpu_initialization=True)
     model = BuiltModel(chunks=chunks, mapping=get_mapping(hf_config), config=bridge.config, hf_config=hf_config,
                        groups=groups, path=folder)
-    if load_weights:
-        fill_from_hf(model, HFCheckpoint(folder))
-    if options.value_head:
+    if options.value_head or options.score_head:   # first: weight loading skips the heads
         from megarl.engine.value import attach_value_heads
 
-        attach_value_heads(model.chunks, model.config, groups.pgs.tp)
+        attach_value_heads(model.chunks, model.config, groups.pgs.tp, bias=not options.score_head)
+    if load_weights:
+        reader = HFCheckpoint(folder)
+        fill_from_hf(model, reader)
+        if options.score_head and "score.weight" in reader:
+            from megarl.engine.value import head_weight
+
+            weight = head_weight(model.chunks)
+            if weight is not None:
+                score = reader.read("score.weight")
+                if tuple(score.shape) != tuple(weight.shape):
+                    raise ValueError(f"{folder}: score.weight has shape {tuple(score.shape)}, expected "
+                                     f"{tuple(weight.shape)} (a sequence-classification model with one label)")
+                with torch.no_grad():
+                    weight.copy_(score.to(weight.dtype))
     if ddp:
         model.chunks = wrap_ddp(model.chunks, model.config, distributed_optimizer)
     return model

@@ -121,10 +121,15 @@ def local_targets(model) -> list[LocalTarget]:
     groups, topo, mapping = model.groups, model.groups.topology, model.mapping
     logical = {t.name: t for t in mapping.megatron_tensors()}
     per_rank = mapping.cfg.num_experts // topo.ep if mapping.cfg.num_experts else 0
+    from megarl.engine.value import has_value_head
+
     out = []
     for module in model.modules:
         offset = _layer_offset(module, groups.pp_rank)
+        scalar_head = has_value_head(module)
         for local_name, tensor in named_tensors(module):
+            if scalar_head and local_name.startswith("output_layer."):   # a critic's or RM's head: no HF name
+                continue
             stack, local_id = _split_expert(_global_name(local_name, offset))
             expert = None if local_id is None else groups.ep_rank * per_rank + local_id
             tied = stack == "output_layer.weight" and stack not in logical

@@ -48,7 +48,7 @@ from megarl.engine.logprobs import (PackedMicroBatch, SequenceBatch, pack_micro_
 from megarl.engine.moe_stats import MoEStats
 from megarl.engine.offload import Offloader
 from megarl.engine.replay import RouterReplayer
-from megarl.engine.value import response_values
+from megarl.engine.value import head_weight, response_values, sequence_scores
 from megarl.models.dims import check_model_layout
 from megarl.parallel.groups import ParallelGroups
 from megarl.parallel.topology import Topology
@@ -121,8 +121,11 @@ class PolicyEngine:
                  trainable: bool = True):
         self.groups, self.trainable = groups, trainable
         self.is_critic = model.value_head
-        # what a micro-batch's model output is reduced to: response log-probs, or critic values
-        self._extract = response_values if model.value_head else response_logprobs
+        self.is_reward_model = model.score_head
+        # what a micro-batch's model output is reduced to: response log-probs, critic values, or
+        # one reward-model score per sequence
+        self._extract = sequence_scores if model.score_head else response_values if model.value_head \
+            else response_logprobs
         self.optim = optim or OptimOptions()
         check_train_layout(model.path, groups.topology) if trainable else check_layout(model.path, groups.topology)
         # megatron's distributed optimizer only wraps Adam; SGD runs the plain (replicated) one.
@@ -286,6 +289,14 @@ class PolicyEngine:
         return result
 
     @torch.no_grad()
+    def forward_scores(self, micro_batches) -> list[torch.Tensor]:
+        """A reward model's score of each sequence, per micro-batch ``[N]``."""
+        if not self.is_reward_model:
+            raise RuntimeError("forward_scores on an engine without a score head; build it with "
+                               "ModelOptions(score_head=True)")
+        return [o.logprobs_R for o in self.forward_logprobs(micro_batches)]
+
+    @torch.no_grad()
     def forward_values(self, micro_batches) -> list[torch.Tensor]:
         """A critic's value of each response token (the state before it), per micro-batch ``[R]``."""
         if not self.is_critic:
@@ -436,7 +447,20 @@ class PolicyEngine:
         """Full HF-named tensors (collective; every rank gets every tensor)."""
         if self.is_critic:
             raise RuntimeError("export_hf on a critic: its value head has no HF counterpart")
-        return export_hf_weights(self.model)
+        yield from export_hf_weights(self.model)
+        if self.is_reward_model:   # HF *ForSequenceClassification's head, from the last pipeline stage
+            yield "score.weight", self._from_last_stage_tensor(head_weight(self.model.modules))
+
+    def _from_last_stage_tensor(self, tensor: Optional[torch.Tensor]) -> torch.Tensor:
+        """A small tensor held by the last pipeline stage, on every rank (collective)."""
+        g = self.groups
+        if g.topology.pp == 1:
+            return tensor.detach().clone()
+        shape = self._from_last_stage(tuple(tensor.shape) if g.is_last_stage else None)
+        dtype = self._from_last_stage(tensor.dtype if g.is_last_stage else None)
+        out = tensor.detach().clone() if g.is_last_stage else torch.empty(shape, dtype=dtype)
+        dist.broadcast(out, src=dist.get_global_rank(g.pgs.pp, g.topology.pp - 1), group=g.pgs.pp)
+        return out
 
     def local_shards(self):
         """This rank's parameter shards with their TP/EP partition metadata (no communication)."""

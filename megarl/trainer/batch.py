@@ -40,6 +40,9 @@ class Rollout:
     baseline_rewards: list[float] = field(default_factory=list)
     """algorithm.advantage=remax: per sample, the reward of the greedy response to its prompt
     (generated and scored in the same step, not trained on); empty otherwise."""
+    reward_terms: list[dict] = field(default_factory=list)
+    """A weighted-sum ``data.reward``: per sample, each rule term's raw reward by its label (the
+    reward-model term's raw score too, once scored); empty otherwise."""
     loss_masks: list[list[bool]] = field(default_factory=list)
     """rollout.agent=tools: per response token, whether it carries loss (true: sampled by the
     model; false: inserted tool-result tokens, whose ``sample_logprobs`` are NaN); empty: every

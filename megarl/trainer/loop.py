@@ -1,6 +1,6 @@
 """The RL controller: a single driver that runs the loop over Ray HybridWorkers.
 
-    for step:  generate -> score -> old/ref log-probs (and critic values) -> advantages
+    for step:  generate -> score -> (reward model) -> old/ref log-probs (and critic values) -> advantages
                -> (rollout correction) -> (critic update) -> policy update -> weight sync -> metrics
                -> (eval) -> (checkpoint)
 
@@ -75,6 +75,8 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
     from megarl.trainer.algorithm import needs_old_logprob_pass, resolve
     from megarl.algorithms.offpolicy import correct_rollout
     from megarl.observability.timeline import Timeline
+    from megarl.rewards.model import RewardModelTerm
+    from megarl.rewards.spec import model_term, parse_reward
     from megarl.trainer.checkpoint import CheckpointManager
     from megarl.trainer.modes import SampleLog, make_source, offpolicy_metrics
     from megarl.trainer.rollout import Rollouts
@@ -99,13 +101,14 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
         kl_ctl = build_kl_controller("adaptive", init_kl_coef=cfg.algorithm.kl_coef, target_kl=cfg.algorithm.kl_target,
                                      horizon=10000) if cfg.algorithm.kl_target else \
             build_kl_controller("fixed", init_kl_coef=cfg.algorithm.kl_coef)
-        start, source_state = 0, None
+        start, source_state, reward_model_state = 0, None, None
         # newest checkpoint that verifies and loads; damaged ones are skipped with a warning
         if (resume or cfg.checkpoint.resume) and \
                 (found := ckpt.newest_intact(group.load_checkpoint, group.hash_checkpoint_files)) is not None:
             start, folder = found
             kl_ctl.value = ckpt.metadata(folder).get("kl_coef", kl_ctl.value)
             source_state = ckpt.metadata(folder).get("rollout_source")
+            reward_model_state = ckpt.metadata(folder).get("reward_model")
             logging.getLogger("megarl").info(f"resumed from {folder} (step {start})")
         ckpt.clean_partials()
         timeline = Timeline(run_dir / "timeline.jsonl", resume_step=start + 1)
@@ -121,9 +124,13 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
         rewards = cleanup.enter_context(RewardPool(num_workers=1, timeout_s=cfg.data.reward_timeout_s))
         source = make_source(cfg, rollouts, group, rewards, timeline, start, source_state)
         cleanup.callback(source.close)   # before the engines stop: the producer must not see them die
+        reward_model = None
+        if model_term(parse_reward(cfg.data.reward)) is not None:   # scored on the training workers
+            reward_model = RewardModelTerm(cfg, reward_model_state)
 
         def checkpoint_metadata() -> dict:
-            return {"kl_coef": kl_ctl.value, "rollout_source": source.state()}
+            return {"kl_coef": kl_ctl.value, "rollout_source": source.state(),
+                    **({"reward_model": reward_model.state()} if reward_model is not None else {})}
 
         def phase(step: int, name: str, **fields) -> None:   # the progress line; what a stop waits for
             stop.step, stop.phase = step, name
@@ -135,6 +142,9 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
             phase(step, "generate")
             rollout, m_gen = source.batch(step, lambda: stop.abandon_if_requested(m))   # times itself
             m.update(m_gen, **offpolicy_metrics(rollout, step))
+            if reward_model is not None:                       # its own phase: a forward pass on the workers
+                phase(step, "reward_model")
+                m.update(reward_model.apply(rollout, group))
             generations.write(step, rollout)                   # decoded samples: generations.jsonl
             stop.abandon_if_requested(m)                       # safe point: nothing updated yet
             routing_out = {}

@@ -109,8 +109,11 @@ class Placement:
     """Ray, the placement group, the HybridWorkers (``workers``, rank order) and the rollout
     engines (``engines``, engine order) of one run."""
 
-    def __init__(self, cfg, log_dir: Path | None = None, verbose: bool = False):
+    def __init__(self, cfg, log_dir: Path | None = None, verbose: bool = False, stage: str = "rl"):
+        """``stage``: ``rl``, or ``sft`` / ``rm`` (:mod:`megarl.posttrain`: the workers alone, no
+        rollout engine)."""
         self.pg, self.workers, self.engines, self.started_ray = None, [], [], False
+        self.stage = stage
         try:
             self._start(cfg, log_dir, verbose)
         except BaseException:
@@ -127,15 +130,17 @@ class Placement:
         from megarl.trainer.worker import HybridWorker
 
         world, r = cfg.topology.world_size, cfg.rollout
-        split = r.placement == "split"
-        rollout_devices = r.dp * r.tp if split else 0
+        num_engines = r.dp if self.stage == "rl" else 0
+        split = r.placement == "split" and num_engines > 0
+        rollout_devices = num_engines * r.tp if split else 0
         self.started_ray = init_ray(world + rollout_devices, verbose)
         # "GPU" when the cluster has GPUs, else "CPU"
         kind = "GPU" if ray.cluster_resources().get("GPU", 0) > 0 else "CPU"
         # one bundle per training device, then (split) one per engine holding its rollout devices;
         # on GPU clusters a bundle is a GPU (+1 CPU), packed on as few nodes as possible
         bundle = (lambda n: {"GPU": n, "CPU": n}) if kind == "GPU" else (lambda n: {"CPU": n})
-        self.pg = placement_group([bundle(1)] * world + ([bundle(r.tp)] * r.dp if split else []), strategy="PACK")
+        self.pg = placement_group([bundle(1)] * world + ([bundle(r.tp)] * num_engines if split else []),
+                                  strategy="PACK")
         ray.get(self.pg.ready())
         # training rank i sits in bundle order[i]: ranks contiguous per node (TP groups within a
         # node), rank 0 (torch.distributed's rendezvous) on the controller's node
@@ -154,7 +159,7 @@ class Placement:
         actor = ray.remote(HybridWorker)
         per_worker = {"num_cpus": 1, **({"num_gpus": 1} if kind == "GPU" else {})}
         self.workers = [actor.options(scheduling_strategy=on(order[i]), runtime_env=env, **per_worker)
-                        .remote(cfg, i, world, master, port, log_file(f"worker_{i}"))
+                        .remote(cfg, i, world, master, port, log_file(f"worker_{i}"), self.stage)
                         for i in range(world)]
         # colocated on GPU: an engine's actor takes no GPU of its own, it is handed those of the
         # training workers whose devices its TP ranks share (this waits for the workers to start)
@@ -177,7 +182,7 @@ class Placement:
                 log_file=log_file(f"engine_{k}"))
 
         self._start_engine = start_engine
-        for k in range(r.dp):   # one by one: close() must find every started actor
+        for k in range(num_engines):   # one by one: close() must find every started actor
             self.engines.append(start_engine(k))
 
     def restart_engine(self, k: int):

@@ -76,6 +76,11 @@ class Rollouts:
             tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model.path))
         self.cfg, self.sample_fn, self.tokenizer = cfg, sample_fn, tokenizer
         self.prompts = PromptSource(cfg.data)
+        from megarl.rewards.spec import is_plain, parse_reward
+
+        terms = parse_reward(cfg.data.reward)
+        # a weighted sum: the rule terms are scored here, a reward-model term after generation (RewardModelTerm)
+        self.rule_terms = None if is_plain(terms) else [t for t in terms if not t.is_model]
         self._counts, self.score_s = [0, 0], 0.0   # the last scoring's (errors, timeouts) and seconds
         self.agent = self.formatter = self.runner = None
         if cfg.rollout.agent == "tools":
@@ -149,11 +154,9 @@ class Rollouts:
             else:
                 texts = self.tokenizer.batch_decode([s["token_ids"] for s in flat], skip_special_tokens=True)
                 kw = [extras[i] for i in owners]
-            result = rewards.score(self.cfg.data.reward, texts, [answers[i] for i in owners], extras=kw)
-            for i, reward in zip(owners, result.rewards):
-                scored.setdefault(i, []).append(reward)
-            self._counts[0] += result.n_errors
-            self._counts[1] += result.n_timeouts
+            values, parts = self._score(rewards, texts, [answers[i] for i in owners], kw)
+            for i, reward, part in zip(owners, values, parts):
+                scored.setdefault(i, []).append((reward, part))
             self.score_s += time.perf_counter() - t
 
         gens = self.sample_fn(ids, seeds, greedy, on_done=on_done if rewards is not None else None)
@@ -162,8 +165,28 @@ class Rollouts:
             missing = [(i, g) for i, g in enumerate(gens) if i not in scored]
             if missing:   # a sample_fn that does not stream
                 on_done(missing)
-            rollout.rewards = [r for i in range(len(gens)) for r in scored[i]]
+            rollout.rewards = [r for i in range(len(gens)) for r, _ in scored[i]]
+            if self.rule_terms is not None:
+                rollout.reward_terms = [part for i in range(len(gens)) for _, part in scored[i]]
         return rollout
+
+    def _score(self, rewards, texts: list, answers: list, extras) -> tuple[list, list]:
+        """(reward, per-term raw rewards or None) of each text: ``data.reward`` as it is, or the
+        weighted sum of its rule terms (a reward-model term is added after generation)."""
+        if self.rule_terms is None:
+            result = rewards.score(self.cfg.data.reward, texts, answers, extras=extras)
+            self._counts[0] += result.n_errors
+            self._counts[1] += result.n_timeouts
+            return list(result.rewards), [None] * len(texts)
+        total, parts = [0.0] * len(texts), [{} for _ in texts]
+        for term in self.rule_terms:
+            result = rewards.score(term.name, texts, answers, extras=extras)
+            self._counts[0] += result.n_errors
+            self._counts[1] += result.n_timeouts
+            for j, r in enumerate(result.rewards):
+                total[j] += term.weight * r
+                parts[j][term.label] = r
+        return total, parts
 
     def decode(self, rollout: Rollout) -> list[str]:
         return self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
@@ -174,11 +197,14 @@ class Rollouts:
         :meth:`generate` scored the samples already; the reward metrics."""
         if len(rollout.rewards) != len(rollout):
             t = time.perf_counter()
-            result = rewards.score(self.cfg.data.reward, self.decode(rollout), rollout.answers,
-                                   extras=rollout.extras or None)
-            rollout.rewards = list(result.rewards)
-            self._counts, self.score_s = [result.n_errors, result.n_timeouts], time.perf_counter() - t
+            self._counts = [0, 0]
+            rollout.rewards, parts = self._score(rewards, self.decode(rollout), rollout.answers, rollout.extras or None)
+            if self.rule_terms is not None:
+                rollout.reward_terms = parts
+            self.score_s = time.perf_counter() - t
         raw = list(rollout.rewards)
+        if rollout.reward_terms and self.rule_terms:   # a weighted sum: accuracy by its first rule term
+            raw = [part[self.rule_terms[0].label] for part in rollout.reward_terms]
         if self.cfg.algorithm.overlong_buffer:
             from megarl.algorithms.dapo import overlong_penalty
 
@@ -269,8 +295,19 @@ def filter_samples(rollout: Rollout, mode: str, seed: int) -> tuple[Rollout, flo
 
 
 def _sample_metrics(rollout: Rollout) -> dict:
+    return {**reward_metrics(rollout), **_length_metrics(rollout)}
+
+
+def reward_metrics(rollout: Rollout) -> dict:
+    """The rewards' mean and std, and with a weighted sum each rule term's raw mean (reward/<name>_mean)."""
     rewards = torch.tensor(rollout.rewards, dtype=torch.float64)
+    out = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False))}
+    for label in (rollout.reward_terms[0] if rollout.reward_terms else {}):
+        out[f"reward/{label}_mean"] = sum(p[label] for p in rollout.reward_terms) / len(rollout)
+    return out
+
+
+def _length_metrics(rollout: Rollout) -> dict:
     lengths = torch.tensor([len(r) for r in rollout.response_ids], dtype=torch.float64)
-    return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
-            "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+    return {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
             "response_length/clip_ratio": sum(rollout.clipped) / len(rollout)}

@@ -28,9 +28,12 @@ from megarl import faults
 
 class HybridWorker:
     def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int,
-                 log_file: str | None = None):
+                 log_file: str | None = None, stage: str = "rl"):
         """``log_file``: where this process's output goes; None leaves
-        it on Ray's worker log, which reaches the driver's terminal (``--verbose``)."""
+        it on Ray's worker log, which reaches the driver's terminal (``--verbose``). ``stage``:
+        ``rl`` (policy, reference, critic, reward model as the config needs them), ``sft`` (the
+        policy alone) or ``rm`` (the policy's architecture with a score head, trained as a
+        Bradley-Terry reward model; :mod:`megarl.posttrain`)."""
         # Ctrl-C is the driver's to handle (megarl/trainer/interrupt.py: stop at a safe point). Ray starts
         # workers in their own process group with SIGINT blocked; ignoring it keeps a phase alive without that.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -72,21 +75,45 @@ class HybridWorker:
                              decay_style="cosine" if tr.min_lr < tr.lr else "constant",
                              weight_decay=tr.weight_decay, grad_clip=tr.grad_clip,
                              adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2)
+        self.stage, self.opts = stage, opts
+        self.ref = self.critic = self.reward_model = None
+        self.reward_model_path = None
+        self.bridge, self.engine_index = None, None
+        if stage != "rl":   # megarl sft / rm: one trainable engine, no rollout
+            self.policy = PolicyEngine(dataclasses.replace(opts, score_head=stage == "rm"), self.groups, optim)
+            return
         self.policy = PolicyEngine(opts, self.groups, optim)
         self.ref = reference_engine(opts, self.groups) if cfg.algorithm.kl_coef > 0 else None
+        self._build_reward_model(cfg)
         from megarl.trainer.algorithm import needs_critic
 
-        self.critic = None
         if needs_critic(cfg.algorithm):   # PPO: same architecture and checkpoint, scalar value head
             critic_optim = dataclasses.replace(optim, lr=cfg.algorithm.critic_lr or tr.lr,
                                                min_lr=min(tr.min_lr, cfg.algorithm.critic_lr or tr.lr))
             self.critic = PolicyEngine(dataclasses.replace(opts, value_head=True), self.groups, critic_optim)
-        self.bridge, self.engine_index = None, None
+
+    def _build_reward_model(self, cfg) -> None:
+        """The frozen reward model of ``data.reward``'s ``model:PATH`` term (none without one),
+        in the policy's layout and dtype; kept while the path stays the same."""
+        from megarl.engine import PolicyEngine
+        from megarl.rewards.spec import model_term, parse_reward
+
+        term = model_term(parse_reward(cfg.data.reward))
+        path = term.path if term is not None else None
+        if path == self.reward_model_path:
+            return
+        self.reward_model, self.reward_model_path = None, path
+        if path is not None:
+            self.reward_model = PolicyEngine(dataclasses.replace(self.opts, path=path, score_head=True,
+                                                                 recompute="none"),
+                                             self.groups, trainable=False)
 
     def set_config(self, cfg) -> None:
         """Run ``cfg`` from now on (:meth:`megarl.trainer.workers.WorkerGroup.reuse_for` checked that
-        the model, layout and fleet are the ones these engines were built for)."""
+        the model, layout and fleet are the ones these engines were built for); a reward model the
+        new config names is built here."""
         self.cfg = cfg
+        self._build_reward_model(cfg)
 
     def attach_engines(self, engines: list) -> None:
         """Build the weight bridge to the fleet's ``engines`` (EngineActor handles, engine order;
@@ -136,13 +163,13 @@ class HybridWorker:
 
     def offload(self) -> dict:
         """Move every engine's params, grads and optimizer state to host memory (collective)."""
-        engines = [e for e in (self.policy, self.ref, self.critic) if e is not None]
+        engines = [e for e in (self.policy, self.ref, self.critic, self.reward_model) if e is not None]
         for e in engines:
             e.offload()
         return {"offloaded_bytes": sum(e.offloader.offloaded_bytes for e in engines)}
 
     def onload(self) -> None:
-        for e in (self.policy, self.ref, self.critic):
+        for e in (self.policy, self.ref, self.critic, self.reward_model):
             if e is not None:
                 e.onload()
 
@@ -158,7 +185,33 @@ class HybridWorker:
             return None
         return [(o.logprobs_R, o.entropy_R, o.routing_miss_R, o.routing) for o in outs], engine.routing_report
 
-    def values(self, micro_batches):
+    def reward_scores(self, micro_batches):
+        """The reward model's score of each sequence, per micro-batch ``[N]`` (DP leaders; else
+        None): the frozen reward model of an RL run, or the one an ``rm`` stage trains."""
+        engine = self.reward_model if self.stage == "rl" else self.policy
+        outs = engine.forward_scores(micro_batches)
+        return outs if self.info()["dp_leader"] else None
+
+    def posttrain_step(self, micro_batches, options: dict) -> dict:
+        """One optimizer step of an ``sft`` or ``rm`` stage (:mod:`megarl.posttrain.losses`)."""
+        from megarl.posttrain.losses import make_loss_fn
+
+        return self.policy.train_step(micro_batches, make_loss_fn(self.stage, **options))
+
+    def posttrain_eval(self, micro_batches, options: dict) -> dict:
+        """The held-out loss and metrics of ``micro_batches`` (forward only; the same numbers a
+        train step reports, without the update). Every rank returns them."""
+        import torch
+        import torch.distributed as dist
+
+        from megarl.posttrain.losses import eval_sums
+
+        sums = eval_sums(self.stage, self.policy, micro_batches, **options)
+        names = sorted(sums)
+        vals = torch.tensor([float(sums[k]) for k in names], dtype=torch.float64)
+        dist.all_reduce(vals, group=self.groups.pgs.dp)
+        return dict(zip(names, vals.tolist()))
+
         """The critic's values of the response tokens, per micro-batch (DP leaders; else None)."""
         outs = self.critic.forward_values(micro_batches)
         return outs if self.info()["dp_leader"] else None
@@ -221,7 +274,10 @@ class HybridWorker:
 
     def export_hf(self, folder: str) -> None:
         """The policy as an HF folder (collective; rank 0 writes ``model.safetensors`` and copies
-        the model folder's config and tokenizer files): what a fresh vLLM engine would load."""
+        the model folder's config and tokenizer files): what a fresh vLLM engine would load. An
+        ``rm`` stage writes a ``*ForSequenceClassification`` folder with one label
+        (:func:`megarl.posttrain.export.reward_model_config`). Written into a temporary sibling
+        folder and renamed: ``folder`` is either the last complete export or absent."""
         import shutil
 
         from safetensors.torch import save_file
@@ -229,11 +285,21 @@ class HybridWorker:
         tensors = {name: t.detach().contiguous().clone() for name, t in self.policy.export_hf()}
         if self.rank != 0:
             return
-        os.makedirs(folder, exist_ok=True)
+        final, partial = Path(folder), Path(f"{folder}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
         for f in Path(self.model_path).iterdir():
             if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
-                shutil.copy2(f, Path(folder) / f.name)
-        save_file(tensors, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
+                shutil.copy2(f, partial / f.name)
+        if self.policy.is_reward_model:
+            from megarl.posttrain.export import reward_model_config
+
+            (partial / "config.json").write_text(reward_model_config(self.model_path))
+            tensors.pop("lm_head.weight", None)
+        save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
+        if final.exists():
+            shutil.rmtree(final)
+        partial.rename(final)
 
     # ------------------------------------------------------------------ checkpoints (collective)
     def _engines(self) -> dict:

@@ -51,7 +51,9 @@ class NonFiniteLossError(RuntimeError):
 class WorkerGroup:
     """The HybridWorkers of a run; a context manager that releases them (and Ray) on exit."""
 
-    def __init__(self, cfg: MegaRLConfig, log_dir: Path | None = None, verbose: bool = False):
+    def __init__(self, cfg: MegaRLConfig, log_dir: Path | None = None, verbose: bool = False, stage: str = "rl"):
+        """``stage``: ``rl``, or ``sft`` / ``rm`` (:mod:`megarl.posttrain`): the training workers
+        alone, no rollout fleet (``fleet`` None)."""
         from megarl.data.plan import budget_from_config
         from megarl.engine.build import read_hf_config
         from megarl.trainer.algorithm import needs_critic
@@ -68,8 +70,16 @@ class WorkerGroup:
         # trainer.balance_cost=flops: the FLOPs coefficients come from the model's config.json
         self.budget = budget_from_config(cfg.trainer, read_hf_config(cfg.model.path))
         # last: from here on, anything that raises must release the placement
-        self.placement = Placement(cfg, log_dir, verbose)
-        self.workers = self.placement.workers
+        self.placement = Placement(cfg, log_dir, verbose, stage=stage)
+        self.workers, self.fleet = self.placement.workers, None
+        if stage != "rl":
+            self.has_reference = self.built_reference = self.has_critic = self.built_critic = False
+            try:
+                self.info = self._all("info")
+            except BaseException:
+                self.shutdown()
+                raise
+            return
         try:
             from megarl.trainer.fleet import Fleet
 
@@ -287,6 +297,36 @@ class WorkerGroup:
         column = lambda k: scatter_back(rollout, plan, {r: [x[k] for x in o] for r, o in outs.items()})  # noqa: E731
         return metrics, (column(0), column(1))
 
+    def posttrain_step(self, batches_per_rank: list, options: dict) -> dict:
+        """One optimizer step of an sft / rm stage over each rank's micro-batches (rank order;
+        :meth:`HybridWorker.posttrain_step`): rank 0's result; more than
+        ``trainer.max_skipped_updates`` skipped in a row raise :class:`NonFiniteLossError`."""
+        out = self._fan_out("posttrain_step", [(b, options) for b in batches_per_rank])[0]
+        self._count_skips("actor", out)
+        return out
+
+    def posttrain_eval(self, batches_per_rank: list, options: dict) -> dict:
+        """The held-out sums of an sft / rm stage (:func:`megarl.posttrain.losses.eval_sums`, over DP)."""
+        return self._fan_out("posttrain_eval", [(b, options) for b in batches_per_rank])[0]
+
+    def reward_model_scores(self, rollout: Rollout, pad_id) -> list[float]:
+        """The reward model's score of every sample (prompt + response, trailing ``pad_id``
+        tokens off: :func:`megarl.posttrain.run.trim_pads`), on the training workers: packed,
+        balanced over DP ranks like any forward pass."""
+        from megarl.data import plan_batches
+        from megarl.engine import SequenceBatch
+        from megarl.posttrain.run import trim_pads
+
+        seqs = [trim_pads(p + r, len(p), pad_id) for p, r in zip(rollout.prompt_ids, rollout.response_ids)]
+        plan = plan_batches([len(s) for s in seqs], self.cfg.topology.to_topology(), self.budget)
+        batches = [[SequenceBatch([torch.tensor(seqs[i], dtype=torch.long) for i in mb],
+                                  [len(rollout.prompt_ids[i]) for i in mb]) for mb in plan.micro_batches[info["dp_rank"]]]
+                   for info in self.info]
+        outs = self._fan_out("reward_scores", [(b,) for b in batches])
+        by_rank = {i["dp_rank"]: o for i, o in zip(self.info, outs) if o is not None}
+        scores = scatter_sequences(rollout, plan, {r: [s.tolist() for s in o] for r, o in by_rank.items()})
+        return [float(s) for s in scores]
+
     def train_critic(self, rollout: Rollout, plan, per_sample: dict) -> dict:
         return self._optimize("train_critic", "critic", rollout, plan, per_sample)[0]
 
@@ -367,7 +407,8 @@ class WorkerGroup:
 
     def load_checkpoint(self, folder):
         self._all("load_checkpoint", str(folder))
-        self.sync_weights()
+        if self.fleet is not None:
+            self.sync_weights()
 
     def hash_checkpoint_files(self, folder, relpaths: list[str], sync: bool) -> dict:
         """A :data:`megarl.trainer.checkpoint.Hasher` run by all workers at once, each over the

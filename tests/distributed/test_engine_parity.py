@@ -47,9 +47,10 @@ def _check(result: dict, expected: list[str]):
 
 @functools.cache
 def two_process_launch() -> dict:
-    """The one 2-process launch of this file, tests/distributed/test_critic.py and
-    tests/distributed/test_compat_parity.py (they import this function; it runs once per session,
-    for whichever file asks first): {"parity": ..., "critic": ..., "compat": ...}."""
+    """The one 2-process launch of this file, tests/distributed/test_critic.py,
+    tests/distributed/test_compat_parity.py and tests/distributed/test_posttrain_engine.py (they
+    import this function; it runs once per session, for whichever file asks first):
+    {"parity": ..., "critic": ..., "compat": ..., "posttrain": ...}."""
     # layouts (tp, pp, ep): (1,1,1) [dp=2], (2,1,1), (1,2,1), cp=2; MoE: (1,1,2), (2,1,2) with
     # etp=1 and (1,1,1) with etp=2; VPP: pp=2 x vpp=2 on 4 layers; uneven stages on 3 layers.
     return run_workers("engine_parity.py", 2, ",".join(FAMILIES + ["smollm2"]), "-,tp2,pp2,cp2",

@@ -10,9 +10,10 @@ Usage: engine_parity.py FAMILIES LAYOUTS [MOE_LAYOUTS] [VPP_LAYOUTS] [UNEVEN_LAY
   UNEVEN_LAYOUTS   layouts run on a 3-layer variant ('pp2.first1': 1 layer on the first stage,
                    2 on the last; 3 layers cannot split evenly over pp=2)
   UNEVEN_FAMILIES  the tiny families UNEVEN_LAYOUTS run for
-  --with-critic-and-compat  then, in the same processes, critic.py's and compat_parity.py's checks
+  --with-critic-and-compat  then, in the same processes, critic.py's, compat_parity.py's and
+                   posttrain.py's checks
                    (one launch instead of three: each torchrun launch costs 15-30 s of imports);
-                   the report is then {"parity": ..., "critic": ..., "compat": ...}
+                   the report is then {"parity": ..., "critic": ..., "compat": ..., "posttrain": ...}
 
 Reports per family and layout the max |engine - HF| over the response tokens of 3 packed
 sequences (split in 2 micro-batches), and at the first layout packed (THD, one row) vs unpacked
@@ -107,8 +108,10 @@ def main():
     if others:
         import compat_parity
         import critic
+        import posttrain
 
-        out = {"parity": out, "critic": critic.run(world), "compat": compat_parity.run(rank, world)}
+        out = {"parity": out, "critic": critic.run(world), "compat": compat_parity.run(rank, world),
+               "posttrain": posttrain.run(rank, world)}
     report(out)
 
 

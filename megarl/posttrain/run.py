@@ -1,0 +1,193 @@
+"""``megarl sft`` and ``megarl rm``: supervised fine-tuning and Bradley-Terry reward-model training
+on the RL trainer's engine (the same workers, packing, balancing, parallelism, checkpoints,
+metrics and progress line), without a rollout fleet.
+
+    for step:  the step's examples (epochs shuffled by data.seed) -> packed micro-batches balanced
+               over DP ranks (pairs kept whole) -> one optimizer step -> metrics
+               -> (held-out loss every posttrain.eval_every) -> (checkpoint)
+    end:       held-out loss, then the HF export (posttrain.export_dir)
+
+The data is read, checked and tokenised on the driver before any worker starts
+(:mod:`megarl.posttrain.data`). Resume (``--resume`` / ``checkpoint.resume``) continues at the
+step after the newest intact checkpoint: a step's examples are a function of (seed, step).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+from pathlib import Path
+
+from megarl.posttrain.data import DataError, Examples
+
+STAGES = {"sft": "sft", "rm": "pairs"}
+
+
+def load_stage_data(cfg, stage: str, tokenizer) -> tuple[Examples, Examples | None]:
+    """(train, held-out) examples of ``cfg.posttrain`` for ``stage`` (DataError on a bad row)."""
+    from megarl.posttrain.data import builtin_rows, load_examples, split_eval
+
+    p, kind = cfg.posttrain, STAGES[stage]
+    want = "builtin:arithmetic_sft" if kind == "sft" else "builtin:arithmetic_prefs"
+
+    def load(path: str) -> Examples:
+        rows = None
+        if path.startswith("builtin:"):
+            if path != want:
+                raise DataError(f"posttrain.train_file={path!r}: megarl {stage} reads "
+                                f"{'SFT rows' if kind == 'sft' else 'preference pairs'}; the built-in set is {want}")
+            rows = builtin_rows(path, p.num_examples, cfg.data.difficulty, cfg.data.seed)
+        return load_examples(path, kind, tokenizer, use_chat_template=cfg.data.use_chat_template,
+                             max_seq_tokens=p.max_seq_tokens, on_bad_row=cfg.data.on_bad_row, rows=rows)
+
+    train = load(p.train_file)
+    if p.eval_file:
+        held = load(p.eval_file)
+    elif p.eval_fraction > 0:
+        train, held = split_eval(train, p.eval_fraction, cfg.data.seed)
+    else:
+        held = None
+    if len(train) < p.batch_size:
+        raise DataError(f"{p.train_file}: {len(train)} training examples < posttrain.batch_size={p.batch_size}")
+    return train, held
+
+
+def trim_pads(ids: list, prompt_len: int, pad_id) -> list:
+    """``ids`` without trailing ``pad_id`` tokens, keeping at least one response token: a reward
+    model reads its score at the last token that is not padding, as HF's classifiers do."""
+    if pad_id is None:
+        return ids
+    end = len(ids)
+    while end > prompt_len + 1 and ids[end - 1] == pad_id:
+        end -= 1
+    return ids[:end]
+
+
+def plan_examples(lengths: list, group) -> object:
+    """The data plane's plan (:func:`megarl.data.plan_batches`) of examples of ``lengths`` tokens
+    (a pair: both sequences, kept in one micro-batch)."""
+    from megarl.data import plan_batches
+
+    return plan_batches(lengths, group.cfg.topology.to_topology(), group.budget)
+
+
+def micro_batches(examples: Examples, indices: list, plan, dp_rank: int, pad_id=None) -> list:
+    """The ``SequenceBatch`` list of one DP rank: plan entries are positions in ``indices``; a
+    pair's two sequences are adjacent (chosen, rejected) and its margin is in ``margin_P``."""
+    import torch
+
+    from megarl.engine import SequenceBatch
+
+    out = []
+    for entry in plan.micro_batches[dp_rank]:
+        chosen = [indices[j] for j in entry]
+        seqs, prompts = examples.sequences(chosen)
+        if examples.kind == "pairs":
+            seqs = [trim_pads(s, p, pad_id) for s, p in zip(seqs, prompts)]
+        extras = {"margin_P": torch.tensor([examples.margins[i] for i in chosen], dtype=torch.float32)} \
+            if examples.kind == "pairs" else {}
+        out.append(SequenceBatch([torch.tensor(s, dtype=torch.long) for s in seqs], prompts, extras))
+    return out
+
+
+def _rank_batches(group, examples: Examples, indices: list, pad_id) -> list:
+    plan = plan_examples([examples.length(i) for i in indices], group)
+    return [micro_batches(examples, indices, plan, info["dp_rank"], pad_id) for info in group.info]
+
+
+def run_stage(cfg, stage: str, resume: bool = False, verbose: bool = False) -> Path:
+    """Train ``stage`` ('sft' or 'rm') as ``cfg`` says; returns the HF export's folder."""
+    from transformers import AutoTokenizer
+
+    from megarl.config import save_resolved
+    from megarl.models.fixtures import resolve_model_path
+    from megarl.observability import MetricsLogger
+    from megarl.observability.console import run_console
+    from megarl.posttrain.data import step_indices, steps_per_epoch
+    from megarl.posttrain.losses import summarize
+    from megarl.trainer.checkpoint import CheckpointManager
+    from megarl.trainer.interrupt import RunInterrupted, StopRequest
+    from megarl.trainer.loop import _release, precision_line
+    from megarl.trainer.workers import WorkerGroup
+
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; expected one of {sorted(STAGES)}")
+    p = cfg.posttrain
+    run_dir = Path(cfg.trainer.run_dir)
+    export_dir = Path(p.export_dir or run_dir / "hf")
+    model_dir = resolve_model_path(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    t0 = time.time()
+    train, held = load_stage_data(cfg, stage, tokenizer)   # before any process starts: a bad row stops here
+    load_s = time.time() - t0
+    save_resolved(cfg, run_dir)
+    per_epoch = steps_per_epoch(len(train), p.batch_size)
+    total = int(min(p.epochs * per_epoch, p.max_steps or math.inf))
+    # the workers' LR schedule spans trainer.steps (warm-up, then decay to trainer.min_lr): the stage's steps
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, steps=total))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    options = {"loss_agg": p.loss_agg} if stage == "sft" else {"use_margin": p.margin}
+    log = logging.getLogger("megarl")
+    with contextlib.ExitStack() as cleanup:
+        console = cleanup.enter_context(run_console(run_dir / "logs", cfg.logging.level, verbose))
+        stop = cleanup.enter_context(StopRequest(console))
+        unit = "sequences" if stage == "sft" else "pairs"
+        log.info(f"megarl {stage}: {len(train)} training {unit}, {len(held) if held else 0} held out "
+                 f"(read and tokenised in {load_s:.1f} s"
+                 + (f"; skipped {sum(train.skipped.values())} bad rows: {dict(train.skipped)}" if train.skipped else "")
+                 + f"); {total} steps of {p.batch_size} ({per_epoch} per epoch)")
+        group = WorkerGroup(cfg, None if verbose else run_dir / "logs", verbose, stage=stage)
+        cleanup.callback(_release, group, stop)
+        stop.arm()
+        log.info(precision_line(group.precision(), cfg).split("; vLLM")[0])
+        ckpt = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)
+        start = 0
+        if (resume or cfg.checkpoint.resume) and \
+                (found := ckpt.newest_intact(group.load_checkpoint, group.hash_checkpoint_files)) is not None:
+            start, folder = found
+            log.info(f"resumed from {folder} (step {start})")
+        ckpt.clean_partials()
+        metrics = cleanup.enter_context(MetricsLogger(
+            run_dir, stdout=cfg.logging.stdout, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
+            progress=cfg.logging.progress, total_steps=total, resume_step=start + 1, stream=console))
+
+        def evaluate() -> dict:
+            if held is None:
+                return {}
+            t = time.perf_counter()
+            sums = group.posttrain_eval(_rank_batches(group, held, list(range(len(held))), pad_id), options)
+            return {**summarize(stage, sums, "eval"), "time/eval_s": time.perf_counter() - t}
+
+        stop.last_step = start
+        for step in range(start + 1, total + 1):
+            if stop.requested:
+                break
+            with metrics.step(step) as m:
+                stop.step, stop.phase = step, "train"
+                metrics.progress_line(step, "train")
+                t = time.perf_counter()
+                epoch, indices = step_indices(len(train), p.batch_size, step, cfg.data.seed)
+                out = group.posttrain_step(_rank_batches(group, train, indices, pad_id), options)
+                m.update(summarize(stage, out, "train"), **{"train/loss": out["loss"]})
+                m.update({"train/grad_norm": out["grad_norm"], "train/lr": out["lr"], "train/epoch": epoch + 1,
+                          "train/tokens": out["num_tokens"], "train/skipped_updates": int(not out["update_successful"]),
+                          "time/train_s": time.perf_counter() - t})
+                m["throughput/tokens_per_s"] = out["num_tokens"] / max(1e-9, m["time/train_s"])
+                if step == total or (p.eval_every and step % p.eval_every == 0):
+                    metrics.progress_line(step, "eval")
+                    m.update(evaluate())
+            stop.last_step = step
+            if cfg.checkpoint.save_every and (step % cfg.checkpoint.save_every == 0 or step == total):
+                group.save_checkpoint(ckpt, step, {"stage": stage})
+        if stop.requested and stop.last_step < total:
+            done = stop.last_step
+            if cfg.checkpoint.save_on_interrupt and done > start and done not in dict(ckpt.complete()):
+                group.save_checkpoint(ckpt, done, {"stage": stage})
+            raise RunInterrupted(stop.signum, done, hard=False)
+        t = time.perf_counter()
+        group.export_hf(export_dir)
+        log.info(f"exported the {'model' if stage == 'sft' else 'reward model'} to {export_dir} "
+                 f"({time.perf_counter() - t:.1f} s)")
+    return export_dir
