@@ -121,7 +121,7 @@ def _check_reward_model(cfg: MegaRLConfig, hf: dict | None) -> None:
     whose vocabulary is the policy's (it scores the policy's token ids as they are)."""
     import json
 
-    from megarl.posttrain.export import is_reward_model
+    from megarl.models.seqcls import is_reward_model
     from megarl.rewards.spec import model_term, parse_reward
 
     term = model_term(parse_reward(cfg.data.reward))

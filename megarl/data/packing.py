@@ -244,3 +244,14 @@ def packed_seq_params_kwargs(packed: PackedSequences) -> dict[str, Any]:
         "max_seqlen_q": packed.max_seqlen,
         "max_seqlen_kv": packed.max_seqlen,
     }
+
+
+def trim_pads(ids: list, prompt_len: int, pad_id) -> list:
+    """``ids`` without trailing ``pad_id`` tokens, keeping at least one response token: a reward
+    model reads its score at the last token that is not padding, as HF's classifiers do."""
+    if pad_id is None:
+        return ids
+    end = len(ids)
+    while end > prompt_len + 1 and ids[end - 1] == pad_id:
+        end -= 1
+    return ids[:end]

@@ -54,7 +54,8 @@ class GenerationLog:
         rec = {"id": rollout.sample_ids[i] if rollout.sample_ids else str(i),
                "reward": rollout.rewards[i] if rollout.rewards else None, "length": len(ids),
                "gap": step - 1 - min(versions) if versions else 0,
-               "prompt": self._decode(rollout.prompt_ids[i]), "response": self._decode(ids), "response_ids": ids}
+               "prompt": self._decode(rollout.prompt_ids[i]), "response": self._decode(ids), "response_ids": ids,
+               "prompt_ids": list(rollout.prompt_ids[i])}
         if rollout.loss_masks:
             turns, mask = [], rollout.loss_masks[i]
             for t, (token, sampled) in enumerate(zip(ids, mask)):

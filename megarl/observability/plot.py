@@ -2,7 +2,8 @@
 <run_dir>/timeline.jsonl when the run wrote one.
 
 Curves (``curves.png``, :func:`plot_run`): four panels: reward (mean, and accuracy when logged),
-response length (mean, max), KL, and seconds per phase. Missing metrics leave their panel empty
+response length (mean, max), KL, and seconds per phase; for megarl sft / rm runs: train and
+held-out loss, pair accuracy and margin (rm), grad norm, and seconds per phase. Missing metrics leave their panel empty
 with a note, never an error.
 
 Timeline (``timeline.png``, :func:`plot_timeline`): one row per lane (rollout engines on top, then
@@ -20,11 +21,17 @@ from megarl.observability.metrics import read_jsonl
 from megarl.observability.timeline import ENGINE_PREFIX, RANK_PREFIX, read_timeline
 
 PANELS = [
-    ("reward", ["reward/mean", "reward/accuracy"]),
+    ("reward", ["reward/mean", "reward/accuracy", "reward_model/score_mean", "reward/gsm8k_lenient_mean"]),
     ("response length", ["response_length/mean", "response_length/max"]),
     ("KL to reference", ["actor/kl", "kl/mean"]),
     ("agent tool use", ["agent/tool_call_rate", "agent/turns_mean", "agent/malformed_calls_per_traj"]),
     ("seconds per phase", None),   # every time/*_s key
+]
+POSTTRAIN_PANELS = [   # megarl sft / rm runs (no reward/mean)
+    ("loss", ["train/loss", "eval/loss"]),
+    ("reward model pairs", ["train/accuracy", "eval/accuracy", "eval/margin_mean"]),
+    ("optimizer", ["train/grad_norm"]),
+    ("seconds per phase", None),
 ]
 
 
@@ -43,6 +50,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         raise ValueError(f"{metrics_file} holds no steps yet")
     # the agent panel only for runs that logged it (a 2 x 2 grid otherwise, as before)
     panels = [(t, k) for t, k in PANELS if t != "agent tool use" or any(x in r for r in rows for x in k)]
+    if not any("reward/mean" in r for r in rows) and any("train/loss" in r for r in rows):
+        panels = POSTTRAIN_PANELS
     fig, axes = plt.subplots((len(panels) + 1) // 2, 2, figsize=(11, 3.5 * ((len(panels) + 1) // 2)))
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")

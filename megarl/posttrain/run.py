@@ -2,6 +2,7 @@
 on the RL trainer's engine (the same workers, packing, balancing, parallelism, checkpoints,
 metrics and progress line), without a rollout fleet.
 
+    step 0:    the held-out loss of the starting model (a fresh run)
     for step:  the step's examples (epochs shuffled by data.seed) -> packed micro-batches balanced
                over DP ranks (pairs kept whole) -> one optimizer step -> metrics
                -> (held-out loss every posttrain.eval_every) -> (checkpoint)
@@ -20,6 +21,7 @@ import math
 import time
 from pathlib import Path
 
+from megarl.data.packing import trim_pads
 from megarl.posttrain.data import DataError, Examples
 
 STAGES = {"sft": "sft", "rm": "pairs"}
@@ -54,15 +56,18 @@ def load_stage_data(cfg, stage: str, tokenizer) -> tuple[Examples, Examples | No
     return train, held
 
 
-def trim_pads(ids: list, prompt_len: int, pad_id) -> list:
-    """``ids`` without trailing ``pad_id`` tokens, keeping at least one response token: a reward
-    model reads its score at the last token that is not padding, as HF's classifiers do."""
-    if pad_id is None:
-        return ids
-    end = len(ids)
-    while end > prompt_len + 1 and ids[end - 1] == pad_id:
-        end -= 1
-    return ids[:end]
+def stage_steps(cfg, num_train: int) -> int:
+    """Optimizer steps of a stage: ``posttrain.epochs`` x (rows // batch_size), capped by
+    ``posttrain.max_steps``."""
+    from megarl.posttrain.data import steps_per_epoch
+
+    p = cfg.posttrain
+    return int(min(p.epochs * steps_per_epoch(num_train, p.batch_size), p.max_steps or math.inf))
+
+
+def stage_options(cfg, stage: str) -> dict:
+    """The loss options of ``stage`` (:func:`megarl.algorithms.posttrain.make_loss_fn`)."""
+    return {"loss_agg": cfg.posttrain.loss_agg} if stage == "sft" else {"use_margin": cfg.posttrain.margin}
 
 
 def plan_examples(lengths: list, group) -> object:
@@ -106,7 +111,7 @@ def run_stage(cfg, stage: str, resume: bool = False, verbose: bool = False) -> P
     from megarl.observability import MetricsLogger
     from megarl.observability.console import run_console
     from megarl.posttrain.data import step_indices, steps_per_epoch
-    from megarl.posttrain.losses import summarize
+    from megarl.algorithms.posttrain import summarize
     from megarl.trainer.checkpoint import CheckpointManager
     from megarl.trainer.interrupt import RunInterrupted, StopRequest
     from megarl.trainer.loop import _release, precision_line
@@ -124,11 +129,11 @@ def run_stage(cfg, stage: str, resume: bool = False, verbose: bool = False) -> P
     load_s = time.time() - t0
     save_resolved(cfg, run_dir)
     per_epoch = steps_per_epoch(len(train), p.batch_size)
-    total = int(min(p.epochs * per_epoch, p.max_steps or math.inf))
+    total = stage_steps(cfg, len(train))
     # the workers' LR schedule spans trainer.steps (warm-up, then decay to trainer.min_lr): the stage's steps
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, steps=total))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    options = {"loss_agg": p.loss_agg} if stage == "sft" else {"use_margin": p.margin}
+    options = stage_options(cfg, stage)
     log = logging.getLogger("megarl")
     with contextlib.ExitStack() as cleanup:
         console = cleanup.enter_context(run_console(run_dir / "logs", cfg.logging.level, verbose))
@@ -160,6 +165,10 @@ def run_stage(cfg, stage: str, resume: bool = False, verbose: bool = False) -> P
             sums = group.posttrain_eval(_rank_batches(group, held, list(range(len(held))), pad_id), options)
             return {**summarize(stage, sums, "eval"), "time/eval_s": time.perf_counter() - t}
 
+        if start == 0 and held is not None:   # the starting point: step 0's held-out loss
+            metrics.progress_line(0, "eval")
+            with metrics.step(0) as m:
+                m.update(evaluate())
         stop.last_step = start
         for step in range(start + 1, total + 1):
             if stop.requested:

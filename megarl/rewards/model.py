@@ -59,8 +59,6 @@ class RewardModelTerm:
     def apply(self, rollout, group) -> dict:
         """Score ``rollout`` with the reward model and add the weighted, normalised scores to its
         rewards; the metrics (``reward_model/*``, the updated ``reward/*``)."""
-        from megarl.trainer.rollout import reward_metrics
-
         t = time.perf_counter()
         scores = group.reward_model_scores(rollout, self.pad_id)
         normed = self.normalize(scores, rollout.group_ids)
@@ -72,3 +70,13 @@ class RewardModelTerm:
         return {"reward_model/score_mean": float(raw.mean()), "reward_model/score_std": float(raw.std(unbiased=False)),
                 "reward_model/normalized_mean": sum(normed) / len(normed), **reward_metrics(rollout),
                 "time/reward_model_s": time.perf_counter() - t}
+
+
+def reward_metrics(rollout) -> dict:
+    """A rollout's (:class:`megarl.trainer.batch.Rollout`) reward mean and std, and with a weighted
+    sum each term's raw mean (``reward/<name>_mean``)."""
+    rewards = torch.tensor(rollout.rewards, dtype=torch.float64)
+    out = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False))}
+    for label in (rollout.reward_terms[0] if rollout.reward_terms else {}):
+        out[f"reward/{label}_mean"] = sum(p[label] for p in rollout.reward_terms) / len(rollout)
+    return out

@@ -295,16 +295,9 @@ def filter_samples(rollout: Rollout, mode: str, seed: int) -> tuple[Rollout, flo
 
 
 def _sample_metrics(rollout: Rollout) -> dict:
+    from megarl.rewards.model import reward_metrics
+
     return {**reward_metrics(rollout), **_length_metrics(rollout)}
-
-
-def reward_metrics(rollout: Rollout) -> dict:
-    """The rewards' mean and std, and with a weighted sum each rule term's raw mean (reward/<name>_mean)."""
-    rewards = torch.tensor(rollout.rewards, dtype=torch.float64)
-    out = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False))}
-    for label in (rollout.reward_terms[0] if rollout.reward_terms else {}):
-        out[f"reward/{label}_mean"] = sum(p[label] for p in rollout.reward_terms) / len(rollout)
-    return out
 
 
 def _length_metrics(rollout: Rollout) -> dict:

@@ -193,8 +193,8 @@ class HybridWorker:
         return outs if self.info()["dp_leader"] else None
 
     def posttrain_step(self, micro_batches, options: dict) -> dict:
-        """One optimizer step of an ``sft`` or ``rm`` stage (:mod:`megarl.posttrain.losses`)."""
-        from megarl.posttrain.losses import make_loss_fn
+        """One optimizer step of an ``sft`` or ``rm`` stage (:mod:`megarl.algorithms.posttrain`)."""
+        from megarl.algorithms.posttrain import make_loss_fn
 
         return self.policy.train_step(micro_batches, make_loss_fn(self.stage, **options))
 
@@ -204,7 +204,7 @@ class HybridWorker:
         import torch
         import torch.distributed as dist
 
-        from megarl.posttrain.losses import eval_sums
+        from megarl.algorithms.posttrain import eval_sums
 
         sums = eval_sums(self.stage, self.policy, micro_batches, **options)
         names = sorted(sums)
@@ -276,7 +276,7 @@ class HybridWorker:
         """The policy as an HF folder (collective; rank 0 writes ``model.safetensors`` and copies
         the model folder's config and tokenizer files): what a fresh vLLM engine would load. An
         ``rm`` stage writes a ``*ForSequenceClassification`` folder with one label
-        (:func:`megarl.posttrain.export.reward_model_config`). Written into a temporary sibling
+        (:func:`megarl.models.seqcls.reward_model_config`). Written into a temporary sibling
         folder and renamed: ``folder`` is either the last complete export or absent."""
         import shutil
 
@@ -292,7 +292,7 @@ class HybridWorker:
             if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
                 shutil.copy2(f, partial / f.name)
         if self.policy.is_reward_model:
-            from megarl.posttrain.export import reward_model_config
+            from megarl.models.seqcls import reward_model_config
 
             (partial / "config.json").write_text(reward_model_config(self.model_path))
             tensors.pop("lm_head.weight", None)

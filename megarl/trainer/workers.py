@@ -306,16 +306,16 @@ class WorkerGroup:
         return out
 
     def posttrain_eval(self, batches_per_rank: list, options: dict) -> dict:
-        """The held-out sums of an sft / rm stage (:func:`megarl.posttrain.losses.eval_sums`, over DP)."""
+        """The held-out sums of an sft / rm stage (:func:`megarl.algorithms.posttrain.eval_sums`, over DP)."""
         return self._fan_out("posttrain_eval", [(b, options) for b in batches_per_rank])[0]
 
     def reward_model_scores(self, rollout: Rollout, pad_id) -> list[float]:
         """The reward model's score of every sample (prompt + response, trailing ``pad_id``
-        tokens off: :func:`megarl.posttrain.run.trim_pads`), on the training workers: packed,
+        tokens off: :func:`megarl.data.packing.trim_pads`), on the training workers: packed,
         balanced over DP ranks like any forward pass."""
         from megarl.data import plan_batches
         from megarl.engine import SequenceBatch
-        from megarl.posttrain.run import trim_pads
+        from megarl.data.packing import trim_pads
 
         seqs = [trim_pads(p + r, len(p), pad_id) for p, r in zip(rollout.prompt_ids, rollout.response_ids)]
         plan = plan_batches([len(s) for s in seqs], self.cfg.topology.to_topology(), self.budget)

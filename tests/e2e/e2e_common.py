@@ -96,18 +96,20 @@ def ray_tmpdir() -> str:
     return tempfile.mkdtemp(prefix="ray-", dir="/tmp")
 
 
-def start(tmp_path: Path, name: str, recipe_text: str, *extra: str) -> subprocess.Popen:
-    """``megarl train`` of ``recipe_text`` ({run_dir} and {model} filled in) as a subprocess in
-    its own session (so a test can SIGKILL the whole tree); output to ``tmp_path/name.log``."""
+def start(tmp_path: Path, name: str, recipe_text: str, *extra: str, command: str = "train") -> subprocess.Popen:
+    """``megarl train`` (or ``command``: sft, rm) of ``recipe_text`` ({run_dir} and {model} filled in)
+    as a subprocess in its own session (so a test can SIGKILL the whole tree); output to
+    ``tmp_path/name.log``."""
     recipe = write_recipe(tmp_path, name, recipe_text)
     env = dict(os.environ, PYTHONPATH=f"{HERE}:{os.environ.get('PYTHONPATH', '')}", RAY_TMPDIR=ray_tmpdir())
     log = open(tmp_path / f"{name}.log", "a")
-    return subprocess.Popen([sys.executable, "-m", "megarl.cli", "train", str(recipe), *extra], stdout=log,
+    return subprocess.Popen([sys.executable, "-m", "megarl.cli", command, str(recipe), *extra], stdout=log,
                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def run(tmp_path: Path, name: str, recipe_text: str, *extra: str, timeout: int = 1500) -> list[dict]:
-    proc = start(tmp_path, name, recipe_text, *extra)
+def run(tmp_path: Path, name: str, recipe_text: str, *extra: str, timeout: int = 1500,
+        command: str = "train") -> list[dict]:
+    proc = start(tmp_path, name, recipe_text, *extra, command=command)
     assert proc.wait(timeout=timeout) == 0, (tmp_path / f"{name}.log").read_text()[-5000:]
     return metrics(tmp_path / name)
 

@@ -120,7 +120,11 @@ def test_every_recipe_in_configs_is_valid():
     recipes = sorted((REPO / "configs").glob("*.yaml"))
     assert recipes
     for recipe in recipes:
-        assert isinstance(load_config(recipe), MegaRLConfig), recipe
+        cfg = load_config(recipe, check_model=False)
+        # the pipeline's later stages start from an earlier stage's export (runs/...): checked on the
+        # model it is made from
+        overrides = ["model.path=fixture:smollm2"] if cfg.model.path.startswith("runs/") else []
+        assert isinstance(load_config(recipe, overrides), MegaRLConfig), recipe
 
 
 def test_every_field_has_a_docstring():

@@ -37,7 +37,7 @@ def test_records_turns_cli_and_resume(tmp_path):
     assert line["step"] == 2 and [s["id"] for s in line["samples"]] == ["s2.g0.1", "s2.g0.2"]
     best = line["samples"][0]
     assert best == {"id": "s2.g0.1", "reward": 1.0, "length": 2, "gap": 0, "prompt": "<s>ab", "response": "dd",
-                    "response_ids": [4, 4]}
+                    "response_ids": [4, 4], "prompt_ids": [0, 1, 2]}
     assert texts == [("generations", 2)]
     # an agent trajectory: model tokens, the inserted tool result, model tokens again
     agent = rollout([1.0])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megarl.posttrain import data as D
-from megarl.posttrain.losses import bt_loss, eval_sums, make_loss_fn, pair_metrics, sft_loss, summarize
+from megarl.algorithms.posttrain import bt_loss, eval_sums, make_loss_fn, pair_metrics, sft_loss, summarize
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +262,7 @@ def test_reward_model_normalisations(tmp_path):
 
 
 def test_trim_pads_keeps_one_response_token():
-    from megarl.posttrain.run import trim_pads
+    from megarl.data.packing import trim_pads
 
     assert trim_pads([5, 6, 7, 2, 2], 2, pad_id=2) == [5, 6, 7]
     assert trim_pads([5, 6, 2], 2, pad_id=2) == [5, 6, 2]
@@ -270,7 +270,7 @@ def test_trim_pads_keeps_one_response_token():
 
 
 def test_reward_model_config(tmp_path):
-    from megarl.posttrain.export import is_reward_model, reward_model_config
+    from megarl.models.seqcls import is_reward_model, reward_model_config
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "eos_token_id": [7, 8],
                                                       "vocab_size": 10}))
@@ -293,3 +293,30 @@ def test_cli_data_error_before_any_process(tmp_path, capsys):
     out = tmp_path / "prefs.jsonl"
     assert main(["data", "arithmetic_prefs", str(out), "--num-examples", "5"]) == 0
     assert len(out.read_text().splitlines()) == 5
+
+
+def test_stage_data_steps_and_options_from_the_config(tmp_path, tok):
+    from megarl.config import load_config
+    from megarl.posttrain.run import load_stage_data, stage_options, stage_steps
+
+    train = write_jsonl(tmp_path / "t.jsonl", [{"prompt": f"Q{i}", "chosen": "good", "rejected": "bad"}
+                                               for i in range(20)] + [{"prompt": "Q", "chosen": "x", "rejected": "x"}])
+    held = write_jsonl(tmp_path / "h.jsonl", [{"prompt": "E", "chosen": "good", "rejected": "bad", "margin": 2}])
+    base = [f"posttrain.train_file={train}", "posttrain.batch_size=4", "model.path=fixture:tiny-llama"]
+    with pytest.raises(D.DataError, match="line 21, field 'rejected': identical"):
+        load_stage_data(load_config(None, base, check_model=False), "rm", tok)
+    cfg = load_config(None, base + ["data.on_bad_row=skip", "posttrain.eval_fraction=0.25", "posttrain.epochs=3",
+                                    "posttrain.margin=true"], check_model=False)
+    tr, he = load_stage_data(cfg, "rm", tok)
+    assert (len(tr), len(he)) == (15, 5) and tr.skipped and stage_steps(cfg, len(tr)) == 9
+    assert stage_options(cfg, "rm") == {"use_margin": True}
+    cfg = load_config(None, base + ["data.on_bad_row=skip", f"posttrain.eval_file={held}", "posttrain.max_steps=2",
+                                    "posttrain.loss_agg=seq-mean-token-sum"], check_model=False)
+    tr, he = load_stage_data(cfg, "rm", tok)
+    assert (len(tr), len(he), he.margins) == (20, 1, [2.0]) and stage_steps(cfg, len(tr)) == 2
+    assert stage_options(cfg, "sft") == {"loss_agg": "seq-mean-token-sum"}
+    with pytest.raises(D.DataError, match="megarl sft reads SFT rows; the built-in set is builtin:arithmetic_sft"):
+        load_stage_data(load_config(None, ["posttrain.train_file=builtin:arithmetic_prefs", "data.difficulty=2"],
+                                    check_model=False), "sft", tok)
+    cfg = load_config(None, ["data.reward=model:/x", "data.reward_norm=group"], check_model=False)
+    assert cfg.data.reward_norm == "group"

@@ -2,7 +2,7 @@
 (tests/distributed/test_posttrain_engine.py), or this script alone under torchrun.
 
 1. SFT: one SGD step of the SFT loss (token-mean, and seq-mean-token-sum) built as the workers
-   build it (megarl.posttrain.losses.make_loss_fn) on 4 sequences (2 per micro-batch) at tp1
+   build it (megarl.algorithms.posttrain.make_loss_fn) on 4 sequences (2 per micro-batch) at tp1
    (= dp2), tp2, pp2, cp2 (tiny-qwen2): the loss and the HF-exported weights are compared with tp1.
 2. Reward model: the score head set to a seeded random weight; each sequence's score vs
    transformers' AutoModelForSequenceClassification loading the engine's own export (HF layout,
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from engine_common import fixture, groups_for, init, make_batch, report
 from megarl.engine import ModelOptions, OptimOptions, PolicyEngine, SequenceBatch
-from megarl.posttrain.losses import make_loss_fn
+from megarl.algorithms.posttrain import make_loss_fn
 
 SEQS4 = [(13, 4), (21, 7), (9, 3), (16, 5)]
 LAYOUTS = ["", "tp2", "pp2", "cp2"]
@@ -102,7 +102,7 @@ def gathered_scores(engine, mbs, groups, n):
 
 def rm_layouts(path, world, out, rank):
     from megarl.engine.value import head_weight
-    from megarl.posttrain.export import reward_model_config
+    from megarl.models.seqcls import reward_model_config
 
     ids, prompts = batch(path)
     hidden = json.load(open(f"{path}/config.json"))["hidden_size"]

@@ -52,9 +52,10 @@ def bt_loss(scores_N: torch.Tensor, batch, use_margin: bool = False) -> tuple[to
 
 
 def pair_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> dict:
-    """Sums over a micro-batch's pairs: correct orderings, margins, scores and squared scores."""
+    """Sums over a micro-batch's pairs: correct orderings (a tie counts half), margins, scores and
+    squared scores."""
     both = torch.cat([chosen, rejected]).double()
-    return {"correct_sum": (chosen > rejected).double().sum(), "margin_sum": (chosen - rejected).double().sum(),
+    return {"correct_sum": (chosen > rejected).double().sum() + 0.5 * (chosen == rejected).double().sum(), "margin_sum": (chosen - rejected).double().sum(),
             "pairs": torch.tensor(float(chosen.numel())), "score_sum": both.sum(), "score_sq_sum": (both ** 2).sum()}
 
 

@@ -1,0 +1,95 @@
+"""The whole post-training pipeline on CPU, read back from its run folders (issue 33's acceptance).
+
+Run the stages first (README "Whole pipeline"), and the quickstart's first step from the base
+model and from the SFT export, side by side:
+
+    megarl sft configs/sft_arithmetic.yaml
+    megarl rm configs/rm_arithmetic.yaml
+    megarl train configs/rlhf_arithmetic.yaml
+    megarl train configs/quickstart.yaml trainer.steps=1 trainer.run_dir=runs/qs_base
+    megarl train configs/quickstart.yaml trainer.steps=1 trainer.run_dir=runs/qs_sft model.path=runs/sft_arithmetic/hf
+
+then ``python perf/pipeline_report.py [--runs runs]``: a markdown report (held-out SFT loss by
+step, the quickstart's step-1 accuracy from both models, the reward model's held-out pair
+accuracy, the RLHF reward beside the verifiable accuracy of the same samples, wall times) with
+this machine's CPU flags.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def rows(run_dir: Path) -> list[dict]:
+    """metrics.jsonl, the last row of each step (a restarted run appends)."""
+    by_step: dict = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        by_step[r["step"]] = r
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def cpu() -> str:
+    import os
+
+    from megarl.precision import cpu_flags
+
+    model, flags = cpu_flags()
+    return f"{model}, {os.cpu_count()} vCPU, flags: {' '.join(sorted(flags)) or 'none of avx512_bf16 / AMX'}"
+
+
+def seconds(rs: list[dict]) -> float:
+    return sum(v for r in rs for k, v in r.items() if k.startswith("time/") and isinstance(v, (int, float)))
+
+
+def report(runs: Path) -> str:
+    out = [f"# Post-training pipeline on CPU\n\nMachine: {cpu()}; fp32; `python perf/pipeline_report.py`.\n"]
+    sft = rows(runs / "sft_arithmetic")
+    out.append("## SFT (configs/sft_arithmetic.yaml)\n\n| step | train loss | held-out loss |\n|---|---|---|")
+    for r in sft:
+        if "eval/loss" in r or r["step"] in (1, len(sft) - 1):
+            out.append(f"| {r['step']} | {r.get('train/loss', float('nan')):.4f} | {r.get('eval/loss', float('nan')):.4f} |")
+    out.append(f"\n{len([r for r in sft if r['step'] > 0])} steps, {seconds(sft):.0f} s of train + eval phases.\n")
+    base, tuned = runs / "qs_base", runs / "qs_sft"
+    if base.exists() and tuned.exists():
+        b, t = rows(base)[0], rows(tuned)[0]
+        out.append("## Quickstart step 1 (configs/quickstart.yaml, level-1 problems, gsm8k_lenient, 32 samples)\n\n"
+                   "| policy | reward/accuracy | reward/mean | response length |\n|---|---|---|---|")
+        for name, r in (("base SmolLM2-135M-Instruct", b), ("SFT export", t)):
+            out.append(f"| {name} | {r['reward/accuracy']:.3f} | {r['reward/mean']:.3f} | "
+                       f"{r['response_length/mean']:.1f} |")
+        out.append("")
+    rm = rows(runs / "rm_arithmetic")
+    out.append("## Reward model (configs/rm_arithmetic.yaml)\n\n| step | train loss | held-out loss | held-out "
+               "pair accuracy | held-out margin |\n|---|---|---|---|---|")
+    for r in rm:
+        if "eval/loss" in r:
+            out.append(f"| {r['step']} | {r.get('train/loss', float('nan')):.4f} | {r['eval/loss']:.4f} | "
+                       f"{r['eval/accuracy']:.3f} | {r['eval/margin_mean']:.3f} |")
+    out.append(f"\n{len([r for r in rm if r['step'] > 0])} steps, {seconds(rm):.0f} s of train + eval phases.\n")
+    rl = runs / "rlhf_arithmetic"
+    if rl.exists():
+        out.append("## RLHF (configs/rlhf_arithmetic.yaml): reward model reward vs verifiable accuracy, same samples\n\n"
+                   "| step | reward (RM score, mean) | gsm8k_lenient (mean) | reward-model pass (s) | step (s) |\n"
+                   "|---|---|---|---|---|")
+        for r in rows(rl):
+            out.append(f"| {r['step']} | {r['reward/mean']:.3f} | {r['reward/gsm8k_lenient_mean']:.3f} | "
+                       f"{r['time/reward_model_s']:.2f} | {r.get('timeline/step_s', float('nan')):.0f} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", default="runs")
+    ap.add_argument("--out", help="also write the report here")
+    args = ap.parse_args()
+    text = report(Path(args.runs))
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
