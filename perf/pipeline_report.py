@@ -43,7 +43,35 @@ def seconds(rs: list[dict]) -> float:
     return sum(v for r in rs for k, v in r.items() if k.startswith("time/") and isinstance(v, (int, float)))
 
 
-def report(runs: Path) -> str:
+def rm_fresh_pairs(rm_dir: Path, num: int, level: int, seed: int) -> str:
+    """The exported reward model, loaded by transformers' AutoModelForSequenceClassification as it
+    is, on ``num`` fresh built-in pairs (another seed than training's): pair accuracy by kind of
+    rejected answer (a wrong total, or no '#### n' line)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from megarl.data.packing import trim_pads
+    from megarl.posttrain.data import builtin_rows, load_examples
+
+    tok = AutoTokenizer.from_pretrained(rm_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).eval()
+    rows = builtin_rows("builtin:arithmetic_prefs", num, level, seed)
+    ex = load_examples("fresh", "pairs", tok, use_chat_template=True, max_seq_tokens=1024, rows=rows)
+    pad = model.config.pad_token_id
+    right = {"wrong total": [], "no #### line": []}
+    with torch.no_grad():
+        for i, (_, row) in enumerate(rows):
+            p = ex.prompt_ids[i]
+            s = [float(model(torch.tensor([trim_pads(p + r, len(p), pad)])).logits[0, 0])
+                 for r in (ex.response_ids[i], ex.rejected_ids[i])]
+            right["wrong total" if "####" in row["rejected"] else "no #### line"].append(s[0] > s[1])
+    cells = [f"{k}: {sum(v)}/{len(v)} = {sum(v) / max(1, len(v)):.3f}" for k, v in right.items()]
+    total = [x for v in right.values() for x in v]
+    return (f"Fresh pairs (level {level}, data.seed {seed}; transformers AutoModelForSequenceClassification on the "
+            f"export): pair accuracy {sum(total)}/{len(total)} = {sum(total) / len(total):.3f} ({'; '.join(cells)}).\n")
+
+
+def report(runs: Path, fresh_pairs: int = 0) -> str:
     out = [f"# Post-training pipeline on CPU\n\nMachine: {cpu()}; fp32; `python perf/pipeline_report.py`.\n"]
     sft = rows(runs / "sft_arithmetic")
     out.append("## SFT (configs/sft_arithmetic.yaml)\n\n| step | train loss | held-out loss |\n|---|---|---|")
@@ -68,6 +96,8 @@ def report(runs: Path) -> str:
             out.append(f"| {r['step']} | {r.get('train/loss', float('nan')):.4f} | {r['eval/loss']:.4f} | "
                        f"{r['eval/accuracy']:.3f} | {r['eval/margin_mean']:.3f} |")
     out.append(f"\n{len([r for r in rm if r['step'] > 0])} steps, {seconds(rm):.0f} s of train + eval phases.\n")
+    if fresh_pairs:
+        out.append(rm_fresh_pairs(runs / "rm_arithmetic" / "hf", fresh_pairs, level=2, seed=99))
     rl = runs / "rlhf_arithmetic"
     if rl.exists():
         out.append("## RLHF (configs/rlhf_arithmetic.yaml): reward model reward vs verifiable accuracy, same samples\n\n"
@@ -84,8 +114,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", default="runs")
     ap.add_argument("--out", help="also write the report here")
+    ap.add_argument("--fresh-pairs", type=int, default=0, help="also score this many fresh preference pairs with "
+                                                                "the exported reward model in transformers")
     args = ap.parse_args()
-    text = report(Path(args.runs))
+    text = report(Path(args.runs), args.fresh_pairs)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")

@@ -20,7 +20,8 @@ parquet: the row, 0-based) and the field, raised before any worker starts; with
 
 ``builtin:arithmetic_sft`` and ``builtin:arithmetic_prefs`` in place of a file: the arithmetic
 task's problems (:mod:`megarl.tasks.arithmetic`, ``data.difficulty`` >= 2) with worked answers in
-the ``#### n`` format, and preference pairs (chosen: that answer; rejected: a wrong total, or the
+the ``#### n`` format, and preference pairs (chosen: that answer; rejected, a third each: a slip
+in one step carried on consistently, a final answer that does not follow from the steps, or the
 steps without the ``####`` line), generated offline from ``data.seed`` (:func:`builtin_rows`;
 ``megarl data`` writes them to a file). They never hold a level-1 problem (two one-digit operands
 added: the quickstart's 100 problems), so the quickstart measures what an SFT stage taught, not
@@ -290,25 +291,31 @@ def steps_per_epoch(n: int, batch_size: int) -> int:
 
 
 # ----------------------------------------------------------------------------- built-in sets
-def worked_answer(expression: str) -> tuple[str, int]:
+def worked_answer(expression: str, slip: Optional[tuple] = None) -> tuple[str, int]:
     """A step-by-step answer to an arithmetic expression (``*`` first, then left to right),
-    ending with ``#### value``."""
+    ending with ``#### value``. ``slip`` ``(k, delta)``: step k's result is off by ``delta`` and the
+    later steps carry the error on, consistently (a plausible wrong answer)."""
     tokens = expression.split()
     nums, ops = [int(tokens[0])], []
     for op, x in zip(tokens[1::2], tokens[2::2]):
         ops.append(op)
         nums.append(int(x))
     lines = []
-    i = 0
+
+    def result(value: int) -> int:
+        if slip is not None and len(lines) == slip[0]:
+            return value + slip[1]
+        return value
+
     while "*" in ops:   # products first
         i = ops.index("*")
-        product = nums[i] * nums[i + 1]
+        product = result(nums[i] * nums[i + 1])
         lines.append(f"{nums[i]} * {nums[i + 1]} = {product}.")
         nums[i:i + 2] = [product]
         del ops[i]
     total = nums[0]
     for op, x in zip(ops, nums[1:]):
-        new = total + x if op == "+" else total - x
+        new = result(total + x if op == "+" else total - x)
         lines.append(f"{total} {op} {x} = {new}.")
         total = new
     if not lines:
@@ -337,10 +344,16 @@ def builtin_rows(name: str, num_examples: int, level: int, seed: int) -> list[tu
         if name == "builtin:arithmetic_sft":
             row = {"prompt": rec.prompt, "response": answer}
         else:
-            if rng.random() < 0.5:   # a wrong total, well formatted
-                wrong = value + rng.choice([-3, -2, -1, 1, 2, 3, 10])
-                rejected = answer.rsplit("#### ", 1)[0] + f"#### {wrong}"
-            else:                    # the right steps, no final-answer line
+            kind = rng.random()
+            delta = rng.choice([-10, -2, -1, 1, 2, 10])
+            if kind < 1 / 3:     # a slip in one step, carried on consistently: well formatted, wrong
+                steps = answer.count("\n")
+                rejected, wrong = worked_answer(rec.extra["expression"], slip=(rng.randrange(steps), delta))
+                if wrong == value:   # a slip a later product by 0 erased: a final answer that does not follow
+                    rejected = answer.rsplit("#### ", 1)[0] + f"#### {value + delta}"
+            elif kind < 2 / 3:   # the right steps, then a final answer that does not follow from them
+                rejected = answer.rsplit("#### ", 1)[0] + f"#### {value + delta}"
+            else:                # the right steps, no final-answer line
                 rejected = answer.rsplit("\n#### ", 1)[0].replace(f"= {value}.", "is the result.")
                 rejected = rejected if rejected.strip() and rejected != answer else f"I think it is about {value + 1}."
             row = {"prompt": rec.prompt, "chosen": answer, "rejected": rejected}

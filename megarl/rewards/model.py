@@ -14,8 +14,6 @@ import math
 import time
 from pathlib import Path
 
-import torch
-
 from megarl.rewards.spec import model_term, parse_reward
 
 EPS = 1e-6
@@ -36,6 +34,8 @@ class RewardModelTerm:
         return {"count": self.count, "mean": self.mean, "m2": self.m2}
 
     def normalize(self, scores: list, group_ids: list) -> list:
+        import torch
+
         x = torch.tensor(scores, dtype=torch.float64)
         if self.norm == "whiten":   # running mean and variance over every sample so far (this step's included)
             n_b, mean_b, m2_b = len(x), float(x.mean()), float(((x - x.mean()) ** 2).sum())
@@ -59,6 +59,8 @@ class RewardModelTerm:
     def apply(self, rollout, group) -> dict:
         """Score ``rollout`` with the reward model and add the weighted, normalised scores to its
         rewards; the metrics (``reward_model/*``, the updated ``reward/*``)."""
+        import torch
+
         t = time.perf_counter()
         scores = group.reward_model_scores(rollout, self.pad_id)
         normed = self.normalize(scores, rollout.group_ids)
@@ -75,6 +77,8 @@ class RewardModelTerm:
 def reward_metrics(rollout) -> dict:
     """A rollout's (:class:`megarl.trainer.batch.Rollout`) reward mean and std, and with a weighted
     sum each term's raw mean (``reward/<name>_mean``)."""
+    import torch
+
     rewards = torch.tensor(rollout.rewards, dtype=torch.float64)
     out = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False))}
     for label in (rollout.reward_terms[0] if rollout.reward_terms else {}):
