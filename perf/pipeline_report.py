@@ -101,10 +101,11 @@ def report(runs: Path, fresh_pairs: int = 0) -> str:
     rl = runs / "rlhf_arithmetic"
     if rl.exists():
         out.append("## RLHF (configs/rlhf_arithmetic.yaml): reward model reward vs verifiable accuracy, same samples\n\n"
-                   "| step | reward (RM score, mean) | gsm8k_lenient (mean) | reward-model pass (s) | step (s) |\n"
-                   "|---|---|---|---|---|")
+                   "| step | RM score (mean) | RM score (std) | reward after data.reward_norm (mean) | gsm8k_lenient "
+                   "(mean) | reward-model pass (s) | step (s) |\n|---|---|---|---|---|---|---|")
         for r in rows(rl):
-            out.append(f"| {r['step']} | {r['reward/mean']:.3f} | {r['reward/gsm8k_lenient_mean']:.3f} | "
+            out.append(f"| {r['step']} | {r['reward_model/score_mean']:.4f} | {r['reward_model/score_std']:.4f} | "
+                       f"{r['reward/mean']:.3f} | {r['reward/gsm8k_lenient_mean']:.3f} | "
                        f"{r['time/reward_model_s']:.2f} | {r.get('timeline/step_s', float('nan')):.0f} |")
         out.append("")
     return "\n".join(out)
