@@ -130,23 +130,51 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_train(args) -> int:
-    """A run that stops early ends with one line: what stopped it and where it can resume from.
-    Exit code 128 + the signal's number (130 SIGINT, 143 SIGTERM), 1 for an error (its traceback
-    is in <run_dir>/logs/driver.log, on the terminal with --verbose), 2 for a config error."""
+    """RL training (:func:`_run_guarded`'s exit codes)."""
+    from megarl.config import load_config
+
+    cfg = load_config(args.recipe, args.overrides)
+    _preflight(args, cfg, "train")
+    from megarl.trainer.loop import train   # imports torch (seconds): only once the checks passed
+
+    return _run_guarded(args, cfg, lambda: train(cfg, resume=args.resume, verbose=args.verbose),
+                        lambda run_dir: f"run finished: {run_dir}/metrics.jsonl (megarl plot {run_dir})")
+
+
+def _cmd_stage(args) -> int:
+    """``megarl sft`` / ``megarl rm`` (:mod:`megarl.posttrain.run`; :func:`_run_guarded`'s exit
+    codes, a bad data row is a 2 before any process starts)."""
+    from megarl.config import load_config
+
+    cfg = load_config(args.recipe, args.overrides)
+    _preflight(args, cfg, args.command)
+    from megarl.posttrain.run import run_stage
+
+    use = "model.path" if args.command == "sft" else "data.reward=model:{}"
+    return _run_guarded(args, cfg, lambda: run_stage(cfg, args.command, resume=args.resume, verbose=args.verbose),
+                        lambda export: f"{args.command} finished: {cfg.trainer.run_dir}/metrics.jsonl; the model: "
+                                       f"{export} ({use.format(export)})")
+
+
+def _run_guarded(args, cfg, run, finished) -> int:
+    """``run()``, and ``finished(its result)`` printed. A run that stops early ends with one line:
+    what stopped it and where it can resume from. Exit code 128 + the signal's number (130 SIGINT,
+    143 SIGTERM), 1 for an error (its traceback is in <run_dir>/logs/driver.log, on the terminal
+    with --verbose), 2 for a config or data error."""
     import signal
     import traceback
     from pathlib import Path
 
-    from megarl.config import load_config
     from megarl.config.errors import ConfigError
+    from megarl.posttrain.data import DataError
     from megarl.trainer.checkpoint import describe_error   # torch-free
-
-    cfg = load_config(args.recipe, args.overrides)
-    _preflight(args, cfg, "train")
-    from megarl.trainer.loop import RunInterrupted, train   # imports torch (seconds): only once the checks passed
+    from megarl.trainer.interrupt import RunInterrupted
 
     try:
-        run_dir = train(cfg, resume=args.resume, verbose=args.verbose)
+        result = run()
+    except DataError as err:
+        print(f"megarl: data error: {err}", file=sys.stderr)
+        return 2
     except RunInterrupted as stop:
         print(_resume_line(str(stop), cfg, args), file=sys.stderr)
         return stop.exit_code
@@ -167,52 +195,7 @@ def _cmd_train(args) -> int:
         where = f" (traceback in {driver_log})" if not args.verbose and driver_log.exists() else ""
         print(_resume_line(f"error: {describe_error(err)}{where}", cfg, args), file=sys.stderr)
         return 1
-    print(f"run finished: {run_dir}/metrics.jsonl (megarl plot {run_dir})")
-    return 0
-
-
-def _cmd_stage(args) -> int:
-    """``megarl sft`` / ``megarl rm`` (:mod:`megarl.posttrain.run`): exit 0 with the export's
-    folder, 2 for a config or data error (before any process starts), 1 for an error, 128 + the
-    signal's number when stopped."""
-    import traceback
-    from pathlib import Path
-
-    from megarl.config import load_config
-    from megarl.posttrain.data import DataError
-    from megarl.trainer.checkpoint import describe_error
-
-    cfg = load_config(args.recipe, args.overrides)
-    _preflight(args, cfg, args.command)
-    from megarl.posttrain.run import run_stage
-    from megarl.trainer.interrupt import RunInterrupted
-
-    try:
-        export = run_stage(cfg, args.command, resume=args.resume, verbose=args.verbose)
-    except DataError as err:
-        print(f"megarl: data error: {err}", file=sys.stderr)
-        return 2
-    except RunInterrupted as stop:
-        print(_resume_line(str(stop), cfg, args), file=sys.stderr)
-        return stop.exit_code
-    except Exception as err:
-        driver_log = Path(cfg.trainer.run_dir) / "logs" / "driver.log"
-        if args.verbose:
-            traceback.print_exc()
-        where = f" (traceback in {driver_log})" if not args.verbose and driver_log.exists() else ""
-        print(_resume_line(f"error: {describe_error(err)}{where}", cfg, args), file=sys.stderr)
-        return 1
-    print(f"{args.command} finished: {cfg.trainer.run_dir}/metrics.jsonl; the model: {export} "
-          f"({'model.path' if args.command == 'sft' else 'data.reward=model:' + str(export)})")
-    return 0
-
-
-def _cmd_data(args) -> int:
-    from megarl.posttrain.data import builtin_rows, write_rows
-
-    rows = builtin_rows(f"builtin:{args.name}", args.num_examples, args.difficulty, args.seed)
-    write_rows(rows, args.out)
-    print(f"written {len(rows)} rows of builtin:{args.name} to {args.out}")
+    print(finished(result))
     return 0
 
 
@@ -227,8 +210,18 @@ def _resume_line(what: str, cfg, args) -> str:
     latest = CheckpointManager(cfg.checkpoint.dir or Path(cfg.trainer.run_dir) / "checkpoints").latest()
     if latest is None:
         return f"megarl: {what}; no checkpoint to resume from"
-    command = shlex.join(["megarl", getattr(args, "command", "train"), *([args.recipe] if args.recipe else []), *args.overrides, "--resume"])
+    command = shlex.join(["megarl", getattr(args, "command", "train"), *([args.recipe] if args.recipe else []),
+                          *args.overrides, "--resume"])
     return f"megarl: {what}; resume from {latest[1]} (step {latest[0]}): {command}"
+
+
+def _cmd_data(args) -> int:
+    from megarl.posttrain.data import builtin_rows, write_rows
+
+    rows = builtin_rows(f"builtin:{args.name}", args.num_examples, args.difficulty, args.seed)
+    write_rows(rows, args.out)
+    print(f"written {len(rows)} rows of builtin:{args.name} to {args.out}")
+    return 0
 
 
 _CONVERTERS = {"hf-to-megatron": "hf_to_megatron_main", "megatron-to-hf": "megatron_to_hf_main",
@@ -348,25 +341,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-preflight", action="store_true", help=_NO_PREFLIGHT)
     p.set_defaults(func=_cmd_generate)
 
-    p = sub.add_parser("train", help="RL training: generate -> score -> train -> sync, on Ray workers")
-    p.add_argument("recipe", nargs="?")
-    p.add_argument("overrides", nargs="*")
-    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
-    p.add_argument("--verbose", action="store_true", help=_VERBOSE)
-    p.add_argument("--no-preflight", action="store_true", help=_NO_PREFLIGHT)
-    p.set_defaults(func=_cmd_train)
-
-    for name, what in (("sft", "supervised fine-tuning (posttrain.*): loss on response tokens, packed, every "
-                                "parallelism; exports an HF folder"),
-                       ("rm", "a Bradley-Terry reward model (posttrain.*) on preference pairs; exports an HF "
-                              "*ForSequenceClassification folder")):
+    for name, what, func in (
+            ("train", "RL training: generate -> score -> train -> sync, on Ray workers", _cmd_train),
+            ("sft", "supervised fine-tuning (posttrain.*): loss on response tokens, packed, every parallelism; exports "
+                    "an HF folder", _cmd_stage),
+            ("rm", "a Bradley-Terry reward model (posttrain.*) on preference pairs; exports an HF "
+                   "*ForSequenceClassification folder", _cmd_stage)):
         p = sub.add_parser(name, help=what)
         p.add_argument("recipe", nargs="?")
         p.add_argument("overrides", nargs="*")
         p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
         p.add_argument("--verbose", action="store_true", help=_VERBOSE)
         p.add_argument("--no-preflight", action="store_true", help=_NO_PREFLIGHT)
-        p.set_defaults(func=_cmd_stage)
+        p.set_defaults(func=func)
 
     p = sub.add_parser("data", help="write a built-in data set (arithmetic SFT rows or preference pairs) to a file")
     p.add_argument("name", choices=["arithmetic_sft", "arithmetic_prefs"])

@@ -103,18 +103,12 @@ def read_rows(path: str) -> list[tuple[str, dict]]:
         import pyarrow.parquet as pq
 
         return [(f"{path}: row {i}", row) for i, row in enumerate(pq.read_table(path).to_pylist())]
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}: line {number}: invalid JSON ({exc.msg})") from None
-            if not isinstance(value, dict):
-                raise DataError(f"{path}: line {number}: expected a JSON object, got {type(value).__name__}")
-            rows.append((f"{path}: line {number}", value))
+    from megarl.tasks.dataset import _read_jsonl
+
+    try:
+        rows = [(f"{path}: line {n}", row) for n, row in _read_jsonl(path, numbered=True)]
+    except ValueError as err:
+        raise DataError(str(err)) from None
     if not rows:
         raise DataError(f"{path}: no rows")
     return rows

@@ -95,7 +95,9 @@ def validate_rows(rows: Iterable[Mapping[str, Any]], path: str) -> list[PromptRe
     return records
 
 
-def _read_jsonl(path: str, max_rows: int | None = None) -> list[dict[str, Any]]:
+def _read_jsonl(path: str, max_rows: int | None = None, numbered: bool = False) -> list:
+    """The JSON objects of a jsonl file (blank lines skipped); ``numbered``: ``(line number, object)``
+    pairs (1-based). A line that is not a JSON object raises ValueError naming file and line."""
     rows = []
     with open(path, encoding="utf-8") as f:
         for line_number, line in enumerate(f, start=1):
@@ -109,7 +111,7 @@ def _read_jsonl(path: str, max_rows: int | None = None) -> list[dict[str, Any]]:
                 raise ValueError(f"{path}: line {line_number}: invalid JSON ({exc.msg})") from None
             if not isinstance(value, dict):
                 raise ValueError(f"{path}: line {line_number}: expected a JSON object, got {type(value).__name__}")
-            rows.append(value)
+            rows.append((line_number, value) if numbered else value)
     return rows
 
 
