@@ -43,10 +43,19 @@ def seconds(rs: list[dict]) -> float:
     return sum(v for r in rs for k, v in r.items() if k.startswith("time/") and isinstance(v, (int, float)))
 
 
+def kind(rejected: str) -> str:
+    """Which of the built-in rejections ``rejected`` is (megarl.posttrain.data.builtin_rows)."""
+    if "####" not in rejected:
+        return "no #### line"
+    last_step = rejected.rsplit("\n#### ", 1)[0].splitlines()[-1]
+    final = rejected.rsplit("#### ", 1)[1].strip()
+    return "a slip carried on" if last_step.rstrip(".").endswith(f"= {final}") else "a total that does not follow"
+
+
 def rm_fresh_pairs(rm_dir: Path, num: int, level: int, seed: int) -> str:
     """The exported reward model, loaded by transformers' AutoModelForSequenceClassification as it
     is, on ``num`` fresh built-in pairs (another seed than training's): pair accuracy by kind of
-    rejected answer (a wrong total, or no '#### n' line)."""
+    rejected answer (:func:`kind`)."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -58,13 +67,13 @@ def rm_fresh_pairs(rm_dir: Path, num: int, level: int, seed: int) -> str:
     rows = builtin_rows("builtin:arithmetic_prefs", num, level, seed)
     ex = load_examples("fresh", "pairs", tok, use_chat_template=True, max_seq_tokens=1024, rows=rows)
     pad = model.config.pad_token_id
-    right = {"wrong total": [], "no #### line": []}
+    right = {"a slip carried on": [], "a total that does not follow": [], "no #### line": []}
     with torch.no_grad():
         for i, (_, row) in enumerate(rows):
             p = ex.prompt_ids[i]
             s = [float(model(torch.tensor([trim_pads(p + r, len(p), pad)])).logits[0, 0])
                  for r in (ex.response_ids[i], ex.rejected_ids[i])]
-            right["wrong total" if "####" in row["rejected"] else "no #### line"].append(s[0] > s[1])
+            right[kind(row["rejected"])].append(s[0] > s[1])
     cells = [f"{k}: {sum(v)}/{len(v)} = {sum(v) / max(1, len(v)):.3f}" for k, v in right.items()]
     total = [x for v in right.values() for x in v]
     return (f"Fresh pairs (level {level}, data.seed {seed}; transformers AutoModelForSequenceClassification on the "

@@ -212,6 +212,7 @@ class HybridWorker:
         dist.all_reduce(vals, group=self.groups.pgs.dp)
         return dict(zip(names, vals.tolist()))
 
+    def values(self, micro_batches):
         """The critic's values of the response tokens, per micro-batch (DP leaders; else None)."""
         outs = self.critic.forward_values(micro_batches)
         return outs if self.info()["dp_leader"] else None
