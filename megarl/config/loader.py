@@ -305,7 +305,7 @@ def cross_validate(cfg: MegaRLConfig) -> None:
     if model_term(parse_reward(cfg.data.reward)) is not None:
         a = cfg.algorithm   # these read the rewards while the samples are generated, before the model scores them
         for key, value, bad in (("algorithm.dynamic_sampling", a.dynamic_sampling, bool(a.dynamic_sampling)),
-                                ("algorithm.sample_filter", a.sample_filter, a.sample_filter not in (None, "none")),
+                                ("algorithm.sample_filter", a.sample_filter, a.sample_filter != "none"),
                                 ("algorithm.advantage", a.advantage, a.advantage == "remax")):
             if bad:
                 raise invalid_value(key, value, f"off with a reward model in data.reward={cfg.data.reward!r} (it "

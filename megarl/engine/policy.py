@@ -449,18 +449,8 @@ class PolicyEngine:
             raise RuntimeError("export_hf on a critic: its value head has no HF counterpart")
         yield from export_hf_weights(self.model)
         if self.is_reward_model:   # HF *ForSequenceClassification's head, from the last pipeline stage
-            yield "score.weight", self._from_last_stage_tensor(head_weight(self.model.modules))
-
-    def _from_last_stage_tensor(self, tensor: Optional[torch.Tensor]) -> torch.Tensor:
-        """A small tensor held by the last pipeline stage, on every rank (collective)."""
-        g = self.groups
-        if g.topology.pp == 1:
-            return tensor.detach().clone()
-        shape = self._from_last_stage(tuple(tensor.shape) if g.is_last_stage else None)
-        dtype = self._from_last_stage(tensor.dtype if g.is_last_stage else None)
-        out = tensor.detach().clone() if g.is_last_stage else torch.empty(shape, dtype=dtype)
-        dist.broadcast(out, src=dist.get_global_rank(g.pgs.pp, g.topology.pp - 1), group=g.pgs.pp)
-        return out
+            head = head_weight(self.model.modules)
+            yield "score.weight", self._from_last_stage(head.detach().clone() if head is not None else None)
 
     def local_shards(self):
         """This rank's parameter shards with their TP/EP partition metadata (no communication)."""

@@ -12,6 +12,16 @@ import json
 from pathlib import Path
 
 
+def pad_token_id(config: dict):
+    """The pad token a classifier of ``config`` (a config.json's dict) reads past: its
+    ``pad_token_id``, else its (first) EOS id."""
+    pad = config.get("pad_token_id")
+    if pad is None:
+        eos = config.get("eos_token_id")
+        pad = eos[0] if isinstance(eos, list) else eos
+    return pad
+
+
 def reward_model_config(model_path: str) -> str:
     """The ``config.json`` text of the reward model trained from the model at ``model_path``."""
     cfg = json.loads((Path(model_path) / "config.json").read_text())
@@ -21,9 +31,7 @@ def reward_model_config(model_path: str) -> str:
     cfg["num_labels"] = 1
     cfg["id2label"], cfg["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
     cfg["problem_type"] = "regression"
-    if cfg.get("pad_token_id") is None:
-        eos = cfg.get("eos_token_id")
-        cfg["pad_token_id"] = eos[0] if isinstance(eos, list) else eos
+    cfg["pad_token_id"] = pad_token_id(cfg)
     return json.dumps(cfg, indent=2) + "\n"
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import time
@@ -70,14 +71,6 @@ def stage_options(cfg, stage: str) -> dict:
     return {"loss_agg": cfg.posttrain.loss_agg} if stage == "sft" else {"use_margin": cfg.posttrain.margin}
 
 
-def plan_examples(lengths: list, group) -> object:
-    """The data plane's plan (:func:`megarl.data.plan_batches`) of examples of ``lengths`` tokens
-    (a pair: both sequences, kept in one micro-batch)."""
-    from megarl.data import plan_batches
-
-    return plan_batches(lengths, group.cfg.topology.to_topology(), group.budget)
-
-
 def micro_batches(examples: Examples, indices: list, plan, dp_rank: int, pad_id=None) -> list:
     """The ``SequenceBatch`` list of one DP rank: plan entries are positions in ``indices``; a
     pair's two sequences are adjacent (chosen, rejected) and its margin is in ``margin_P``."""
@@ -98,7 +91,12 @@ def micro_batches(examples: Examples, indices: list, plan, dp_rank: int, pad_id=
 
 
 def _rank_batches(group, examples: Examples, indices: list, pad_id) -> list:
-    plan = plan_examples([examples.length(i) for i in indices], group)
+    """Every rank's micro-batches of the examples ``indices``, planned by the data plane
+    (:func:`megarl.data.plan_batches`) on the examples' lengths: a pair is one unit, so its two
+    sequences share a micro-batch."""
+    from megarl.data import plan_batches
+
+    plan = plan_batches([examples.length(i) for i in indices], group.cfg.topology.to_topology(), group.budget)
     return [micro_batches(examples, indices, plan, info["dp_rank"], pad_id) for info in group.info]
 
 
@@ -108,6 +106,7 @@ def run_stage(cfg, stage: str, resume: bool = False, verbose: bool = False) -> P
 
     from megarl.config import save_resolved
     from megarl.models.fixtures import resolve_model_path
+    from megarl.models.seqcls import pad_token_id
     from megarl.observability import MetricsLogger
     from megarl.observability.console import run_console
     from megarl.posttrain.data import step_indices, steps_per_epoch
@@ -132,7 +131,8 @@ def run_stage(cfg, stage: str, resume: bool = False, verbose: bool = False) -> P
     total = stage_steps(cfg, len(train))
     # the workers' LR schedule spans trainer.steps (warm-up, then decay to trainer.min_lr): the stage's steps
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, steps=total))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    # the rm stage scores at the last token before trailing pads: the pad its export's config names
+    pad_id = pad_token_id(json.loads((Path(model_dir) / "config.json").read_text()))
     options = stage_options(cfg, stage)
     log = logging.getLogger("megarl")
     with contextlib.ExitStack() as cleanup:

@@ -23,9 +23,9 @@ class RewardModelTerm:
     def __init__(self, cfg, state: dict | None = None):
         self.term = model_term(parse_reward(cfg.data.reward))
         self.norm = cfg.data.reward_norm
-        rm_cfg = json.loads((Path(self.term.path) / "config.json").read_text())
-        eos = rm_cfg.get("eos_token_id")
-        self.pad_id = rm_cfg.get("pad_token_id", eos[0] if isinstance(eos, list) else eos)
+        from megarl.models.seqcls import pad_token_id
+
+        self.pad_id = pad_token_id(json.loads((Path(self.term.path) / "config.json").read_text()))
         state = state or {}
         self.count, self.mean, self.m2 = state.get("count", 0), state.get("mean", 0.0), state.get("m2", 0.0)
 

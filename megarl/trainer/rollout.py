@@ -173,20 +173,17 @@ class Rollouts:
     def _score(self, rewards, texts: list, answers: list, extras) -> tuple[list, list]:
         """(reward, per-term raw rewards or None) of each text: ``data.reward`` as it is, or the
         weighted sum of its rule terms (a reward-model term is added after generation)."""
-        if self.rule_terms is None:
-            result = rewards.score(self.cfg.data.reward, texts, answers, extras=extras)
-            self._counts[0] += result.n_errors
-            self._counts[1] += result.n_timeouts
-            return list(result.rewards), [None] * len(texts)
+        from megarl.rewards.spec import RewardTerm
+
         total, parts = [0.0] * len(texts), [{} for _ in texts]
-        for term in self.rule_terms:
+        for term in self.rule_terms if self.rule_terms is not None else [RewardTerm(1.0, self.cfg.data.reward)]:
             result = rewards.score(term.name, texts, answers, extras=extras)
             self._counts[0] += result.n_errors
             self._counts[1] += result.n_timeouts
             for j, r in enumerate(result.rewards):
-                total[j] += term.weight * r
+                total[j] += term.weight * r   # one term of weight 1: the reward itself, exactly
                 parts[j][term.label] = r
-        return total, parts
+        return total, parts if self.rule_terms is not None else [None] * len(texts)
 
     def decode(self, rollout: Rollout) -> list[str]:
         return self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)

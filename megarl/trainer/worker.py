@@ -161,17 +161,20 @@ class HybridWorker:
 
         return ray.get_gpu_ids()
 
+    def _models(self) -> list:
+        """Every engine this worker holds: policy, reference, critic, reward model."""
+        return [e for e in (self.policy, self.ref, self.critic, self.reward_model) if e is not None]
+
     def offload(self) -> dict:
         """Move every engine's params, grads and optimizer state to host memory (collective)."""
-        engines = [e for e in (self.policy, self.ref, self.critic, self.reward_model) if e is not None]
+        engines = self._models()
         for e in engines:
             e.offload()
         return {"offloaded_bytes": sum(e.offloader.offloaded_bytes for e in engines)}
 
     def onload(self) -> None:
-        for e in (self.policy, self.ref, self.critic, self.reward_model):
-            if e is not None:
-                e.onload()
+        for e in self._models():
+            e.onload()
 
     # ------------------------------------------------------------------ training (collective)
     def logprobs(self, micro_batches, reference: bool = False, with_entropy: bool = False,

@@ -55,6 +55,18 @@ def max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def against_tp1(out, key, ref, weights, loss, before):
+    """The first layout's step is the reference (and must change the weights from ``before``);
+    a later one's weights and loss are compared with it. Returns the reference."""
+    if ref is None:
+        out[f"{key}|step_changed_weights"] = max_diff(weights, before)
+        out[f"{key}|loss"] = loss
+        return weights, loss
+    out[f"{key}|weights_vs_tp1"] = max_diff(weights, ref[0])
+    out[f"{key}|loss_diff"] = abs(loss - ref[1])
+    return ref
+
+
 def sft_layouts(path, world, out):
     ids, prompts = batch(path)
     for agg in ("token-mean", "seq-mean-token-sum"):
@@ -65,15 +77,7 @@ def sft_layouts(path, world, out):
             before = export(engine) if ref is None else None
             mbs, _ = my_micro_batches(engine, ids, prompts)
             stats = engine.train_step(mbs, make_loss_fn("sft", loss_agg=agg))
-            weights = export(engine)
-            key = f"sft|{agg}|{spec or 'tp1'}"
-            if ref is None:
-                ref = (weights, stats["loss"])
-                out[f"{key}|step_changed_weights"] = max_diff(weights, before)
-                out[f"{key}|loss"] = stats["loss"]
-            else:
-                out[f"{key}|weights_vs_tp1"] = max_diff(weights, ref[0])
-                out[f"{key}|loss_diff"] = abs(stats["loss"] - ref[1])
+            ref = against_tp1(out, f"sft|{agg}|{spec or 'tp1'}", ref, export(engine), stats["loss"], before)
             del engine
             gc.collect()
 
@@ -134,14 +138,7 @@ def rm_layouts(path, world, out, rank):
             out[f"{key}|vs_hf"] = (scores - hf_scores(folder, ids)).abs().max().item()
             out[f"{key}|scores"] = scores.tolist()
         stats = engine.train_step(mbs, make_loss_fn("rm", use_margin=True))
-        after = export(engine)
-        if ref is None:
-            ref = (after, stats["loss"])
-            out[f"{key}|step_changed_weights"] = max_diff(after, weights)
-            out[f"{key}|loss"] = stats["loss"]
-        else:
-            out[f"{key}|weights_vs_tp1"] = max_diff(after, ref[0])
-            out[f"{key}|loss_diff"] = abs(stats["loss"] - ref[1])
+        ref = against_tp1(out, key, ref, export(engine), stats["loss"], weights)
         del engine
         gc.collect()
     if rank == 0:
