@@ -82,11 +82,16 @@ class Examples:
                 prompts.append(len(p))
         return seqs, prompts
 
-    def length(self, i: int) -> int:
-        """Tokens of example ``i`` (both sequences of a pair)."""
+    def length(self, i: int, tp: int = 1, cp: int = 1) -> int:
+        """Tokens of example ``i`` as the data plane plans it. A pair is one unit of two
+        sequences, each padded to the layout's alignment (:func:`megarl.data.packing.padded_length`
+        with ``tp``, ``cp``): the plan's packed size of the sum is then exactly what the two take,
+        and a micro-batch of pairs stays within the token budget."""
+        from megarl.data.packing import padded_length
+
         p = len(self.prompt_ids[i])
         if self.kind == "pairs":
-            return 2 * p + len(self.response_ids[i]) + len(self.rejected_ids[i])
+            return sum(padded_length(p + len(r), tp, cp) for r in (self.response_ids[i], self.rejected_ids[i]))
         return p + len(self.response_ids[i])
 
 

@@ -96,7 +96,8 @@ def _rank_batches(group, examples: Examples, indices: list, pad_id) -> list:
     sequences share a micro-batch."""
     from megarl.data import plan_batches
 
-    plan = plan_batches([examples.length(i) for i in indices], group.cfg.topology.to_topology(), group.budget)
+    topo = group.cfg.topology.to_topology()
+    plan = plan_batches([examples.length(i, topo.tp, topo.cp) for i in indices], topo, group.budget)
     return [micro_batches(examples, indices, plan, info["dp_rank"], pad_id) for info in group.info]
 
 

@@ -111,6 +111,16 @@ def test_pairs_sequences_are_adjacent(tmp_path, tok):
     assert prompts == [len(ex.prompt_ids[0])] * 2 and ex.length(0) == len(seqs[0]) + len(seqs[1])
 
 
+def test_a_pair_is_planned_at_the_packed_size_of_its_two_sequences():
+    from megarl.data.plan import packed_tokens
+
+    ex = D.Examples("pairs", [[1] * 5], [[2] * 8], [[3] * 4], [0.0])   # sequences of 13 and 9 tokens
+    for tp, cp in ((1, 1), (2, 1), (2, 2), (1, 4)):
+        both = packed_tokens(13, tp, cp) + packed_tokens(9, tp, cp)
+        assert packed_tokens(ex.length(0, tp, cp), tp, cp) == both, (tp, cp)
+    assert ex.length(0) == 22 and packed_tokens(22, 2, 2) < packed_tokens(13, 2, 2) + packed_tokens(9, 2, 2)
+
+
 def test_builtin_sets_are_deterministic_correct_and_disjoint_from_rl_prompts():
     from megarl.rewards.math import gsm8k_reward
     from megarl.tasks.arithmetic import generate_arithmetic
