@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import types
 import typing
@@ -204,7 +205,29 @@ def resolve_presets(cfg: MegaRLConfig) -> MegaRLConfig:
 
         cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(
             cfg.trainer, logprob_diff_threshold=LOGPROB_DIFF_THRESHOLDS[cfg.model.dtype]))
+    if cfg.data.epochs:   # the run's length in passes over the prompt set
+        steps = math.ceil(cfg.data.epochs * prompt_count(cfg.data) / cfg.data.prompts_per_step)
+        cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, steps=steps))
     return cfg
+
+
+def prompt_count(data) -> int:
+    """How many prompts one epoch visits: ``data.num_prompts`` of a generated task, or the rows of
+    ``data.task``'s file (raises ConfigError naming data.epochs when there is no fixed set)."""
+    from megarl.tasks import GENERATED_TASKS
+
+    if data.task in GENERATED_TASKS:
+        if not data.num_prompts:
+            raise invalid_value("data.epochs", data.epochs, f"null with data.task={data.task!r} and no "
+                                "data.num_prompts (new problems every step: there is no epoch to repeat)")
+        return data.num_prompts
+    from megarl.tasks import load_prompt_dataset
+
+    try:
+        return len(load_prompt_dataset(data.task))
+    except (OSError, ValueError) as err:
+        raise invalid_value("data.task", data.task, f"a readable prompt file to count data.epochs over ({err})") \
+            from None
 
 
 def check_sections(cfg: MegaRLConfig) -> None:
@@ -237,6 +260,8 @@ def check_sections(cfg: MegaRLConfig) -> None:
                             "rollout.return_routing (the routing of a multi-turn trajectory is not collected yet)")
     if cfg.rollout.agent == "tools" and cfg.rollout.search_corpus and not Path(cfg.rollout.search_corpus).is_file():
         raise invalid_value("rollout.search_corpus", cfg.rollout.search_corpus, "an existing .txt or .jsonl file")
+    if r.speculative != "off":
+        check_speculative(cfg)
     a = cfg.algorithm
     if a.advantage == "remax" and (cfg.rollout.agent == "tools" or cfg.trainer.mode == "async"):
         key, value = ("rollout.agent", "tools") if cfg.rollout.agent == "tools" else ("trainer.mode", "async")
@@ -271,6 +296,31 @@ def check_sections(cfg: MegaRLConfig) -> None:
             get(value)
         except (ValueError, TypeError) as err:
             raise ConfigError(key, f"invalid value for config key '{key}': {err}") from None
+
+
+def check_speculative(cfg: MegaRLConfig) -> None:
+    """What ``rollout.speculative`` needs (docs/speculative.md)."""
+    from megarl.tasks import GENERATED_TASKS
+
+    r, mode = cfg.rollout, cfg.rollout.speculative
+    why = f"'off' with {{}} (rollout.speculative={mode!r} {{}})"
+    if cfg.data.task in GENERATED_TASKS and not cfg.data.num_prompts:
+        raise invalid_value("rollout.speculative", mode, why.format(
+            f"data.task={cfg.data.task!r} and no data.num_prompts", "reuses a prompt's responses from its previous "
+            "epoch; set data.num_prompts for a fixed pool of problems"))
+    if r.agent == "tools":
+        raise invalid_value("rollout.speculative", mode, why.format(
+            "rollout.agent='tools'", "verifies single-turn responses; a trajectory's tool results are not the model's"))
+    if cfg.trainer.mode == "async":
+        raise invalid_value("rollout.speculative", mode, why.format(
+            "trainer.mode='async'", "runs in on_policy and one_step_off; async generates one request per sample"))
+    if r.return_routing or cfg.algorithm.router_replay == "r3":
+        raise invalid_value("rollout.speculative", mode, why.format(
+            "rollout.return_routing / algorithm.router_replay='r3'", "does not collect the routing of a reused prefix"))
+    for key, value, plain in (("temperature", r.temperature, 1.0), ("top_p", r.top_p, 1.0), ("top_k", r.top_k, -1)):
+        if value != plain:
+            raise invalid_value(f"rollout.{key}", value, f"{plain} with rollout.speculative={mode!r} (the verification "
+                                "reads vLLM's prompt log-probs, which are of the untempered, untruncated distribution)")
 
 
 def model_hf_config(path: str) -> dict | None:

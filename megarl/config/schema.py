@@ -192,11 +192,29 @@ class RolloutConfig:
     search_corpus: str = ""
     """agent=tools, search tool: the local corpus, a .txt file (blank-line separated documents)
     or a .jsonl file ({"text": ...} per line)."""
+    speculative: Literal["off", "exact", "lenient"] = "off"
+    """Speculative rollouts (docs/speculative.md): a prompt's responses from its previous epoch
+    are drafts that the current policy verifies in one parallel pass; generation resumes at the
+    first rejected token. exact: a response is distributed exactly as plain sampling (up to the
+    unstored tail of the draft policy's top-k, reported as spec/residual_tv_bound); lenient:
+    SPEC-RL's rule, more reuse, biased toward the old policy. Needs prompts that recur (a prompt
+    file, or data.num_prompts for a generated task), temperature 1, top_p 1, top_k -1."""
+    speculative_lenience: float = 1.6487212707001282
+    """speculative=lenient: l in the acceptance test u <= min(1, l * p_new / p_old) (SPEC-RL's
+    GRPO default e^0.5; >= 1). exact always uses 1."""
+    speculative_topk: int = 20
+    """speculative: top log-probs stored per response token with each draft (the exact mode's
+    residual knows the old policy on these tokens only)."""
+    draft_store_mb: float = 1024.0
+    """speculative: the controller's draft store at most (MiB); beyond it the least recently
+    stored prompts lose their drafts (spec/store_evicted)."""
 
     def validate(self):
         _positive(self, "dp", "tp", "ep", "n", "max_prompt_tokens", "max_response_tokens", "kv_cache_gib",
                   "engine_timeout_s", "max_turns", "tool_timeout_s", "tool_workers", "tool_output_chars",
-                  "python_memory_mb")
+                  "python_memory_mb", "speculative_topk", "draft_store_mb")
+        if self.speculative_lenience < 1.0:
+            raise ConfigValueError("speculative_lenience", self.speculative_lenience, "a number >= 1")
         if self.agent == "tools":
             known = ("calculator", "python", "search")
             names = [t.strip() for t in self.tools.split(",") if t.strip()]
@@ -410,9 +428,17 @@ class DataConfig:
     """Wrap prompts with the tokenizer's chat template."""
     seed: int = 0
     """Seed of the prompt order (and of the arithmetic generator)."""
+    num_prompts: Optional[int] = None
+    """Generated tasks (arithmetic, calculator): a fixed pool of this many problems, drawn once
+    from data.seed and visited in epochs like a prompt file's rows (speculative rollouts need
+    prompts that recur); null: new problems every step."""
+    epochs: Optional[int] = None
+    """Passes over the prompt set (a file's rows or data.num_prompts), each in its own order
+    (shuffled by data.seed and the epoch); when set, trainer.steps becomes ceil(epochs * prompts /
+    prompts_per_step). null: trainer.steps decides."""
 
     def validate(self):
-        _positive(self, "difficulty", "prompts_per_step", "reward_timeout_s")
+        _positive(self, "difficulty", "prompts_per_step", "reward_timeout_s", "num_prompts", "epochs")
         _positive(self, "eval_prompts", allow_zero=True)
         from megarl.rewards.spec import parse_reward
 

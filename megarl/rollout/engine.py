@@ -148,6 +148,8 @@ def make_rollout_llm(cfg, model_path: str, cores: tuple[int, int] | None = None)
             os.environ[CAPTURE_ENV] = "1"
         else:
             os.environ.pop(CAPTURE_ENV, None)
+    if r.speculative != "off":   # top-k with every sample; the exact mode's residual: the whole vocabulary
+        extra["max_logprobs"] = -1 if r.speculative == "exact" else max(20, r.speculative_topk)
     if r.ep > 1:
         extra["enable_expert_parallel"] = True
     if not cuda_available():
@@ -271,15 +273,21 @@ def sleeps(cfg) -> bool:
             and cuda_available())
 
 
-def sampling_params(rollout_cfg, seeds: list[int], greedy: bool = False) -> list:
-    """One ``vllm.SamplingParams`` per prompt: ``rollout.n`` samples (1 when greedy) with vLLM's
-    log-prob of each sampled token."""
+def sampling_params(rollout_cfg, seeds: list[int], greedy: bool = False, n: int | None = None,
+                    max_tokens: list[int] | None = None) -> list:
+    """One ``vllm.SamplingParams`` per prompt: ``rollout.n`` samples (``n`` when given; 1 when
+    greedy) of at most ``max_tokens[i]`` (default ``rollout.max_response_tokens``) with vLLM's
+    log-prob of each sampled token; with ``rollout.speculative`` on (not greedy), the top
+    ``rollout.speculative_topk`` log-probs of each position too (a later epoch's draft needs them)."""
     from vllm import SamplingParams
 
     r = rollout_cfg
-    sampling = dict(n=1, temperature=0.0) if greedy else dict(n=r.n, temperature=r.temperature, top_p=r.top_p,
-                                                             top_k=r.top_k)
-    return [SamplingParams(**sampling, max_tokens=r.max_response_tokens, logprobs=0, seed=s) for s in seeds]
+    sampling = dict(n=1, temperature=0.0) if greedy else dict(n=r.n if n is None else n, temperature=r.temperature,
+                                                             top_p=r.top_p, top_k=r.top_k)
+    if r.speculative != "off" and not greedy:   # megarl decodes itself: vLLM would decode k tokens a position
+        sampling.update(logprobs=r.speculative_topk, detokenize=False)
+    budgets = max_tokens or [r.max_response_tokens] * len(seeds)
+    return [SamplingParams(**{"logprobs": 0, **sampling}, max_tokens=b, seed=s) for s, b in zip(seeds, budgets)]
 
 
 def request_params(rollout_cfg, requests: list[dict]) -> list:
@@ -306,12 +314,19 @@ def request_params(rollout_cfg, requests: list[dict]) -> list:
     return out
 
 
-def samples_of(out) -> list[dict]:
+def samples_of(out, topk: int = 0) -> list[dict]:
     """A finished ``RequestOutput`` as megarl's samples: token ids, vLLM's log-prob of each
-    sampled token, and whether the response was cut at max_response_tokens."""
-    return [{"token_ids": list(o.token_ids),
-             "logprobs": [o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)],
-             "clipped": o.finish_reason == "length"} for o in out.outputs]
+    sampled token, and whether the response was cut at max_response_tokens; with ``topk``, each
+    position's top-k log-probs too (:func:`megarl.rollout.speculative.with_top`)."""
+    from megarl.rollout.speculative import with_top
+
+    samples = [{"token_ids": list(o.token_ids),
+                "logprobs": [o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)],
+                "clipped": o.finish_reason == "length"} for o in out.outputs]
+    if topk:
+        for s, o in zip(samples, out.outputs):
+            with_top(s, o.logprobs, topk)
+    return samples
 
 
 def sample(llm, rollout_cfg, prompt_ids: list[list[int]], seeds: list[int], greedy: bool = False):
@@ -395,44 +410,114 @@ class EngineActor:
         return engine_errors(self.llm, f"rollout engine {self.index} (pid {os.getpid()})", phase)
 
     def generate_stream(self, prompt_ids: list[list[int]], seeds: list[int], greedy: bool = False,
-                        flush_s: float = 0.25, heartbeat_s: float = 2.0):
+                        flush_s: float = 0.25, heartbeat_s: float = 2.0, drafts: list | None = None):
         """Generate, yielding what finished as it finishes (a Ray streaming generator):
-        ``{"done": [(prompt index, samples)], "busy_s", "tokens"}`` at most every ``flush_s``
-        seconds, and at least every ``heartbeat_s`` (possibly with nothing done: the controller
-        tells a slow engine from a hung one by these). ``busy_s`` and ``tokens`` are cumulative.
-        ``rollout.delay_per_token_s``: sleep after every engine step (one token per running sequence)."""
+        ``{"done": [(prompt index, samples)], "busy_s", "tokens", "spec_s"}`` at most every
+        ``flush_s`` seconds, and at least every ``heartbeat_s`` (possibly with nothing done: the
+        controller tells a slow engine from a hung one by these). ``busy_s`` and ``tokens``
+        (generated here) are cumulative. ``rollout.delay_per_token_s``: sleep after every engine
+        step (one token per running sequence).
+
+        ``drafts`` (``rollout.speculative``): per prompt, its previous epoch's responses (as
+        :class:`megarl.rollout.drafts.DraftStore` keeps them) or None. Those are verified first
+        (:meth:`_speculative`), and only what they leave is generated; ``spec_s`` holds the
+        seconds of that verification (``verify_s``, ``residual_s``)."""
         from vllm import TokensPrompt
 
-        delay = self.cfg.rollout.delay_per_token_s
+        r = self.cfg.rollout
+        topk = r.speculative_topk if r.speculative != "off" and not greedy else 0
+        delay = r.delay_per_token_s
         reader = routing_reader(self.llm)
         t0 = time.perf_counter()
-        tokens, done, last = 0, [], t0
         with self._errors("generate"):
-            params = sampling_params(self.cfg.rollout, seeds, greedy)
-            ids = self.llm.enqueue([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+            if drafts is not None and any(drafts) and not greedy:
+                units, finish, ready, spec_s = self._speculative(prompt_ids, seeds, drafts, topk)
+            else:
+                params = sampling_params(r, seeds, greedy)
+                units = [(p, q, i) for i, (p, q) in enumerate(zip(prompt_ids, params))]
+                ready, spec_s = [], {}
+
+                def finish(i, internal, out) -> tuple[list, list]:
+                    samples = samples_of(out, topk)
+                    return [(i, samples)], [(_child_id(internal, o.index, params[i].n), s, len(prompt_ids[i]), o)
+                                            for o, s in zip(out.outputs, samples)]
+            ids = self.llm.enqueue([TokensPrompt(prompt_token_ids=p) for p, _, _ in units], [q for _, q, _ in units],
+                                   use_tqdm=False) if units else []
             # outputs carry the external id (LLM's counter, "7"); enqueue returns vLLM's internal
             # one, the external id with a random suffix ("7-1a2b3c4d"); the routing is filed under it
-            index = {rid.split("-", 1)[0]: (i, rid) for i, rid in enumerate(ids)}
+            index = {rid.split("-", 1)[0]: (key, rid) for (_, _, key), rid in zip(units, ids)}
             engine = self.llm.llm_engine
+            tokens, done, last = 0, list(ready), t0
             while engine.has_unfinished_requests():
                 routed = []
                 for out in engine.step():
                     if out.finished:
-                        samples = samples_of(out)
-                        tokens += sum(len(s["token_ids"]) for s in samples)
-                        i, internal = index[out.request_id.split("-", 1)[0]]
-                        done.append((i, samples))
-                        routed += [(_child_id(internal, o.index, params[i].n), s, len(prompt_ids[i]), o)
-                                   for o, s in zip(out.outputs, samples)]
+                        tokens += sum(len(o.token_ids) for o in out.outputs)
+                        pairs, rows = finish(*index[out.request_id.split("-", 1)[0]], out)
+                        done += pairs
+                        routed += rows
                 if reader is not None:
                     reader.attach(routed)
                 if delay:
                     time.sleep(delay)
                 now = time.perf_counter()
                 if (done and now - last >= flush_s) or now - last >= heartbeat_s:
-                    yield {"done": done, "busy_s": now - t0, "tokens": tokens}
+                    yield {"done": done, "busy_s": now - t0, "tokens": tokens, "spec_s": spec_s}
                     done, last = [], now
-        yield {"done": done, "busy_s": time.perf_counter() - t0, "tokens": tokens}
+        yield {"done": done, "busy_s": time.perf_counter() - t0, "tokens": tokens, "spec_s": spec_s}
+
+    def _speculative(self, prompt_ids: list[list[int]], seeds: list[int], drafts: list, topk: int):
+        """:meth:`generate_stream`'s requests when prompts have drafts: sample j of prompt i with a
+        draft is verified (:func:`megarl.rollout.speculative.verify_and_resample`, seed
+        ``seeds[i] + j``, vLLM's seed of sample j of a plain request) and continued, when
+        something is left, as a request of one sample from the prompt + its kept tokens with the
+        remaining budget; a prompt without drafts is one plain request of ``rollout.n`` samples
+        (as without speculation). Returns the requests ``(prompt, params, key)``, the function
+        that takes a finished one (``finish(key, internal id, output) -> (done pairs, [])``), the
+        prompts complete already (every sample fully accepted) and the verification's seconds."""
+        from megarl.rollout.speculative import verify_and_resample
+
+        r = self.cfg.rollout
+        jobs = [((i, j), {"prompt_ids": prompt_ids[i], "seed": seeds[i] + j, "draft": d})
+                for i, ds in enumerate(drafts) for j, d in enumerate((ds or [])[:r.n])]
+        results, spec_s = verify_and_resample(self.llm, [d for _, d in jobs], r.speculative, r.speculative_lenience,
+                                              topk, r.max_response_tokens)
+        slots = {i: [None] * r.n for i, ds in enumerate(drafts) if ds}
+        for ((i, j), _), res in zip(jobs, results):
+            slots[i][j] = res
+        units = []
+        for i in range(len(prompt_ids)):
+            if i not in slots:
+                units.append((prompt_ids[i], sampling_params(r, [seeds[i]])[0], (i, None)))
+                continue
+            for j, res in enumerate(slots[i]):
+                if res is None:   # fewer drafts than samples: generated from the prompt
+                    res = slots[i][j] = {"token_ids": [], "logprobs": [], "top_ids": np.zeros((0, topk), np.int32),
+                                         "top_logprobs": np.zeros((0, topk), np.float32), "done": False,
+                                         "clipped": False, "spec": None}
+                if not res["done"]:
+                    budget = r.max_response_tokens - len(res["token_ids"])
+                    units.append((prompt_ids[i] + res["token_ids"],
+                                  sampling_params(r, [seeds[i] + j], n=1, max_tokens=[budget])[0], (i, j)))
+
+        def complete(i: int) -> list:
+            return [(i, [{k: v for k, v in res.items() if k != "done"} for res in slots[i]])] \
+                if all(res["done"] for res in slots[i]) else []
+
+        def finish(key, internal, out) -> tuple[list, list]:
+            i, j = key
+            if j is None:
+                return [(i, samples_of(out, topk))], []
+            res, (new,) = slots[i][j], samples_of(out, topk)
+            res["token_ids"] += new["token_ids"]
+            res["logprobs"] += new["logprobs"]
+            res["top_ids"] = np.concatenate([res["top_ids"], new["top_ids"]])
+            res["top_logprobs"] = np.concatenate([res["top_logprobs"], new["top_logprobs"]])
+            res["clipped"], res["done"] = new["clipped"], True
+            return complete(i), []
+
+        ready = [pair for i in slots for pair in complete(i)]
+        return units, finish, ready, spec_s
 
     def _inbox(self, stream_id: str) -> "queue.Queue":
         with self._inbox_lock:

@@ -37,6 +37,10 @@ class PromptRecord:
     """Where the row comes from; selects the reward function (e.g. ``gsm8k``, ``arithmetic``)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Other columns of the row."""
+    uid: str | None = None
+    """A stable id of the prompt within its run's prompt set (its row, or its place in a
+    generated pool; :class:`megarl.trainer.rollout.PromptSource`): what the draft store of
+    speculative rollouts is keyed by. None: a prompt that never recurs. Not a column."""
 
     def to_row(self) -> dict[str, Any]:
         return {"prompt": self.prompt, "answer": self.answer, "data_source": self.data_source, **self.extra}

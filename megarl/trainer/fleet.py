@@ -70,21 +70,27 @@ class Fleet:
         return f"rollout engine {k} ({pid}vLLM TP ranks on {where})"
 
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], greedy: bool = False,
-                 on_done: Optional[Callable[[list], None]] = None) -> list:
+                 on_done: Optional[Callable[[list], None]] = None, drafts: Optional[list] = None) -> list:
         """Per prompt, its samples (:func:`megarl.rollout.engine.samples_of`), in prompt order.
-        ``on_done(pairs)`` is called with ``[(prompt index, samples), ...]`` as they finish."""
+        ``on_done(pairs)`` is called with ``[(prompt index, samples), ...]`` as they finish.
+        ``drafts`` (``rollout.speculative``): per prompt, its drafts or None; they travel with
+        their prompt to its engine (:meth:`EngineActor.generate_stream`)."""
         keys = [tuple(p) for p in prompt_ids]
         local = {k: part for k, part in enumerate(self.router.assign([len(p) for p in prompt_ids], keys)) if part}
         out: list = [None] * len(prompt_ids)
+        spec_s: dict = {}   # engine -> its verification seconds
 
         def launch(k: int):
             local[k] = [i for i in local[k] if out[i] is None]
             if not local[k]:
                 return None
             return self.engines[k].generate_stream.options(num_returns="streaming").remote(
-                [prompt_ids[i] for i in local[k]], [seeds[i] for i in local[k]], greedy, heartbeat_s=HEARTBEAT_S)
+                [prompt_ids[i] for i in local[k]], [seeds[i] for i in local[k]], greedy, heartbeat_s=HEARTBEAT_S,
+                drafts=None if drafts is None else [drafts[i] for i in local[k]])
 
         def receive(k: int, item: dict) -> None:
+            if item.get("spec_s"):
+                spec_s[k] = item["spec_s"]
             pairs = [(local[k][j], samples) for j, samples in item["done"]]
             for i, samples in pairs:
                 out[i] = samples
@@ -101,6 +107,9 @@ class Fleet:
             raise RuntimeError(f"the rollout fleet returned no samples for {len(missing)} prompt(s), e.g. prompt "
                                f"{missing[0]} (engine {next(k for k, p in local.items() if missing[0] in p)})")
         self.metrics = dict(self._metrics(stats), **{"rollout/engine_restarts": restarts})
+        for name in ("verify_s", "residual_s"):   # the engines verify at once: the slowest one's
+            if spec_s:
+                self.metrics[f"spec/{name}"] = max(s[name] for s in spec_s.values())
         return out
 
     def generate_requests(self, requests: list[dict], pause: Optional[threading.Event] = None,

@@ -77,7 +77,7 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
     from megarl.observability.timeline import Timeline
     from megarl.rewards.model import RewardModelTerm
     from megarl.rewards.spec import model_term, parse_reward
-    from megarl.trainer.checkpoint import CheckpointManager
+    from megarl.trainer.checkpoint import CheckpointManager, load_plain
     from megarl.trainer.modes import SampleLog, make_source, offpolicy_metrics
     from megarl.trainer.rollout import Rollouts
     from megarl.trainer.routing import StepRouting
@@ -110,6 +110,9 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
             source_state = ckpt.metadata(folder).get("rollout_source")
             reward_model_state = ckpt.metadata(folder).get("reward_model")
             logging.getLogger("megarl").info(f"resumed from {folder} (step {start})")
+            if rollouts.drafts is not None and rollouts.drafts.load(folder, load_plain):
+                megarl_log.info(f"speculative rollouts: {len(rollouts.drafts)} prompts' drafts restored "
+                                f"({rollouts.drafts.bytes / 2**20:.1f} MiB)")
         ckpt.clean_partials()
         timeline = Timeline(run_dir / "timeline.jsonl", resume_step=start + 1)
         group.timeline = timeline
@@ -127,6 +130,8 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
         reward_model = None
         if model_term(parse_reward(cfg.data.reward)) is not None:   # scored on the training workers
             reward_model = RewardModelTerm(cfg, reward_model_state)
+
+        save_drafts = rollouts.drafts.save if rollouts.drafts is not None else None
 
         def checkpoint_metadata() -> dict:
             return {"kl_coef": kl_ctl.value, "rollout_source": source.state(),
@@ -247,13 +252,13 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
                 break
             stop.last_step = step
             if cfg.checkpoint.save_every and (step % cfg.checkpoint.save_every == 0 or step == cfg.trainer.steps):
-                group.save_checkpoint(ckpt, step, checkpoint_metadata())
+                group.save_checkpoint(ckpt, step, checkpoint_metadata(), save_drafts)
         if stop.requested and (done := stop.last_step) < cfg.trainer.steps:
             megarl_log.info(f"stopping after step {done} (interrupt)")
             stop.step, stop.phase = 0, "checkpoint and shutdown"
             if cfg.checkpoint.save_on_interrupt and done > 0 and done not in dict(ckpt.complete()):
                 megarl_log.info(f"writing the checkpoint of step {done} (checkpoint.save_on_interrupt)")
-                group.save_checkpoint(ckpt, done, checkpoint_metadata())
+                group.save_checkpoint(ckpt, done, checkpoint_metadata(), save_drafts)
             raise RunInterrupted(stop.signum, done, hard=False)
     return run_dir
 

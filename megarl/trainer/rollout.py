@@ -30,13 +30,27 @@ SampleFn = Callable[..., list]
 
 
 class PromptSource:
-    """Prompts of step ``s``: a deterministic function of (data.seed, s): resuming repeats them."""
+    """Prompts of step ``s``: a deterministic function of (data.seed, s): resuming repeats them.
+
+    A prompt file's rows, or a generated task's fixed pool (``data.num_prompts``, drawn once),
+    are visited in epochs, each in its own order (a permutation seeded by data.seed and the
+    epoch): step s takes the next ``prompts_per_step`` positions of that sequence, across an
+    epoch's end too. Each record's ``uid`` is its row (its place in the pool). Without a pool a
+    generated task draws new problems every step (no uid)."""
 
     def __init__(self, data_cfg):
         from megarl.tasks import GENERATED_TASKS, load_prompt_dataset
 
         self.cfg = data_cfg
-        self.records = None if data_cfg.task in GENERATED_TASKS else load_prompt_dataset(data_cfg.task)
+        if data_cfg.task not in GENERATED_TASKS:
+            self.records = load_prompt_dataset(data_cfg.task)
+        elif data_cfg.num_prompts:
+            self.records = self._generate(data_cfg.num_prompts, data_cfg.seed * 1_000_003 - 2)
+        else:
+            self.records = None
+        for i, rec in enumerate(self.records or ()):
+            rec.uid = str(i)
+        self._orders: dict[int, list[int]] = {}
 
     def _generate(self, count: int, seed: int):
         if self.cfg.task == "calculator":
@@ -47,18 +61,29 @@ class PromptSource:
 
         return generate_arithmetic(count, level=self.cfg.difficulty, seed=seed)
 
+    def order(self, epoch: int) -> list[int]:
+        """The records' order in ``epoch`` (0-based)."""
+        if epoch not in self._orders:
+            g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + epoch)
+            self._orders = {epoch: torch.randperm(len(self.records), generator=g).tolist()}
+        return self._orders[epoch]
+
+    def epoch(self, step: int) -> int:
+        """The epoch (0-based) of step ``step``'s first prompt; 0 without a fixed prompt set."""
+        return 0 if self.records is None else (step - 1) * self.cfg.prompts_per_step // len(self.records)
+
     def batch(self, step: int, count: int, offset: int = 0):
         if self.records is None:
             return self._generate(count, self.cfg.seed * 1_000_003 + step * 7 + offset)
-        n = len(self.records)
-        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + ((step - 1) * self.cfg.prompts_per_step) // n)
-        order = torch.randperm(n, generator=g).tolist()
-        start = ((step - 1) * self.cfg.prompts_per_step + offset * count) % n
-        return [self.records[order[(start + i) % n]] for i in range(count)]
+        n, first = len(self.records), (step - 1) * self.cfg.prompts_per_step + offset * count
+        return [self.records[self.order(pos // n)[pos % n]] for pos in range(first, first + count)]
 
     def eval_batch(self, count: int):
-        """Held-out prompts: generated from a seed no training step uses, else the dataset's last rows."""
-        if self.records is None:
+        """Held-out prompts: generated from a seed no training step (nor the pool) uses, else the
+        dataset's last rows."""
+        from megarl.tasks import GENERATED_TASKS
+
+        if self.cfg.task in GENERATED_TASKS:
             return self._generate(count, self.cfg.seed * 1_000_003 - 1)
         return self.records[-count:]
 
@@ -85,6 +110,12 @@ class Rollouts:
         self.agent = self.formatter = self.runner = None
         if cfg.rollout.agent == "tools":
             self._start_agent(fleet)
+        self.drafts = None   # rollout.speculative: the previous epoch's responses per prompt
+        if cfg.rollout.speculative != "off":
+            from megarl.rollout.drafts import DraftStore
+
+            self.drafts = DraftStore(int(cfg.rollout.draft_store_mb * 2**20))
+        self.spec_samples: list = []   # the last collect's samples' speculation records
 
     def _start_agent(self, fleet) -> None:
         from megarl.agent.loop import AgentLoop
@@ -159,7 +190,14 @@ class Rollouts:
                 scored.setdefault(i, []).append((reward, part))
             self.score_s += time.perf_counter() - t
 
-        gens = self.sample_fn(ids, seeds, greedy, on_done=on_done if rewards is not None else None)
+        speculate = self.drafts is not None and not greedy
+        drafts = [self.drafts.get(r.uid, p) for r, p in zip(records, ids)] if speculate else []
+        kw = {"drafts": drafts} if any(d is not None for d in drafts) else {}
+        gens = self.sample_fn(ids, seeds, greedy, on_done=on_done if rewards is not None else None, **kw)
+        if speculate:   # this epoch's responses are the next one's drafts
+            for rec, prompt, samples in zip(records, ids, gens):
+                self.drafts.put(rec.uid, prompt, samples)
+                self.spec_samples += [s.get("spec") for s in samples]
         rollout = Rollout.from_generations(ids, answers, gens, extras)
         if rewards is not None:
             missing = [(i, g) for i, g in enumerate(gens) if i not in scored]
@@ -219,6 +257,7 @@ class Rollouts:
         tries = cfg.algorithm.max_sampling_tries if cfg.algorithm.dynamic_sampling else 1
         kept: Rollout | None = None
         m: dict = {}
+        self.spec_samples = []
         for attempt in range(tries):
             t0 = time.perf_counter()
             records = self.prompts.batch(step, cfg.data.prompts_per_step, offset=attempt)
@@ -232,6 +271,10 @@ class Rollouts:
             gen_s += time.perf_counter() - t0 - round_score_s
             if not m:   # the first round's raw statistics are the step's reward metrics
                 m = dict(m_part, **_sample_metrics(part))
+                if self.drafts is not None:
+                    from megarl.rollout.speculative import spec_metrics
+
+                    m.update(spec_metrics(self.spec_samples, part.response_ids), **self.drafts.metrics())
             if cfg.algorithm.sample_filter != "none":
                 part, m["pf/kept_frac"] = filter_samples(part, cfg.algorithm.sample_filter,
                                                          seed=cfg.trainer.seed * 1_000_003 + step)
@@ -298,6 +341,12 @@ def _sample_metrics(rollout: Rollout) -> dict:
 
 
 def _length_metrics(rollout: Rollout) -> dict:
+    """Response lengths, clipping, and ``rollout/distinct_frac``: the mean share of distinct
+    responses in a prompt's group (reused drafts must not collapse a group's diversity unseen)."""
     lengths = torch.tensor([len(r) for r in rollout.response_ids], dtype=torch.float64)
+    groups: dict = {}
+    for g, response in zip(rollout.group_ids, rollout.response_ids):
+        groups.setdefault(g, []).append(tuple(response))
     return {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
-            "response_length/clip_ratio": sum(rollout.clipped) / len(rollout)}
+            "response_length/clip_ratio": sum(rollout.clipped) / len(rollout),
+            "rollout/distinct_frac": sum(len(set(r)) / len(r) for r in groups.values()) / len(groups)}

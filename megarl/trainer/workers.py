@@ -189,7 +189,8 @@ class WorkerGroup:
         return f"training worker rank {rank}{notes}"
 
     # ------------------------------------------------------------------ rollout
-    def generate(self, prompt_ids: list[list[int]], seeds: list[int], greedy: bool = False, on_done=None) -> list:
+    def generate(self, prompt_ids: list[list[int]], seeds: list[int], greedy: bool = False, on_done=None,
+                 drafts: list | None = None) -> list:
         """Samples of the fleet (:meth:`megarl.trainer.fleet.Fleet.generate`): the ``sample_fn``
         of :class:`megarl.trainer.rollout.Rollouts`. With ``trainer.offload_train_state`` the
         Megatron state is in host memory meanwhile."""
@@ -197,7 +198,7 @@ class WorkerGroup:
         if offload:
             self.offloaded_bytes = sum(o["offloaded_bytes"] for o in self._all("offload"))
         try:
-            gens = self.fleet.generate(prompt_ids, seeds, greedy, on_done)
+            gens = self.fleet.generate(prompt_ids, seeds, greedy, on_done, drafts)
         except BaseException:
             self.failed = True   # the shutdown will not wait long for actors that may be stuck
             raise
@@ -399,11 +400,16 @@ class WorkerGroup:
         self._all("export_hf", str(folder))
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, ckpt, step: int, metadata: dict):
-        """Every worker writes its shards, then the workers hash them for the manifest
+    def save_checkpoint(self, ckpt, step: int, metadata: dict, extra=None):
+        """Every worker writes its shards (and ``extra(folder)``, when given, the controller's own
+        files, e.g. the draft store), then the workers hash them for the manifest
         (:meth:`hash_checkpoint_files`); a failure raises CheckpointError naming step and folder."""
-        ckpt.save(step, lambda partial: self._all("save_checkpoint", str(partial)), metadata,
-                  hasher=self.hash_checkpoint_files, tag="run")
+        def write(partial):
+            self._all("save_checkpoint", str(partial))
+            if extra is not None:
+                extra(partial)
+
+        ckpt.save(step, write, metadata, hasher=self.hash_checkpoint_files, tag="run")
 
     def load_checkpoint(self, folder):
         self._all("load_checkpoint", str(folder))

@@ -3,9 +3,12 @@
 - PPO with a critic (value-head GPTModel, GAE, KL as a per-token reward, 2 epochs x 2
   mini-batches, a constant learning rate): 2 steps. The critic starts at V = 0 (zero head) and
   learns; each step makes 4 optimizer steps on each model; vLLM samples from the synced policy.
+  Speculative rollouts (exact) ride along: a pool of 3 prompts, so step 2 verifies a draft per
+  sample, and step 1's checkpoint (mid epoch 2) holds the draft store.
   Then one shard of its newest checkpoint (step 2) is truncated to half its size: resuming
   (``checkpoint.resume=true``, the recipe form of ``--resume``) warns naming that checkpoint and
-  file, falls back to step 1's (policy + critic + both optimizers) and repeats step 2 exactly.
+  file, falls back to step 1's (policy + critic + both optimizers + drafts) and repeats step 2
+  exactly, its speculation too.
   The resumed launch's reward (rewards_for_tests:crash_reward) scores step 2's 16 samples, then
   ends its worker process on every call: its step 3 ends in exit code 1 within a bound of step 2's
   end, RewardWorkerCrash naming the function, no reward worker (or any other process) left.
@@ -35,6 +38,9 @@ PPO = """  name: ppo
 # lr = min_lr: a constant schedule, so that the resumed launch (3 steps planned) repeats step 2 of
 # the first (2 steps) exactly
 PPO_LR = "  min_lr: 2.0e-3"
+# speculative rollouts ride along: a pool of 3 prompts, 4 per step, so step 2 has a draft for every
+# sample (each prompt was sampled in step 1) and step 1's checkpoint sits in the middle of epoch 2
+PPO_SPEC = dict(trainer_extra=PPO_LR, rollout_extra="  speculative: exact", data_extra="  num_prompts: 3")
 CRASH_BOUND_S = 120   # step 2 done -> exit: step 3's generation, three reward pools dying, the stop (~7 s)
 # name -> (algorithm section, recipe() extras): the split placement rides along with DAPO
 OTHERS = {
@@ -58,7 +64,7 @@ def check_trains_and_syncs(rows, steps):
 @pytest.fixture(scope="module")
 def ppo(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ppo")
-    return tmp, run(tmp, "full", recipe(PPO, steps=2, save_every=1, trainer_extra=PPO_LR))
+    return tmp, run(tmp, "full", recipe(PPO, steps=2, save_every=1, **PPO_SPEC))
 
 
 def test_ppo_trains_policy_and_critic(ppo):
@@ -72,6 +78,10 @@ def test_ppo_trains_policy_and_critic(ppo):
     assert rows[0]["critic/values_mean"] == 0.0          # zero-initialised head
     assert rows[1]["critic/values_mean"] != 0.0          # ... that learnt from step 1's returns
     assert rows[0]["actor/kl"] == pytest.approx(0.0, abs=1e-6) and rows[1]["actor/kl"] > 0
+    # speculative (exact): step 1 had no drafts, step 2 verified one per sample and reused tokens
+    assert rows[0]["spec/drafted_frac"] == 0.0 and rows[1]["spec/drafted_frac"] == 1.0
+    assert 0.0 < rows[1]["spec/acceptance"] <= 1.0 and rows[1]["spec/reused_frac"] > 0.0, rows[1]
+    assert rows[1]["spec/store_prompts"] == 3 and rows[1]["spec/verify_s"] > 0
 
 
 def test_ppo_resume_skips_a_damaged_checkpoint_and_repeats_step_2_then_a_crashing_reward_stops_it(ppo):
@@ -86,7 +96,7 @@ def test_ppo_resume_skips_a_damaged_checkpoint_and_repeats_step_2_then_a_crashin
     with pytest.MonkeyPatch.context() as env:
         env.setenv("MEGARL_TEST_REWARD_COUNTER", str(tmp / "reward_calls"))
         env.setenv("MEGARL_TEST_REWARD_CALLS", "16")
-        proc = start(tmp, "full", recipe(PPO, steps=3, trainer_extra=PPO_LR), "checkpoint.resume=true",
+        proc = start(tmp, "full", recipe(PPO, steps=3, **PPO_SPEC), "checkpoint.resume=true",
                      "data.reward=rewards_for_tests:crash_reward")
     with ProcessWatch(proc.pid) as watch:
         deadline = time.time() + 900
@@ -105,11 +115,13 @@ def test_ppo_resume_skips_a_damaged_checkpoint_and_repeats_step_2_then_a_crashin
     terminal = log.read_text()[offset:]
     assert f"{root / 'step_00000002'}: {shard.relative_to(root / 'step_00000002')}: " in terminal, terminal[-3000:]
     assert f"resumed from {root / 'step_00000001'} (step 1)" in terminal, terminal[-3000:]
+    assert "speculative rollouts: 3 prompts' drafts restored" in terminal, terminal[-3000:]
     assert "step 2/3" in terminal, terminal[-3000:]
     rows = {r["step"]: r for r in metrics(tmp / "full")}   # the resumed run rewrote step 2's row
     assert sorted(rows)[:2] == [1, 2], sorted(rows)
     for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/weight_checksum", "response_length/mean",
-                "critic/vf_loss", "critic/grad_norm", "critic/values_mean", "actor/kl"):
+                "critic/vf_loss", "critic/grad_norm", "critic/values_mean", "actor/kl",
+                "spec/offered_tokens", "spec/accepted_tokens", "spec/full_accept_frac"):   # drafts restored
         ref, got = reference[1][key], rows[2][key]
         assert abs(ref - got) <= 1e-5 * max(1.0, abs(ref)), (key, ref, got)
     # step 3: the reward killed its worker on every call
@@ -150,10 +162,11 @@ PRESETS = {"pf_ppo": "pf/kept_frac", "remax": "remax/greedy_reward_mean", "gpg":
            "grpo_passk": "actor/adv_nonzero_frac", "reinforce_pp_baseline": "actor/adv_nonzero_frac"}
 
 
-def test_every_preset_runs_two_steps_on_one_group(tmp_path):
-    """One launch: one WorkerGroup (Ray, two training ranks at tp2... here tp1 x 1 rank, one vLLM
-    engine) and every preset's two steps on it in turn (tests/e2e/preset_sweep.py): weights change,
-    vLLM samples from the synced policy (gap < 1e-4), and each preset's own metrics are there."""
+def test_every_preset_runs_a_step_on_one_group(tmp_path):
+    """One launch: one WorkerGroup (Ray, one training rank, one vLLM engine) and one step of every
+    preset on it in turn (tests/e2e/preset_sweep.py): the weights change at every preset's step
+    (the group carries them from one preset to the next), vLLM samples from the synced policy
+    (gap < 1e-4), and each preset's own metrics are there."""
     import subprocess
     import sys
 
@@ -161,7 +174,7 @@ def test_every_preset_runs_two_steps_on_one_group(tmp_path):
 
     # a constant learning rate: the presets run one after another on the same optimizer, whose
     # schedule carries on (WorkerGroup.reuse_for); a graded reward, so a group's best is unique
-    text = recipe("  name: grpo", steps=2, trainer_extra="  min_lr: 2.0e-3").replace(
+    text = recipe("  name: grpo", steps=1, trainer_extra="  min_lr: 2.0e-3").replace(
         "prompts_per_step: 4", "prompts_per_step: 2").replace("token_parity_reward", "char_variety_reward")
     recipe_file = write_recipe(tmp_path, "sweep", text)
     env = dict(os.environ, PYTHONPATH=f"{HERE}:{os.environ.get('PYTHONPATH', '')}", RAY_TMPDIR=ray_tmpdir())
@@ -169,9 +182,11 @@ def test_every_preset_runs_two_steps_on_one_group(tmp_path):
                            *PRESETS], env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert [line for line in proc.stdout.splitlines() if line.startswith("done ")] == [f"done {n}" for n in PRESETS]
+    sums = []
     for name, own in PRESETS.items():
         rows = metrics(tmp_path / "runs" / name)
-        check_trains_and_syncs(rows, 2)
+        check_trains_and_syncs(rows, 1)
+        sums.append(rows[0]["actor/weight_checksum"])
         resolved = yaml.safe_load((tmp_path / "runs" / name / "config.yaml").read_text())["algorithm"]
         assert resolved["name"] == name
         for r in rows:
@@ -186,3 +201,4 @@ def test_every_preset_runs_two_steps_on_one_group(tmp_path):
             assert all(r["actor/cov_selected_frac"] > 0 for r in rows), rows
         if name == "remax":
             assert all(0.0 <= r["remax/greedy_reward_mean"] <= 1.0 for r in rows)
+    assert all(abs(a - b) > 1e-6 for a, b in zip(sums, sums[1:])), sums   # every preset's step trained

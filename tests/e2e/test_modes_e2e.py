@@ -9,6 +9,7 @@ Three ``megarl train`` launches:
    mismatch metrics show the perturbation (mean |log ratio| far above the noise-free async run's
    on its current-version tokens), the loss stays finite, and the timeline shows step k+1's
    generation overlapping step k's training (timeline/overlap_s, in every step but the last).
+   Speculative rollouts (exact) ride along: a pool of 4 prompts, so steps 2 and 3 verify drafts.
 2. async, 3 steps, max_staleness 1, a buffer of one step's groups (trainer.buffer_groups=4: the
    producer generates the next step's groups while a step trains), a slowed engine
    (rollout.delay_per_token_s) so that requests are in flight at every weight sync, truncated IS
@@ -33,7 +34,7 @@ from e2e_common import ProcessWatch, metrics, recipe, start
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 ONE_STEP_OFF = recipe("  rollout_correction: icepop\n  correction_low: 0.5\n  correction_high: 2.0", steps=3,
-                      rollout_extra="  weight_noise_std: 0.05",
+                      rollout_extra="  weight_noise_std: 0.05\n  speculative: exact", data_extra="  num_prompts: 4",
                       trainer_extra="  mode: one_step_off"
                       ).replace("verify: true", "verify: false").replace(   # the noise changes the engines' weights
     "logprob_diff_threshold: 0.01", "logprob_diff_threshold: 0.0")                # on purpose: no check, no alarm
@@ -83,6 +84,10 @@ def test_one_step_off_samples_are_exactly_one_version_old(one_step_off):
         gaps = [s["gap"] for s in line["samples"]]
         assert gaps == [0 if line["step"] == 1 else 1] * 16, (line["step"], gaps)
     assert [r["offpolicy/version_gap_max"] for r in rows] == [0, 1, 1]
+    # speculative (exact) in one_step_off: each step is an epoch of the 4-prompt pool; from step 2
+    # on every sample is verified against the engines' version
+    assert [r["spec/drafted_frac"] for r in rows] == [0.0, 1.0, 1.0]
+    assert all(0.0 < r["spec/acceptance"] <= 1.0 for r in rows[1:]), rows
 
 
 def test_one_step_off_overlaps_generation_with_training(one_step_off):

@@ -123,7 +123,7 @@ class FakeGroup:
     def sync_weights(self) -> dict:
         return {}
 
-    def save_checkpoint(self, ckpt, step: int, metadata: dict):
+    def save_checkpoint(self, ckpt, step: int, metadata: dict, extra=None):
         self.step = step
         self._phase("save")
         ckpt.save(step, lambda folder: (Path(folder) / "weights.txt").write_text(str(step)), metadata)
@@ -142,6 +142,7 @@ class FakeRollouts:
     def __init__(self, cfg, sample_fn):
         self.sample_fn = sample_fn
         self.tokenizer = FakeTokenizer()
+        self.drafts = None   # rollout.speculative off
 
     def collect(self, step: int, rewards):
         self.sample_fn([[1, 2]], [step], False)
