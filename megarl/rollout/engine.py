@@ -148,8 +148,8 @@ def make_rollout_llm(cfg, model_path: str, cores: tuple[int, int] | None = None)
             os.environ[CAPTURE_ENV] = "1"
         else:
             os.environ.pop(CAPTURE_ENV, None)
-    if r.speculative != "off":   # top-k with every sample; the exact mode's residual: the whole vocabulary
-        extra["max_logprobs"] = -1 if r.speculative == "exact" else max(20, r.speculative_topk)
+    if r.speculative != "off":   # top-k log-probs with every sample (the next epoch's drafts)
+        extra["max_logprobs"] = max(20, r.speculative_topk)
     if r.ep > 1:
         extra["enable_expert_parallel"] = True
     if not cuda_available():

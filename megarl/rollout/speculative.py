@@ -22,8 +22,9 @@ The two rules are the pure functions :func:`accepted_prefix` and :func:`residual
 side (:func:`verify_and_resample`) runs them on a vLLM engine: the verification pass is one
 prefill of prompt + draft per sample with vLLM's prompt log-probs (untempered and untruncated, so
 the mode needs temperature 1, top_p 1, top_k -1, checked at load), the exact mode's residual
-needs ``p`` at the rejected position over the whole vocabulary (one 1-token request per rejected
-sample, ``logprobs=-1``), and the continuations go back to the caller as ordinary requests.
+needs ``p`` at the rejected position on the stored tokens and one draw of ``p`` outside them (one
+1-token request per rejected sample: vLLM's ``logprob_token_ids`` and a logit bias that excludes
+the stored tokens), and the continuations go back to the caller as ordinary requests.
 Which policy ``p`` is: the engine's, i.e. the policy that samples in the run's mode.
 
 Sampling distributions ``p`` and ``q`` must be the ones tokens are drawn from; with temperature
@@ -57,26 +58,31 @@ def accepted_prefix(q_logprobs, p_logprobs, uniforms, lenience: float = 1.0) -> 
     return min(len(q_logprobs), len(p_logprobs))
 
 
-def residual_token(p_ids, p_logprobs, q_ids, q_logprobs, u: float) -> tuple[int, float, float]:
+def residual_token(set_ids, p_logprobs, q_logprobs, outside_token, u: float) -> tuple[int, float, float]:
     """Draw the token at the first rejection from ``max(0, p - q) / Z`` with the uniform ``u``.
 
-    ``p_ids``/``p_logprobs``: the current policy at that position (its whole support);
-    ``q_ids``/``q_logprobs``: the drafting policy's stored top-k there (a token not among them
-    counts as q = 0). Returns ``(token, Z, unstored q mass)``; the unstored mass bounds the total
+    ``set_ids``: the drafting policy's stored tokens S at that position (its top-k), with
+    ``p_logprobs`` (the current policy) and ``q_logprobs`` (the drafting one) on them; a token
+    outside S counts as q = 0, so there the residual is p itself. ``outside_token``: one draw from
+    p restricted to the tokens outside S (None: S holds all of p's mass). The residual puts
+    ``max(0, p(x) - q(x))`` on each x in S and ``p(outside S)`` on the outside draw, which is
+    exact for the outside part because ``p(x | outside S)`` is what that draw samples.
+
+    Returns ``(token, Z, unstored q mass)``. The unstored mass ``1 - q(S)`` bounds the total
     variation between this draw (joint with the rejection) and the exact one. When ``Z`` is 0 to
-    rounding (p <= q on every stored token: the rejection had probability ~0), the token is drawn
-    from ``p``. Pure."""
-    p_ids = np.asarray(p_ids, dtype=np.int64)
+    rounding (p <= q everywhere: the rejection had probability ~0), the draw is from p. Pure."""
+    ids = np.asarray(set_ids, dtype=np.int64)
     p = np.exp(np.asarray(p_logprobs, dtype=np.float64))
-    q_map = dict(zip(np.asarray(q_ids, dtype=np.int64).tolist(), np.exp(np.asarray(q_logprobs, np.float64)).tolist()))
-    q = np.array([q_map.get(int(t), 0.0) for t in p_ids])
-    unstored = max(0.0, 1.0 - sum(q_map.values()))
-    residual = np.clip(p - q, 0.0, None)
-    z = float(residual.sum())
-    weights = residual if z > 1e-12 else p
-    cdf = np.cumsum(weights / weights.sum())
-    k = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
-    return int(p_ids[min(k, len(p_ids) - 1)]), z, unstored
+    q = np.exp(np.asarray(q_logprobs, dtype=np.float64))
+    p_out = max(0.0, 1.0 - float(p.sum())) if outside_token is not None else 0.0
+    inside = np.clip(p - q, 0.0, None)
+    z = float(inside.sum()) + p_out
+    if z <= 1e-12:
+        inside, p_out = p, (p_out if outside_token is not None else 0.0)
+    weights = np.append(inside, p_out)
+    k = int(np.searchsorted(np.cumsum(weights), u * weights.sum(), side="right"))
+    token = int(outside_token) if k >= len(ids) and outside_token is not None else int(ids[min(k, len(ids) - 1)])
+    return token, z, max(0.0, 1.0 - float(q.sum()))
 
 
 def speculative_sample(draft, q_tables, p_fn, uniforms, lenience: float = 1.0, exact: bool = True,
@@ -94,9 +100,9 @@ def speculative_sample(draft, q_tables, p_fn, uniforms, lenience: float = 1.0, e
     prefix = list(draft[:m])
     if not exact:
         return m, prefix, sample_p(prefix, uniforms[len(draft)])
-    p = p_fn(prefix)
-    token, _, _ = residual_token(list(p), [math.log(v) if v > 0 else -1e30 for v in p.values()],
-                                 list(q_tables[m]), [math.log(v) for v in q_tables[m].values()], uniforms[len(draft)])
+    p, stored = p_fn(prefix), list(q_tables[m])   # tables: q is stored on its whole support
+    token, _, _ = residual_token(stored, [math.log(max(p.get(x, 0.0), 1e-300)) for x in stored],
+                                 [math.log(q_tables[m][x]) for x in stored], None, uniforms[len(draft)])
     return m, prefix, token
 
 
@@ -140,7 +146,8 @@ def verify_and_resample(llm, drafts: list[dict], mode: str, lenience: float, top
     verify = [SamplingParams(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=topk, logprobs=None,
                              seed=d["seed"], detokenize=False) for d in drafts]
     # one prefill per distinct prompt + draft (a group's identical responses are verified once)
-    seqs = [tuple(d["prompt_ids"]) + tuple(int(t) for t in d["draft"]["token_ids"]) for d in drafts]
+    # a draft longer than today's budget (rollout.max_response_tokens lowered) is cut to it
+    seqs = [tuple(d["prompt_ids"]) + tuple(int(t) for t in d["draft"]["token_ids"][:max_tokens]) for d in drafts]
     first = {}
     for i, seq in enumerate(seqs):
         first.setdefault(seq, i)
@@ -153,39 +160,47 @@ def verify_and_resample(llm, drafts: list[dict], mode: str, lenience: float, top
     results, rejected = [], []
     for d, out in zip(drafts, outs):
         draft, start = d["draft"], len(d["prompt_ids"])
-        tokens = [int(t) for t in draft["token_ids"]]
+        tokens = [int(t) for t in draft["token_ids"][:max_tokens]]
+        cut = len(draft["token_ids"]) > max_tokens
         positions = out.prompt_logprobs[start:start + len(tokens)]
         p_lp = [positions[i][t].logprob for i, t in enumerate(tokens)]
         u = draft_uniforms(d["seed"], len(tokens))
-        m = accepted_prefix(np.asarray(draft["logprobs"], np.float64).tolist(), p_lp, u[:len(tokens)],
+        m = accepted_prefix(np.asarray(draft["logprobs"][:max_tokens], np.float64).tolist(), p_lp, u[:len(tokens)],
                             1.0 if mode == "exact" else lenience)
         r = with_top({"token_ids": tokens[:m], "logprobs": p_lp[:m]}, positions[:m], topk)
         full = m == len(tokens)
-        r.update(done=full, clipped=bool(draft["clipped"]) if full else False,
+        r.update(done=full, clipped=(bool(draft["clipped"]) or cut) if full else False,
                  spec={"offered": len(tokens), "accepted": m, "residual_tv_bound": 0.0})
         results.append(r)
         if not full:
             rejected.append((len(results) - 1, d, m, u[len(tokens)]))
     t1 = time.perf_counter()
     if mode == "exact" and rejected:
-        full_dist = SamplingParams(n=1, temperature=1.0, max_tokens=1, logprobs=-1, seed=0, detokenize=False)
-        prefixes = [tuple(d["prompt_ids"]) + tuple(results[i]["token_ids"]) for i, d, _, _ in rejected]
-        distinct = list(dict.fromkeys(prefixes))   # p at a prefix is read once
-        got = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in distinct], [full_dist] * len(distinct),
-                           use_tqdm=False)
-        by_prefix = {}
-        for prefix, out in zip(distinct, got):
-            entry = out.outputs[0].logprobs[0]
-            by_prefix[prefix] = entry, list(entry), [v.logprob for v in entry.values()]
-        for (i, d, m, u), prefix in zip(rejected, prefixes):
-            entry, ids, lps = by_prefix[prefix]
-            token, _, unstored = residual_token(ids, lps, d["draft"]["top_ids"][m], d["draft"]["top_logprobs"][m], u)
+        # per rejected sample one 1-token request from its kept prefix: p on the stored set S
+        # (logprob_token_ids; vLLM's raw log-probs, before the logit bias) and a token sampled
+        # from p outside S (S biased away). Not shared between samples: each needs its own draw.
+        sets = []
+        for i, d, m, _ in rejected:
+            ids, lps = np.asarray(d["draft"]["top_ids"][m]), np.asarray(d["draft"]["top_logprobs"][m])
+            keep = (ids >= 0) & np.isfinite(lps)
+            sets.append(([int(x) for x in ids[keep]], lps[keep].astype(np.float64)))
+        params = [SamplingParams(n=1, temperature=1.0, max_tokens=1, logprob_token_ids=ids or None,
+                                 logit_bias={x: -100.0 for x in ids} or None, seed=d["seed"] + 7919,
+                                 detokenize=False) for (_, d, _, _), (ids, _) in zip(rejected, sets)]
+        got = llm.generate([TokensPrompt(prompt_token_ids=list(d["prompt_ids"]) + results[i]["token_ids"])
+                            for i, d, _, _ in rejected], params, use_tqdm=False)
+        for (i, d, m, u), (ids, q_lps), out in zip(rejected, sets, got):
+            o = out.outputs[0]
+            entry, outside = o.logprobs[0], o.token_ids[0]
+            outside = None if outside in ids else outside   # S held every token (tiny vocabularies)
+            token, _, unstored = residual_token(ids, [entry[x].logprob for x in ids], q_lps, outside, u)
             r = results[i]
             r["token_ids"].append(token)
             r["logprobs"].append(entry[token].logprob)
-            top_ids, top_lps = top_logprobs(entry, topk)
-            r["top_ids"] = np.concatenate([r["top_ids"], _row(top_ids, topk, -1, np.int32)])
-            r["top_logprobs"] = np.concatenate([r["top_logprobs"], _row(top_lps, topk, -np.inf, np.float32)])
+            ranked = sorted(((v.logprob, t) for t, v in entry.items()), reverse=True)[:topk]   # p on S + the draw
+            r["top_ids"] = np.concatenate([r["top_ids"], _row([t for _, t in ranked], topk, -1, np.int32)])
+            r["top_logprobs"] = np.concatenate([r["top_logprobs"], _row([lp for lp, _ in ranked], topk, -np.inf,
+                                                                        np.float32)])
             r["spec"]["residual_tv_bound"] = unstored
             r["done"] = token in eos or len(r["token_ids"]) >= max_tokens
             r["clipped"] = token not in eos and len(r["token_ids"]) >= max_tokens

@@ -113,16 +113,31 @@ def test_accepted_prefix_rule():
 
 
 def test_residual_token_draws_max_p_minus_q():
-    p_ids, p = [0, 1, 2], [0.5, 0.3, 0.2]
-    q_ids, q = [0, 1], [0.7, 0.1]           # token 2 unstored: counts as q = 0
     lp = lambda xs: [math.log(x) for x in xs]   # noqa: E731
-    # residual: [0, 0.2, 0.2] / 0.4
-    picks = [residual_token(p_ids, lp(p), q_ids, lp(q), u)[0] for u in (0.1, 0.49, 0.51, 0.99)]
+    # p = [0.5, 0.3, 0.2] over tokens 0, 1, 2; q stored on S = {0, 1}: [0.7, 0.1]; token 2 unstored
+    # residual: [0, 0.2] on S, p(2) = 0.2 outside: tokens 1 and 2 with weight 0.2 each
+    picks = [residual_token([0, 1], lp([0.5, 0.3]), lp([0.7, 0.1]), 2, u)[0] for u in (0.1, 0.49, 0.51, 0.99)]
     assert picks == [1, 1, 2, 2]
-    token, z, unstored = residual_token(p_ids, lp(p), q_ids, lp(q), 0.3)
+    token, z, unstored = residual_token([0, 1], lp([0.5, 0.3]), lp([0.7, 0.1]), 2, 0.3)
     assert z == pytest.approx(0.4) and unstored == pytest.approx(0.2)
+    # S holds every token (no outside draw): the residual on S only
+    assert residual_token([0, 1, 2], lp([0.5, 0.3, 0.2]), lp([0.7, 0.1, 0.2]), None, 0.99)[0] == 1
     # p <= q everywhere (rejection had probability 0): falls back to p
-    assert residual_token([0, 1], lp([0.5, 0.5]), [0, 1], lp([0.5, 0.5]), 0.75)[0] == 1
+    assert residual_token([0, 1], lp([0.5, 0.5]), lp([0.5, 0.5]), None, 0.75)[0] == 1
+
+
+def test_residual_with_an_unstored_tail_is_exact_against_q_hat():
+    """Monte Carlo of the outside branch: S = {0, 1} of 4 tokens; the outside draw comes from p
+    restricted to {2, 3}; the result follows max(0, p - q_hat) / Z with q_hat = 0 outside S."""
+    rng = np.random.default_rng(1)
+    p, q = np.array([0.4, 0.1, 0.3, 0.2]), np.array([0.2, 0.3])
+    target = np.clip(p - np.append(q, [0.0, 0.0]), 0, None)
+    target /= target.sum()
+    n, counts = 40_000, np.zeros(4)
+    for _ in range(n):
+        outside = 2 + int(rng.random() >= 0.6)          # p(2 | {2, 3}) = 0.3 / 0.5
+        counts[residual_token([0, 1], np.log(p[:2]), np.log(q), outside, rng.random())[0]] += 1
+    assert np.abs(counts / n - target).max() < 0.01, (counts / n, target)
 
 
 def test_uniforms_are_a_function_of_the_seed():
