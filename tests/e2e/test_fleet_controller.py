@@ -32,7 +32,7 @@ class FakeEngine:
 
         return {"pid": os.getpid(), "node": ray.util.get_node_ip_address()}
 
-    def generate_stream(self, prompt_ids, seeds, greedy=False, flush_s=0.25, heartbeat_s=2.0):
+    def generate_stream(self, prompt_ids, seeds, greedy=False, flush_s=0.25, heartbeat_s=2.0, drafts=None):
         tokens = 0
         for j, p in enumerate(prompt_ids):
             if j == 1 and self.mode == "hang":
@@ -41,9 +41,11 @@ class FakeEngine:
                 os._exit(1)
             time.sleep(self.delay_s)
             samples = [{"token_ids": [7] * p[0], "logprobs": [-1.0] * p[0], "clipped": False, "prompt": list(p),
-                        "engine": self.index, "at": time.time()} for _ in range(1 if greedy else self.n)]
+                        "engine": self.index, "at": time.time(), "draft": None if drafts is None else drafts[j]}
+                       for _ in range(1 if greedy else self.n)]
             tokens += sum(len(s["token_ids"]) for s in samples)
-            yield {"done": [(j, samples)], "busy_s": self.delay_s * (j + 1), "tokens": tokens}
+            spec_s = {"verify_s": 0.5 * (self.index + 1), "residual_s": 0.0} if drafts is not None else {}
+            yield {"done": [(j, samples)], "busy_s": self.delay_s * (j + 1), "tokens": tokens, "spec_s": spec_s}
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +121,18 @@ def test_streams_in_prompt_order_one_engine_per_prompt_and_reports_metrics(fleet
                              "rollout/engine1_tokens": tokens[1], "rollout/engine1_busy_s": pytest.approx(3.0),
                              "rollout/busy_ratio": pytest.approx(3.0 / 1.575), "rollout/engine_restarts": 0}
     assert tokens[0] + tokens[1] == 2 * (3 + 4 + 5 + 6 + 2 + 1)
+
+
+def test_drafts_travel_with_their_prompts_to_their_engines(fleet_of):
+    """rollout.speculative with rollout.dp 2: each prompt's drafts reach the engine that serves the
+    prompt, and the step's verification seconds are the slowest engine's."""
+    fleet = fleet_of((0.05, "ok"), (0.05, "ok"))
+    ids = prompts(3, 4, 5, 6)
+    drafts = [None, [{"token_ids": [1]}], [{"token_ids": [2]}], [{"token_ids": [3]}, {"token_ids": [4]}]]
+    out = fleet.generate(ids, seeds=list(range(4)), drafts=drafts)
+    assert [samples[0]["draft"] for samples in out] == drafts
+    assert {samples[0]["engine"] for samples in out} == {0, 1}          # both engines verified some
+    assert fleet.metrics["spec/verify_s"] == 1.0                          # engine 1's 0.5 * 2
 
 
 def test_an_engine_that_stops_reporting_is_hung_within_the_timeout(fleet_of):
