@@ -37,10 +37,6 @@ import time
 
 import numpy as np
 
-LENIENCE_DEFAULT = math.exp(0.5)
-"""SPEC-RL's lenience for GRPO (its paper's default)."""
-
-
 def draft_uniforms(seed: int, length: int) -> np.ndarray:
     """The uniforms of a sample's acceptance test: ``length`` for the draft's tokens, then one for
     the residual draw. A function of ``seed`` only (a resumed run draws the same)."""
@@ -77,8 +73,8 @@ def residual_token(set_ids, p_logprobs, q_logprobs, outside_token, u: float) -> 
     p_out = max(0.0, 1.0 - float(p.sum())) if outside_token is not None else 0.0
     inside = np.clip(p - q, 0.0, None)
     z = float(inside.sum()) + p_out
-    if z <= 1e-12:
-        inside, p_out = p, (p_out if outside_token is not None else 0.0)
+    if z <= 1e-12:   # p on S, p_out (0 without an outside draw) outside
+        inside = p
     weights = np.append(inside, p_out)
     k = int(np.searchsorted(np.cumsum(weights), u * weights.sum(), side="right"))
     token = int(outside_token) if k >= len(ids) and outside_token is not None else int(ids[min(k, len(ids) - 1)])
@@ -142,19 +138,16 @@ def verify_and_resample(llm, drafts: list[dict], mode: str, lenience: float, top
 
     t0 = time.perf_counter()
     eos = _eos_ids(llm)
-    # detokenize off: vLLM would otherwise decode every top-k token of every position (seconds)
-    verify = [SamplingParams(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=topk, logprobs=None,
-                             seed=d["seed"], detokenize=False) for d in drafts]
-    # one prefill per distinct prompt + draft (a group's identical responses are verified once)
+    # one prefill per distinct prompt + draft (a group's identical responses are verified once);
     # a draft longer than today's budget (rollout.max_response_tokens lowered) is cut to it
     seqs = [tuple(d["prompt_ids"]) + tuple(int(t) for t in d["draft"]["token_ids"][:max_tokens]) for d in drafts]
-    first = {}
-    for i, seq in enumerate(seqs):
-        first.setdefault(seq, i)
-    unique = list(first.values())
-    got = llm.generate([TokensPrompt(prompt_token_ids=list(seqs[i])) for i in unique], [verify[i] for i in unique],
+    unique = list(dict.fromkeys(seqs))
+    # detokenize off: vLLM would otherwise decode every top-k token of every position (seconds)
+    verify = SamplingParams(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=topk, logprobs=None, seed=0,
+                            detokenize=False)
+    got = llm.generate([TokensPrompt(prompt_token_ids=list(seq)) for seq in unique], [verify] * len(unique),
                        use_tqdm=False) if drafts else []
-    by_seq = {seqs[i]: out for i, out in zip(unique, got)}
+    by_seq = dict(zip(unique, got))
     outs = [by_seq[seq] for seq in seqs]
     verify_s = time.perf_counter() - t0
     results, rejected = [], []
