@@ -2,7 +2,7 @@
 
 Applied by :func:`megarl.compat.setup_cpu` only when CUDA is absent; no megatron-core file is
 edited. Every patched site is listed here with the upstream line it works around (measured on
-megatron-core 0.16.1, torch 2.13.0+cpu; the table below is the full list, P1-P9).
+megatron-core 0.16.1, torch 2.13.0+cpu; the table below is the full list, P1-P10).
 ``tests/unit/test_compat_sites.py`` checks each ``SITES`` entry against the installed source and
 fails loudly when an upstream site moves or disappears (then the patch must be revisited).
 
@@ -30,6 +30,15 @@ P7  tensor_parallel/mappings.py _gather_along_first_dim /          pad + all_gat
 P9  optimizer/distrib_optimizer.py sharded_state_dict(is_loading)  dummy-state init before load; copy only
     on fresh torch AdamW; _set_main_param_and_optimizer_states     present keys under no_grad; un-share the
     KeyError 'step'; load_state_dict shares one ``step`` tensor    ``step`` tensor (silent Adam bias error)
+P10 optimizer/cpu_offloading/hybrid_optimizer.py                   every parameter counts as a device one:
+    HybridDeviceOptimizer._get_sub_optimizer_param_groups offloads  the offloaded share gets its own host
+    only ``param.is_cuda`` parameters; on a CPU host none is, and   copy, stepped by the host optimizer and
+    _set_sub_optimizer_grads then fails (KeyError) on the rest;     copied back (the data path of a GPU run);
+    optimizer_config.py OptimizerConfig.__post_init__ compares      the version check reads "no TE" as too old
+    ``get_te_version()`` (None without TE) to a version: TypeError; fp32 model params detached
+    distrib_optimizer.py _build_model_and_main_param_groups hands   (as upstream does for 16-bit ones):
+    fp32 params' shards as non-leaf views, which the new torch      same storage, same updates
+    optimizer refuses ("can't optimize a non-leaf Tensor")
 ==  ============================================================  ==========================================
 
 P8 (SP with the local torch norm) is not needed: megarl always builds the TE spec, whose CPU norm
@@ -82,6 +91,11 @@ SITES = [
          "input_split_sizes"),
     Site("P9", "megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer",
          "_set_main_param_and_optimizer_states"),
+    Site("P10", "megatron.core.optimizer.cpu_offloading.hybrid_optimizer", "HybridDeviceOptimizer",
+         "param.is_cuda"),
+    Site("P10", "megatron.core.optimizer.optimizer_config", "OptimizerConfig", 'is_te_min_version("2.1.0")'),
+    Site("P10", "megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer",
+         "shard_model_param = model_param.view(-1)[param_range.start : param_range.end]"),
 ]
 
 _MOE_TE_NAMES = (
@@ -343,8 +357,81 @@ def patch_distributed_optimizer_checkpoint():
     DistributedOptimizer._megarl_patched = True
 
 
+# --- P10 ------------------------------------------------------------------------------------
+def patch_hybrid_optimizer():
+    """``trainer.optimizer_offload`` on a CPU host. megatron-core's HybridDeviceOptimizer moves
+    the first ``offload_fraction`` of the *CUDA* parameters to host copies that a host optimizer
+    steps, and a post-step hook copies them back. Here no parameter is a CUDA one, so the same
+    split is made over all of them: an offloaded parameter gets its own host copy (a clone, where
+    a GPU run makes ``.cpu().pin_memory()``), fp32 copies for lower-precision ones as upstream,
+    and the streams are P6's no-ops. The copies, the host step and the copy back then run as on
+    a GPU, which is what the CPU test of the option checks (weights equal to a run without)."""
+    from megatron.core import utils
+    from megatron.core.optimizer import optimizer_config
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    if getattr(HybridDeviceOptimizer, "_megarl_patched", False):
+        return
+    # the precision-aware path the offload rides asks for TE >= 2.1 and crashes without TE
+    optimizer_config.is_te_min_version = lambda *a, **k: utils.get_te_version() is not None and \
+        utils.is_te_min_version(*a, **k)
+    orig = HybridDeviceOptimizer._get_sub_optimizer_param_groups
+
+    def _get_sub_optimizer_param_groups(self, offload_fraction: float):
+        params = [p for group in self.param_groups for p in group["params"]]
+        if any(p.is_cuda for p in params):
+            return orig(self, offload_fraction)
+        threshold = sum(p.numel() for p in params) * offload_fraction
+        offloaded, host_groups, device_groups = 0, [], []
+        to_host, to_device, fp32 = {}, {}, {}
+        for group in self.param_groups:
+            host, device = dict(group, params=[]), dict(group, params=[])
+            for orig_param in group["params"]:
+                param, on_host = orig_param, offloaded < threshold
+                if on_host:
+                    param = param.detach().clone()
+                    offloaded += param.numel()
+                if self.param_update_in_fp32 and param.dtype != torch.float32:
+                    param = param.detach().clone().float()
+                    fp32[orig_param] = param
+                if on_host:
+                    to_host[orig_param], to_device[param] = param, orig_param
+                (host if on_host else device)["params"].append(param)
+            host_groups += [host] if host["params"] else []
+            device_groups += [device] if device["params"] else []
+        return host_groups, device_groups, to_host, to_device, fp32
+
+    HybridDeviceOptimizer._get_sub_optimizer_param_groups = _get_sub_optimizer_param_groups
+    HybridDeviceOptimizer._megarl_patched = True
+
+    # fp32 model parameters (every CPU run; a GPU run with model.dtype float32): their shards are
+    # views of the parameter that still require grad, and HybridDeviceOptimizer builds a new
+    # torch optimizer from them. A detached view shares the storage, so updates land as before.
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    build = DistributedOptimizer._build_model_and_main_param_groups
+
+    def _build_model_and_main_param_groups(gbuf_ranges, param_gbuf_map, opt_group_ranges, config):
+        groups = build(gbuf_ranges, param_gbuf_map, opt_group_ranges, config)
+        if not config.optimizer_cpu_offload:
+            return groups
+        detached = {}
+        for shards in groups[3]:   # shard_fp32_groups
+            for i, shard in enumerate(shards):
+                if not shard.is_leaf:
+                    leaf = shard.detach()
+                    leaf.__dict__.update(shard.__dict__)   # tensor-parallel attributes, ``shared``
+                    detached[id(shard)] = shards[i] = leaf
+        for group_range in opt_group_ranges:
+            params = group_range["orig_group"]["params"]
+            params[:] = [detached.get(id(p), p) for p in params]
+        return groups
+
+    DistributedOptimizer._build_model_and_main_param_groups = staticmethod(_build_model_and_main_param_groups)
+
+
 def apply_all():
-    """Apply P1-P7 and P9 (idempotent)."""
+    """Apply P1-P7, P9 and P10 (idempotent)."""
     patch_current_device()
     patch_causal_masks()
     patch_rng_tracker()
@@ -353,3 +440,4 @@ def apply_all():
     patch_moe_alltoall()
     patch_uneven_collectives()
     patch_distributed_optimizer_checkpoint()
+    patch_hybrid_optimizer()

@@ -274,6 +274,10 @@ def check_sections(cfg: MegaRLConfig) -> None:
     if a.sample_filter != "none" and cfg.rollout.n < 2:
         raise invalid_value("algorithm.sample_filter", a.sample_filter, f"'none' with rollout.n={cfg.rollout.n} "
                             "(it keeps 2 of each prompt's responses)")
+    if cfg.trainer.optimizer_offload and cfg.trainer.optimizer != "adam":
+        raise invalid_value("trainer.optimizer_offload", True, f"false with trainer.optimizer="
+                            f"{cfg.trainer.optimizer!r} (megatron-core offloads its distributed optimizer, which "
+                            "wraps adam only)")
     if cfg.trainer.offload_train_state and cfg.rollout.placement == "split":
         raise invalid_value("trainer.offload_train_state", True, "false with rollout.placement='split' "
                             "(training and rollout do not share devices: nothing to make room for)")

@@ -493,6 +493,13 @@ class TrainerConfig:
     """Colocated: move Megatron params, grads and optimizer state to host memory while vLLM
     generates (frees device memory for the KV cache; on CPU it only exercises the path). Must be
     false with rollout.placement=split."""
+    optimizer_offload: bool = False
+    """Keep the optimizer on the host during training: megatron-core's HybridDeviceOptimizer
+    holds each rank's fp32 main parameters and Adam moments in host memory and steps them on the
+    CPU (gradients down, updated parameters back, overlapped per parameter), so layouts with
+    little data parallelism fit (a 671B on 96 GPUs: docs/parallelism.md). Adam only. The step
+    equals the step without it (tests/distributed/test_engine_train.py); ``megarl plan`` counts
+    the host memory and the transfer time."""
     mode: Literal["on_policy", "one_step_off", "async"] = "on_policy"
     """on_policy: every step generates with the current weights, then trains. one_step_off: step
     k+1's samples are generated while step k trains (with the weights before step k's update),

@@ -39,7 +39,8 @@ class Offloader:
                         out.append(buf.grad_data)
             elif params:
                 out.extend(p.data for p in chunk.parameters())
-        if optimizer and self.engine.optimizer is not None:
+        # an optimizer already on the host (OptimOptions.cpu_offload) stays where it is
+        if optimizer and self.engine.optimizer is not None and not self.engine.optim.cpu_offload:
             for opt in _torch_optimizers(self.engine.optimizer):
                 for state in opt.state.values():
                     out.extend(v for v in state.values() if torch.is_tensor(v) and v.numel() > 0)

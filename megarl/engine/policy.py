@@ -77,6 +77,11 @@ class OptimOptions:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     sgd_momentum: float = 0.0
+    cpu_offload: bool = False
+    """Keep the optimizer in host memory (``trainer.optimizer_offload``): megatron-core's
+    HybridDeviceOptimizer holds the fp32 main parameters and Adam moments of this rank's shard
+    on the host and steps them there; the gradients go down and the updated parameters come back
+    each step (adam only: it rides the distributed optimizer's precision-aware path)."""
 
     def __post_init__(self):
         if self.optimizer not in _OPTIMIZERS:
@@ -87,6 +92,9 @@ class OptimOptions:
             raise ValueError(f"OptimOptions.lr={self.lr!r}, min_lr={self.min_lr!r}: expected 0 <= min_lr <= lr")
         if self.warmup_steps < 0:
             raise ValueError(f"OptimOptions.warmup_steps={self.warmup_steps!r}, expected >= 0")
+        if self.cpu_offload and self.optimizer != "adam":
+            raise ValueError(f"OptimOptions.cpu_offload with optimizer={self.optimizer!r}: megatron-core offloads "
+                             "the distributed optimizer, which wraps adam only")
 
     def lr_at(self, step: int) -> float:
         """Learning rate used by optimizer step ``step`` (0-based)."""
@@ -152,11 +160,15 @@ class PolicyEngine:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         o = self.optim
+        # cpu_offload: megatron's HybridDeviceOptimizer reuses the precision-aware path of the
+        # distributed optimizer (Megatron-LM requires the two flags together); every shard on the host
+        offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, use_precision_aware_optimizer=True,
+                       overlap_cpu_optimizer_d2h_h2d=True) if o.cpu_offload else {}
         cfg = OptimizerConfig(optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
                               adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
                               sgd_momentum=o.sgd_momentum, clip_grad=o.grad_clip, bf16=self.config.bf16,
                               params_dtype=self.config.params_dtype,
-                              use_distributed_optimizer=self.distributed_optimizer)
+                              use_distributed_optimizer=self.distributed_optimizer, **offload)
         self.optimizer = get_megatron_optimizer(cfg, self.model.chunks)
         chunks = self.model.chunks
         self.config.finalize_model_grads_func = finalize_model_grads

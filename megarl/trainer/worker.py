@@ -74,7 +74,7 @@ class HybridWorker:
                              decay_steps=max(1, tr.steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches),
                              decay_style="cosine" if tr.min_lr < tr.lr else "constant",
                              weight_decay=tr.weight_decay, grad_clip=tr.grad_clip,
-                             adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2)
+                             adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2, cpu_offload=tr.optimizer_offload)
         self.stage, self.opts = stage, opts
         self.ref = self.critic = self.reward_model = None
         self.reward_model_path = None

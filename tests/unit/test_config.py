@@ -83,6 +83,9 @@ def test_section_rules():
     assert error_of(["trainer.mode=one_step_off", "trainer.offload_train_state=true"]) == (
         "invalid value for config key 'trainer.offload_train_state': got True, expected false with "
         "trainer.mode='one_step_off' (the engines generate while Megatron trains: its state stays on the devices)")
+    assert error_of(["trainer.optimizer=sgd", "trainer.optimizer_offload=true"]) == (
+        "invalid value for config key 'trainer.optimizer_offload': got True, expected false with "
+        "trainer.optimizer='sgd' (megatron-core offloads its distributed optimizer, which wraps adam only)")
     assert error_of(["rollout.weight_noise_std=0.1", "bridge.verify=true"]).startswith(
         "invalid value for config key 'rollout.weight_noise_std': got 0.1, expected 0 with bridge.verify=true")
     assert error_of(["trainer.max_staleness=-1"]) == \

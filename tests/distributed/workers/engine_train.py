@@ -24,6 +24,7 @@
    second value, not its third. Adam state created before any update (a checkpoint after skipped
    updates only) changes neither the weights nor the first update.
 """
+import dataclasses
 import gc
 import os
 import json
@@ -241,8 +242,11 @@ def reference_and_offload(path, world, out):
     out["ref_has_optimizer"] = ref.optimizer is not None
 
     engines = {}
-    for name in ("plain", "offloaded"):
-        engine = PolicyEngine(ModelOptions(path=path), groups, optim)
+    for name in ("plain", "offloaded", "optimizer_offload"):
+        # optimizer_offload: megatron-core's HybridDeviceOptimizer keeps the fp32 main params and
+        # Adam state on the host (trainer.optimizer_offload); it also offloads + onloads the rest
+        engine = PolicyEngine(ModelOptions(path=path), groups,
+                              dataclasses.replace(optim, cpu_offload=name == "optimizer_offload"))
         mbs = my_micro_batches(engine, ids, prompts, adv)
         attach_old_logprobs(engine, mbs)
         if name == "plain":
@@ -250,6 +254,20 @@ def reference_and_offload(path, world, out):
             out["ref_vs_policy_logprobs"] = (ref_lp - torch.cat([m.extras["old_logprobs_T"] for m in mbs])).abs().max().item()
         s1 = engine.train_step(mbs, loss_fn, with_entropy=True)
         out[f"{name}|lr_step1"] = s1["lr"]
+        if name == "optimizer_offload":
+            from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+            from megarl.engine.offload import _torch_optimizers
+
+            inner = _torch_optimizers(engine.optimizer)
+            out["optimizer_offload|hybrid"] = all(isinstance(o, HybridDeviceOptimizer) for o in inner)
+            model_ptrs = {p.untyped_storage().data_ptr() for c in engine.model.chunks for p in c.parameters()}
+            masters = [st["master_param"] for o in inner for st in o.state.values()]
+            # the host copies are their own storage (not views of the model's parameter buffer)
+            out["optimizer_offload|host_copies"] = len(masters) > 0 and not any(
+                m.untyped_storage().data_ptr() in model_ptrs for m in masters)
+            engine.offload()
+            out["optimizer_offload|offloaded_bytes"] = engine.offloader.offloaded_bytes
+            engine.onload()
         if name == "offloaded":
             before = export(engine)
             opt_before = [v.clone() for v in _opt_tensors(engine)]
@@ -270,6 +288,7 @@ def reference_and_offload(path, world, out):
         del engine
         gc.collect()
     out["offload_then_step_vs_plain"] = max_diff(engines["offloaded"], engines["plain"])
+    out["optimizer_offload|vs_plain"] = max_diff(engines["optimizer_offload"], engines["plain"])
 
 
 def nan_skip(path, world, out):
