@@ -2,33 +2,103 @@
 
     .venv/bin/python perf/plan_vs_published.py [--out perf/results/plan_vs_published.md]
 
-Runs the planner (megarl/planner) on every recipe in configs/ that reproduces a published row
-(NeMo-RL v0.6's performance summary, GRPO on-policy, bf16: docs/about/performance-summary.md of
-NVIDIA-NeMo/RL, commit 66059ab "Fix the performance page") and writes a table: the estimate and
-its phases, the published step time and tokens/s/GPU, and the ratios estimate / published. The
-planner's constants come from datasheets and published kernel/training benchmarks, never from
-these rows: the ratios are what they are.
+Runs the planner (megarl/planner) on every recipe in configs/ that reproduces a published row of
+NeMo-RL v0.6's performance summary (GRPO, bf16; NVIDIA-NeMo/RL docs/about/performance-summary.md,
+commit 66059ab), on-policy and off-policy, and writes one table: the estimate and its phases,
+the published step time and tokens/s/GPU, and the ratios estimate / published. Then two checks
+the rows cannot give:
+
+* the phases of the one recipe with a published per-phase split (NeMo-RL v0.3 blog, Qwen3-30B-A3B
+  on 64 GPUs) beside that split;
+* the decode-step model beside published inference measurements it was not built from.
+
+The planner's constants are published measurements of other systems (megarl/planner/published.py,
+each quoted with its source), never these rows: the ratios are what they are.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+SUMMARY = "NeMo-RL v0.6 performance summary (docs/about/performance-summary.md, commit 66059ab)"
 
-# recipe -> (source row, published step seconds, published tokens/s/GPU)
-_ROW = "NeMo-RL v0.6, {}, {} BF16, {} GPUs, on-policy"
+# recipe -> (row, published step seconds, published tokens/s/GPU)
 PUBLISHED = {
-    "configs/grpo_deepseek_v3_h100x256.yaml": (_ROW.format("DeepSeek V3", "H100", 256), 134.0, 12.1),
-    "configs/grpo_deepseek_v3_h100x512.yaml": (_ROW.format("DeepSeek V3", "H100", 512), 111.0, 7.24),
-    "configs/grpo_deepseek_v3_gb200x128.yaml": (_ROW.format("DeepSeek V3", "GB200", 128), 108.0, 30.2),
-    "configs/grpo_qwen3_235b_h100x128.yaml": (_ROW.format("Qwen3-235B", "H100", 128), 395.0, 58.9),
-    "configs/grpo_qwen3_235b_gb200x64.yaml": (_ROW.format("Qwen3-235B", "GB200", 64), 286.0, 163.0),
-    "configs/grpo_qwen3_30b_h100x32.yaml": (_ROW.format("Qwen3-30B-A3B", "H100", 32), 192.0, 1102.0),
-    "configs/grpo_qwen3_30b_gb200x16.yaml": (_ROW.format("Qwen3-30B-A3B", "GB200", 16), 221.0, 1910.0),
+    "configs/grpo_deepseek_v3_h100x256.yaml": ("DeepSeek V3, H100, 256 GPUs, on-policy", 134.0, 12.1),
+    "configs/grpo_deepseek_v3_h100x512.yaml": ("DeepSeek V3, H100, 512 GPUs, on-policy", 111.0, 7.24),
+    "configs/grpo_deepseek_v3_gb200x128.yaml": ("DeepSeek V3, GB200, 128 GPUs, on-policy", 108.0, 30.2),
+    "configs/grpo_qwen3_235b_h100x128.yaml": ("Qwen3-235B, H100, 128 GPUs, on-policy", 395.0, 58.9),
+    "configs/grpo_qwen3_235b_gb200x64.yaml": ("Qwen3-235B, GB200, 64 GPUs, on-policy", 286.0, 163.0),
+    "configs/grpo_qwen3_30b_h100x32.yaml": ("Qwen3-30B-A3B, H100, 32 GPUs, on-policy", 192.0, 1102.0),
+    "configs/grpo_qwen3_30b_gb200x16.yaml": ("Qwen3-30B-A3B, GB200, 16 GPUs, on-policy", 221.0, 1910.0),
+    "configs/grpo_deepseek_v3_h100x512_1off.yaml": ("DeepSeek V3, H100, 512 GPUs, 1-step off", 64.1, 12.8),
+    "configs/grpo_deepseek_v3_gb200x256_1off.yaml": ("DeepSeek V3, GB200, 256 GPUs, 1-step off", 61.7, 26.7),
+    "configs/grpo_qwen3_235b_h100x256_1off.yaml": ("Qwen3-235B, H100, 256 GPUs, 1-step off", 231.0, 58.7),
+    "configs/grpo_qwen3_235b_gb200x128_1off.yaml": ("Qwen3-235B, GB200, 128 GPUs, 1-step off", 278.0, 85.5),
+    "configs/grpo_qwen3_30b_h100x32_1off.yaml": ("Qwen3-30B-A3B, H100, 32 GPUs, 1-step off", 152.0, 1414.0),
+    "configs/grpo_qwen3_30b_gb200x16_1off.yaml": ("Qwen3-30B-A3B, GB200, 16 GPUs, 1-step off", 301.0, 1406.0),
+    "configs/grpo_qwen3_30b_h100x192_8off.yaml": ("Qwen3-30B-A3B, H100, 192 GPUs, 8-step off", 34.5, 1025.0),
 }
+
+# Another system's published step at a layout megarl plans only with trainer.optimizer_offload
+PEER_ROWS = {"configs/grpo_deepseek_v3_h20x96.yaml": (
+    "verl, DeepSeek-V3 671B, 96 H20, on-policy (volcengine/verl docs/perf/dpsk.md, commit b178a3cd: "
+    "'DeepSeek 671b / 96 / 1960 / 1050 / ... / 0.19 / 1700': mean response 1,960, rollout 1,050 s, step 1,700 s)",
+    1700.0, {"generation": 1050.0})}
+
+# recipe -> published phase seconds (NeMo-RL v0.3 blog, steps 22-29 averaged)
+PHASE_SPLIT_SOURCE = ("NeMo-RL v0.3 blog, https://nvidia-nemo.github.io/blog/2025/07/21/nemo-rl-v0.3 "
+                      "(NVIDIA-NeMo/.github blog/posts/nemo-rl-v0.3/index.md): Qwen3 30B-A3B, Megatron, 8 nodes x 8 "
+                      "GPUs, EP8 TP2, rollout batch 2048, global batch 512, max sequence 4096, 3,251 generated "
+                      "tokens per sample")
+PHASE_SPLIT = {"configs/grpo_qwen3_30b_h100x64.yaml": {"total": 167.0, "train": 50.0, "sync": 12.0,
+                                                       "generation": 78.0, "logprobs": 23.0}}
+
+# Published decode measurements the model was NOT built from: (label, model folder, GPU, engine TP,
+# concurrency, mean context, weight bytes per parameter, measured ms per step, source)
+DECODE_CHECKS = [
+    ("DeepSeek-R1-0528 FP8, 8x H200, TP8, concurrency 64 (mean TPOT)", "deepseek-v3", "h200", 8, 64, 1536, 1.0, 34.6,
+     "SemiAnalysisAI/InferenceX issue #870: SGLang v0.5.7, TP=8 EP=1, ISL 1024 / OSL 1024, 'Mean TPOT (ms) | 12.8 | "
+     "17.2 | 25.6 | 34.6'"),
+    ("DeepSeek-R1-0528 FP8, 8x H200, TP8, concurrency 8 (mean TPOT)", "deepseek-v3", "h200", 8, 8, 1536, 1.0, 12.8,
+     "SemiAnalysisAI/InferenceX issue #870 (as above)"),
+    ("Qwen3-235B-A22B BF16, 8x B200, TP8, concurrency 64 (median ITL)", "qwen3-235b-a22b", "gb200", 8, 56.35, 5000,
+     2.0, 23.07, "sgl-project/sgl-cookbook docs/autoregressive/Qwen/Qwen3.md (commit 7b5bd9c0): 1000/8000, "
+     "max-concurrency 64 ('Concurrency: 56.35'), 'Median ITL (ms): 23.07' (B200 priced as the GB200 GPU: same HBM)"),
+    ("Qwen3-235B-A22B BF16, 8x B200, TP8, concurrency 16 (mean TPOT)", "qwen3-235b-a22b", "gb200", 8, 16, 5000, 2.0,
+     14.82, "sgl-project/sgl-cookbook docs/autoregressive/Qwen/Qwen3.md: 1000/8000, max-concurrency 16, "
+     "'Mean TPOT (ms): 14.82'"),
+]
+
+
+def decode_checks() -> list[tuple]:
+    """The decode-step model on the settings of :data:`DECODE_CHECKS`."""
+    from megarl.engine.build import read_hf_config
+    from megarl.models.dims import ModelDims
+    from megarl.planner.hardware import get_gpu
+    from megarl.planner.memory import kv_bytes_per_token
+    from megarl.planner.published import training_throughput
+    from megarl.planner.roofline import decode_step_s, model_family
+
+    out = []
+    for label, folder, gpu_name, tp, conc, context, weight_bytes, measured, source in DECODE_CHECKS:
+        hf = read_hf_config(str(REPO / "configs" / "models" / folder))
+        dims = ModelDims.from_hf(hf)
+        total = dims.num_parameters()
+        expert = sum(3 * dims.hidden_size * dims.moe_intermediate_size * dims.num_experts
+                     for i in range(dims.num_layers) if dims.is_moe_layer(i))
+        gpu = get_gpu(gpu_name)
+        tflops = training_throughput(model_family(dims), gpu_name)[0]
+        step, parts = decode_step_s(dims=dims, gpu=gpu, engine_tp=tp, in_flight=conc, context=context,
+                                    dense_params=total - expert, expert_params=expert,
+                                    kv_bytes_token=kv_bytes_per_token(dims, tp), weight_bytes=weight_bytes,
+                                    tflops=tflops)
+        out.append((label, step * 1e3, measured, parts, source))
+    return out
 
 
 def main(argv=None) -> int:
@@ -43,48 +113,95 @@ def main(argv=None) -> int:
     from megarl.config import load_config
     from megarl.planner.plan import make_plan
 
-    rows = []
-    for recipe in args.recipes or list(PUBLISHED):
-        source, published_s, published_tps = PUBLISHED[recipe]
+    rows, phase_rows = [], []
+    peer_rows = []
+    for recipe in args.recipes or [*PUBLISHED, *PHASE_SPLIT, *PEER_ROWS]:
         t0 = time.time()
-        cfg = load_config(recipe)
-        plan = make_plan(cfg, recipe)
-        est = plan.estimate
-        tps = est.tokens_per_step / est.seconds / plan.world
-        phases = ", ".join(f"{p.name} {p.seconds:.1f}" for p in est.phases)
+        plan = make_plan(load_config(recipe), recipe)
+        est, secs = plan.estimate, time.time() - t0
+        phases = {p.name: p.seconds for p in est.phases}
         fits = "yes" if not plan.problems else "NO: " + "; ".join(plan.problems)
-        rows.append((recipe, source, plan.world, est.seconds, published_s, tps, published_tps, phases, fits,
-                     time.time() - t0, plan.total_params))
+        if recipe in PHASE_SPLIT:
+            phase_rows.append((recipe, est.seconds, phases, PHASE_SPLIT[recipe]))
+        if recipe in PEER_ROWS:
+            without = make_plan(load_config(recipe, ["trainer.optimizer_offload=false"]), recipe)
+            peer_rows.append((recipe, est.seconds, phases, PEER_ROWS[recipe], fits, without.problems))
+        if recipe not in PUBLISHED:
+            continue
+        row, published_s, published_tps = PUBLISHED[recipe]
+        tps = est.tokens_per_step / est.seconds / plan.world
+        rows.append(dict(recipe=recipe, row=row, world=plan.world, estimate=est.seconds, published=published_s,
+                         tps=tps, published_tps=published_tps, phases=phases, overlapped=est.overlapped, fits=fits,
+                         seconds=secs))
         print(f"{recipe}: estimate {est.seconds:.1f} s vs published {published_s:g} s "
-              f"(ratio {est.seconds / published_s:.2f}); {phases}; planned in {time.time() - t0:.1f} s", flush=True)
+              f"(ratio {est.seconds / published_s:.2f}); planned in {secs:.1f} s", flush=True)
 
     lines = ["# megarl plan vs published GRPO step times", "",
-             "Estimate: `megarl plan RECIPE` (roofline: datasheet peaks and published efficiencies, each printed by "
-             "the "
-             "planner with its source; nothing fitted to these rows). Published: NeMo-RL v0.6 performance summary "
-             "(NVIDIA-NeMo/RL docs/about/performance-summary.md, commit 66059ab), GRPO on-policy, bf16, the same "
-             "layout and batch as the recipe. Ratio = estimate / published (below 1: the estimate is faster).", "",
-             "| recipe | published row | GPUs | estimate s | published s | ratio | est. tok/s/GPU | published "
-             "tok/s/GPU "
-             "| ratio | estimate phases (s) | fits | plan s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for recipe, source, world, est_s, pub_s, tps, pub_tps, phases, fits, secs, _ in rows:
-        lines.append(f"| {Path(recipe).name} | {source} | {world} | {est_s:.1f} | {pub_s:g} | {est_s / pub_s:.2f} "
-                     f"| {tps:.1f} | {pub_tps:g} | {tps / pub_tps:.2f} | {phases} | {fits} | {secs:.0f} |")
-    within = sum(0.75 <= r[3] / r[4] <= 1.25 for r in rows)
-    ratios = [r[3] / r[4] for r in rows]
+             f"Estimate: `megarl plan RECIPE`, the step-time model of megarl/planner/roofline.py built from published "
+             "measurements of other systems (megarl/planner/published.py: decode latency, all-reduce latency, MoE "
+             "training throughput, refit rates, each quoted with its source and pinned by "
+             "tests/unit/test_planner_published.py; nothing read from the rows below). Published: "
+             f"{SUMMARY}, GRPO, bf16, the layout and batch of each recipe. Ratio = estimate / published (below 1: the "
+             "estimate is faster). Regenerate: `.venv/bin/python perf/plan_vs_published.py`.", "",
+             "| recipe | published row | GPUs | estimate s | published s | ratio | est. tok/s/GPU | published tok/s/GPU "
+             "| estimate phases (s) | fits | plan s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        phases = ", ".join(f"{k} {v:.1f}" for k, v in r["phases"].items())
+        if r["overlapped"]:
+            phases += " (generation overlaps log-probs + train)"
+        lines.append(f"| {Path(r['recipe']).name} | {r['row']} | {r['world']} | {r['estimate']:.1f} | "
+                     f"{r['published']:g} | {r['estimate'] / r['published']:.2f} | {r['tps']:.1f} | "
+                     f"{r['published_tps']:g} | {phases} | {r['fits']} | {r['seconds']:.0f} |")
+    ratios = [r["estimate"] / r["published"] for r in rows]
+    within = sum(0.75 <= x <= 1.25 for x in ratios)
     lines += ["", f"{within} of {len(rows)} estimates within 25% of the published step time; ratios "
-                  f"{min(ratios):.2f} to {max(ratios):.2f}.", "",
-              "The estimate is a roofline: each phase at the published efficiency of its kernels (training MFU "
-              "0.39, decode reads at 0.90 of HBM bandwidth) and communication at peak bandwidth. What it leaves "
-              "out is what separates it from the published systems: collective latency (a TP32 engine spans 4 "
-              "H100 nodes: 122 all-reduces per decode step), vLLM's per-step scheduling and host overhead, the "
-              "efficiency of experts sharded 32 ways, pipeline sends, the data-parallel gradient reduction, and "
-              "the refit and offload implementations. No constant was changed to approach these rows; the "
-              "estimates are lower bounds, and the gap per phase needs a measured run (perf/bench_grpo.py) to "
-              "attribute.", ""]
+                  f"{min(ratios):.2f} to {max(ratios):.2f} (the roofline before this model: 0 of 7, 0.10 to 0.41)."]
+
+    if rows and phase_rows:
+        _, _, split_phases, split = phase_rows[0]
+        r = {k: split_phases[k] / split[k] for k in ("generation", "logprobs", "train", "sync")}
+        lines += ["", f"What this says. Generation is modelled from inference measurements and agrees with the one "
+                      f"published generation phase ({r['generation']:.2f}) and with the inference measurements below "
+                      "that it was not built from. The training side is where the misses are: in the published split "
+                      f"log-probs, training and refit take {1 / r['logprobs']:.1f}x, {1 / r['train']:.1f}x and "
+                      f"{1 / r['sync']:.1f}x what the published pretraining throughput and refit rates give, so rows "
+                      "whose step is not dominated by a long decode (DeepSeek-V3 on-policy, the 30B rows, GB200) come "
+                      "out fast, while the long-decode rows (Qwen3-235B on H100, DeepSeek-V3 one-step-off on H100) "
+                      "land within 25%. The gap is a property of the published RL systems' training phases at "
+                      "RL shapes (micro-batches of one sequence, dropless routing at small token counts, colocated "
+                      "swaps), which no published MoE training benchmark measures; it is not closed here by a "
+                      "constant read from these rows."]
+
+    for recipe, total, phases, split in phase_rows:
+        lines += ["", f"## Phases beside a published split: {Path(recipe).name}", "",
+                  f"Published: {PHASE_SPLIT_SOURCE}.", "", "| phase | estimate s | published s | ratio |",
+                  "|---|---|---|---|"]
+        for name in ("generation", "logprobs", "train", "sync"):
+            lines.append(f"| {name} | {phases[name]:.1f} | {split[name]:g} | {phases[name] / split[name]:.2f} |")
+        lines.append(f"| total | {total:.1f} | {split['total']:g} | {total / split['total']:.2f} |")
+
+    for recipe, total, phases, (row, step, split), fits, refused in peer_rows:
+        lines += ["", f"## Another system's row: {Path(recipe).name} (trainer.optimizer_offload)", "",
+                  f"Published: {row}.", "", "| | estimate s | published s | ratio |", "|---|---|---|---|",
+                  f"| generation | {phases['generation']:.1f} | {split['generation']:g} | "
+                  f"{phases['generation'] / split['generation']:.2f} |",
+                  f"| step | {total:.1f} | {step:g} | {total / step:.2f} |", "",
+                  f"Fits with trainer.optimizer_offload: {fits}. Without it, `megarl plan` refuses: "
+                  + ("; ".join(refused) if refused else "(it fits: unexpected)")]
+
+    lines += ["", "## The decode model beside inference measurements it was not built from", "",
+              "| setting | model ms/step | measured ms | ratio | model parts (ms) | source |", "|---|---|---|---|---|---|"]
+    checks = decode_checks()
+    for label, model_ms, measured, parts, source in checks:
+        lines.append(f"| {label} | {model_ms:.1f} | {measured:g} | {model_ms / measured:.2f} | memory "
+                     f"{parts['memory'] * 1e3:.1f}, layers {parts['layers'] * 1e3:.1f}, all-reduce "
+                     f"{parts['comm'] * 1e3:.1f} | {source.replace('|', '/')} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines))
+    Path(args.out).with_suffix(".json").write_text(json.dumps(
+        {"rows": rows, "phase_rows": [dict(recipe=r, total=t, phases=p, published=s) for r, t, p, s in phase_rows],
+         "decode_checks": [dict(setting=c[0], model_ms=c[1], measured_ms=c[2]) for c in checks]}, indent=1))
+    Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"written {args.out}")
     return 0
 

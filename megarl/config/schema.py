@@ -497,9 +497,10 @@ class TrainerConfig:
     """Keep the optimizer on the host during training: megatron-core's HybridDeviceOptimizer
     holds each rank's fp32 main parameters and Adam moments in host memory and steps them on the
     CPU (gradients down, updated parameters back, overlapped per parameter), so layouts with
-    little data parallelism fit (a 671B on 96 GPUs: docs/parallelism.md). Adam only. The step
-    equals the step without it (tests/distributed/test_engine_train.py); ``megarl plan`` counts
-    the host memory and the transfer time."""
+    little data parallelism fit (DeepSeek-V3 on 96 GPUs of 96 GB:
+    configs/grpo_deepseek_v3_h20x96.yaml). Adam only. The step equals the step without it
+    (tests/distributed/test_engine_train.py); ``megarl plan`` counts the host memory and the
+    transfer time."""
     mode: Literal["on_policy", "one_step_off", "async"] = "on_policy"
     """on_policy: every step generates with the current weights, then trains. one_step_off: step
     k+1's samples are generated while step k trains (with the weights before step k's update),

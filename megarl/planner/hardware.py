@@ -14,6 +14,7 @@ which errs on the small side (said in ``hbm_source``).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 GIB = 1 << 30
@@ -46,6 +47,8 @@ class GPUSpec:
     source: str
     """Where the numbers come from."""
     hbm_source: str = ""
+    key: str = ""
+    """The name recipes use (``cluster.gpu``)."""
 
     @property
     def hbm_bytes(self) -> int:
@@ -102,4 +105,4 @@ def get_gpu(name: str) -> GPUSpec:
     """The spec of GPU ``name`` (a key of :data:`GPUS`)."""
     if name not in GPUS:
         raise ValueError(f"unknown GPU type {name!r}; known: {', '.join(sorted(GPUS))}")
-    return GPUS[name]
+    return dataclasses.replace(GPUS[name], key=name)

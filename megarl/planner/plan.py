@@ -9,9 +9,10 @@ rank or node, and the component that takes the most.
 
 Phases on a device (colocated placement, the one the recipes use):
 
-* **train** (and log-probs, which need less): parameters + fp32 grads + optimizer shard +
-  activations, plus vLLM's whole share (``gpu_memory_utilization`` x device) when
-  ``rollout.sleep_level`` is 0 (vLLM never sleeps); at levels 1 and 2 vLLM's KV cache is freed
+* **train** (and log-probs, which need less): parameters + fp32 grads + optimizer shard (in
+  host memory instead with ``trainer.optimizer_offload``) + the frozen reference copy of the
+  parameters when ``algorithm.kl_coef > 0`` + activations, plus vLLM's whole share
+  (``gpu_memory_utilization`` x device) when ``rollout.sleep_level`` is 0 (vLLM never sleeps); at levels 1 and 2 vLLM's KV cache is freed
   and its weights are in host memory (1) or dropped (2).
 * **generation**: vLLM's share, plus the training state unless ``trainer.offload_train_state``
   moved it to host memory.
@@ -115,7 +116,7 @@ def make_plan(cfg, recipe: str = "") -> Plan:
     from megarl.planner import memory as mem
     from megarl.planner.hardware import get_gpu
     from megarl.planner.ranks import count_rank, stage_kinds
-    from megarl.planner.roofline import estimate_step
+    from megarl.planner.roofline import StepInputs, estimate_step
     from transformers import AutoConfig
 
     hf = read_hf_config(cfg.model.path)
@@ -152,6 +153,7 @@ def make_plan(cfg, recipe: str = "") -> Plan:
     per_engine = math.ceil(samples / r.dp)
     max_seq = r.max_prompt_tokens + r.max_response_tokens
 
+    split = r.placement == "split"
     kinds = []
     for c in counts:
         stage = c.kind.stages[0]
@@ -162,8 +164,12 @@ def make_plan(cfg, recipe: str = "") -> Plan:
         act = mem.activation_bytes(dims, layers, tokens=t.max_tokens_per_micro_batch, tp=topology.tp,
                                    etp=topology.expert_tp, sp=topology.sp, recompute=cfg.model.recompute,
                                    in_flight=in_flight, last_stage=c.kind.last)
-        train_phase = state.total + act + (vllm_share if r.sleep_level == 0 else 0)
-        gen_phase = vllm_share + (0 if t.offload_train_state else state.total)
+        # trainer.optimizer_offload: fp32 main params and Adam moments live in host memory;
+        # algorithm.kl_coef > 0: a frozen reference copy of the parameters (no grads, no optimizer)
+        reference = state.params if cfg.algorithm.kl_coef > 0 else 0
+        on_device = state.total - (state.optimizer if t.optimizer_offload else 0) + reference
+        train_phase = on_device + act + (vllm_share if r.sleep_level == 0 and not split else 0)
+        gen_phase = vllm_share if split else vllm_share + (0 if t.offload_train_state else on_device)
         kinds.append(KindMemory(c, state, act, micro_batches, in_flight, train_phase, gen_phase))
 
     gpn = cfg.cluster.gpus_per_node or gpu.gpus_per_node
@@ -173,8 +179,13 @@ def make_plan(cfg, recipe: str = "") -> Plan:
     host_peak, host_node = 0, 0
     for node in range(math.ceil(topology.world_size / gpn)):
         ranks = range(node * gpn, min(topology.world_size, (node + 1) * gpn))
-        used = sum((kind_of_stage[rank // per_stage].state.total if t.offload_train_state else 0)
-                   + (vllm_weights if r.sleep_level == 1 and rank < r.dp * r.tp else 0) for rank in ranks)
+        used = 0
+        for rank in ranks:
+            state = kind_of_stage[rank // per_stage].state
+            host_optimizer = state.optimizer if t.optimizer_offload else 0
+            reference = state.params if cfg.algorithm.kl_coef > 0 else 0
+            used += (state.total + reference if t.offload_train_state else host_optimizer) \
+                + (vllm_weights if r.sleep_level == 1 and rank < r.dp * r.tp and not split else 0)
         if used > host_peak:
             host_peak, host_node = used, node
 
@@ -189,17 +200,24 @@ def make_plan(cfg, recipe: str = "") -> Plan:
                 seconds_building=sum(c.seconds for c in counts))
 
     worst = max(kinds, key=lambda k: k.state.total)
-    plan.estimate = estimate_step(
-        dims=dims, gpu=gpu, world=topology.world_size, pp=topology.pp, vpp=topology.vpp_size,
-        micro_batches=micro_batches, samples=samples, mean_prompt=mean_prompt, mean_response=mean_response,
-        max_response=r.max_response_tokens, engines=r.dp, engine_tp=r.tp, dense_params=dense, expert_params=expert,
-        kv_bytes_token=kv_token, kv_capacity_tokens=kv_capacity, recompute=cfg.model.recompute,
-        epochs=cfg.algorithm.ppo_epochs, reference=cfg.algorithm.kl_coef > 0,
-        offload_bytes_per_gpu=worst.state.total if t.offload_train_state else 0,
-        vllm_weight_bytes_per_gpu=vllm_weights, sleep_level=r.sleep_level,
-        ranks_per_stage=topology.world_size // topology.pp,
-        ep=topology.ep, gpus_per_node=gpn,
-        moe_layers_per_stage=max(k.count.kind.moe_layers for k in kinds))
+    optimizer_steps = cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches
+    moved = worst.state.total - (worst.state.optimizer if t.optimizer_offload else 0) \
+        + (worst.state.params if cfg.algorithm.kl_coef > 0 else 0)
+    plan.estimate = estimate_step(StepInputs(
+        dims=dims, gpu=gpu, world=topology.world_size, pp=topology.pp, vpp=topology.vpp_size, dp=topology.dp,
+        micro_batches=micro_batches, micro_batch_tokens=min(t.max_tokens_per_micro_batch, tokens_per_device),
+        samples=samples, mean_prompt=mean_prompt, mean_response=mean_response, max_response=r.max_response_tokens,
+        engines=r.dp, engine_tp=r.tp, dense_params=dense, expert_params=expert, kv_bytes_token=kv_token,
+        kv_capacity_tokens=kv_capacity, recompute=cfg.model.recompute, epochs=cfg.algorithm.ppo_epochs,
+        optimizer_steps=optimizer_steps, reference=cfg.algorithm.kl_coef > 0,
+        offload_bytes_per_gpu=moved if t.offload_train_state else 0, vllm_weight_bytes_per_gpu=vllm_weights,
+        sleep_level=r.sleep_level, gpus_per_node=gpn, rank_dense_params=worst.count.dense,
+        rank_expert_params=worst.count.expert, expert_dp=topology.expert_dp, mode=t.mode, staleness=t.max_staleness, split=split,
+        optimizer_offload=t.optimizer_offload,
+        optimizer_shard_params=worst.count.dense // (topology.dp * topology.cp)
+        + worst.count.expert // max(1, topology.expert_dp)))
+    if split:
+        plan.world = topology.world_size + r.dp * r.tp
     _check_fit(plan, cfg)
     return plan
 
@@ -219,15 +237,21 @@ def _check_fit(plan: Plan, cfg) -> None:
     for k in plan.kinds:
         c = k.count
         if k.train_phase > budget:
-            parts = {"parameters": k.state.params, "gradients": k.state.grads, "optimizer state": k.state.optimizer,
-                     "activations": k.activations}
+            parts = {"parameters": k.state.params, "gradients": k.state.grads, "activations": k.activations}
+            if not cfg.trainer.optimizer_offload:
+                parts["optimizer state"] = k.state.optimizer
+            if cfg.algorithm.kl_coef > 0:
+                parts["reference copy (algorithm.kl_coef > 0)"] = k.state.params
             if r.sleep_level == 0:
                 parts["vLLM (rollout.sleep_level=0)"] = plan.vllm_share
             plan.problems.append(f"training on rank {c.rank} ({c.kind.label}): {_gib(k.train_phase)} > {name}: "
                                  f"{_parts(parts)}")
         if k.generation_phase > budget:
+            kept = k.state.total - (k.state.optimizer if cfg.trainer.optimizer_offload else 0)
             parts = {"vLLM share": plan.vllm_share, "training state kept on the device (trainer.offload_train_state="
-                     "false)": k.state.total}
+                     "false)": kept}
+            if cfg.algorithm.kl_coef > 0:
+                parts["reference copy (algorithm.kl_coef > 0)"] = k.state.params
             plan.problems.append(f"generation on rank {c.rank} ({c.kind.label}): {_gib(k.generation_phase)} > "
                                  f"{name}: {_parts(parts)}")
     if plan.host_peak > plan.host_budget:
@@ -282,7 +306,7 @@ def format_plan(plan: Plan, cfg) -> str:
         f"  weight bridge: each vLLM GPU receives {_gib(plan.bridge_recv_per_gpu)} per sync; a training rank sends at "
         f"most {_gib(plan.bridge_send_max)}; extra buffer per device up to bridge.bucket_mb = "
         f"{_gib(plan.bridge_bucket)}",
-        "", f"step-time estimate (roofline): {plan.estimate.seconds:.1f} s"]
+        "", f"step-time estimate: {plan.estimate.seconds:.1f} s (published measurements, listed below)"]
     for p in plan.estimate.phases:
         lines.append(f"  {p.name:<11} {p.seconds:8.1f} s  {p.detail}")
     tokens_gpu_s = plan.estimate.tokens_per_step / plan.estimate.seconds / plan.world

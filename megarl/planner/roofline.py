@@ -1,51 +1,58 @@
-"""A roofline estimate of one GRPO step: generation, log-probs, training, weight sync, offload.
+"""The step-time estimate of one GRPO step: generation, log-probs, training, weight sync, offload.
 
-Every phase is the larger of its compute time (FLOPs / (peak x efficiency)) and its memory or
-network time (bytes / (bandwidth x efficiency)), with the peaks from
-:mod:`megarl.planner.hardware` and the efficiencies below, each taken from a published
-measurement (never fitted to the rows :mod:`perf.plan_vs_published` compares with). Phases run
-one after the other (colocated, on-policy: megarl overlaps none of them).
+Each phase is priced from published measurements of other systems (:mod:`megarl.planner.published`,
+every value quoted with its source and pinned by a unit test) and the datasheet peaks of
+:mod:`megarl.planner.hardware`; nothing is read from the NeMo-RL step times that
+``perf/plan_vs_published.py`` compares the estimates with.
 
-* **Generation** per engine (``rollout.tp`` GPUs, ``rollout.dp`` engines share the samples):
-  prefill of every prompt is compute-bound; decode runs as many steps as the longest response
-  (``rollout.max_response_tokens``: with hundreds of samples some reach the cap) with all the
-  engine's samples in flight (vLLM keeps them resident when the KV cache holds them, else the
-  concurrency the cache allows), and each step reads the engine's dense weights, the routed
-  experts its tokens touch (``1 - (1 - k/E)^B`` of them for B tokens in flight) and the KV cache
-  of the sequences in flight (mean context ``prompt + response/2``); a step takes the larger of
-  that read time and its FLOPs, plus the engine's tensor-parallel all-reduces of the hidden
-  states (two per layer, ring: ``2 (G-1)/G x B x h x 2`` bytes per GPU) over NVLink, or over the
-  network when the engine spans nodes, at peak bandwidth (latency not modelled).
-* **Log-probs**: a forward over every token (the old policy; the reference too when
-  ``algorithm.kl_coef > 0``); **training**: forward + backward (3 x forward; full recompute adds
-  one forward) per epoch; both compute-bound at the training efficiency, times the pipeline
-  bubble ``(M + pp - 1) / M`` (interleaved: ``(M + (pp - 1)/vpp) / M``) for M micro-batches per
-  data-parallel rank; plus the MoE token dispatch and combine (all-to-all over the ep group,
-  bf16 hidden states, ``top-k`` copies of each token per MoE layer and pass; forward 1,
-  backward 2, recompute 1) at peak bandwidth: the share of the ep group on other nodes over
-  the network, the rest over NVLink (not overlapped with compute: megarl's dispatcher does not).
-* **Weight sync**: each vLLM GPU receives its shard of the bf16 weights over NVLink when the
-  engine fits one NVLink domain, else over the scale-out network, at the peak bandwidth (no
-  efficiency applied: a lower bound).
-* **Offload** (``trainer.offload_train_state``): the training state leaves the device before
-  generation and comes back after it, over the host link at peak (lower bound); vLLM's sleep
-  level 1 moves its weights the same way.
+* **Generation** per engine (``rollout.tp`` GPUs; ``rollout.dp`` engines share the samples).
+  *How many decode steps* (on_policy, one_step_off): the step waits for its longest response. Response lengths are taken as
+  exponentially distributed around the recipe's mean (``plan.mean_response_tokens``), so the
+  longest of ``n`` samples is ``mean x H(n)`` (the n-th harmonic number, ~``ln n + 0.58``),
+  capped by ``rollout.max_response_tokens``: with hundreds of samples and a mean above a fifth of
+  the cap, decode runs to the cap. *The tokens*: the mean response times the samples; over the
+  decode an engine has ``samples x mean / steps`` sequences in flight on average (at most what
+  its KV cache holds; more run in waves). In async mode the fleet generates continuously into a
+  buffer of ``max_staleness + 1`` steps, so every slot its KV cache holds (up to that buffer) stays
+  busy and a step's tokens take ``samples x mean / slots`` steps. *One decode step* costs
+  ``max(memory, compute) + layers x t_layer + collectives``:
+  memory = the engine's dense weights, the routed experts its tokens touch
+  (``1 - (1 - k/E)^B`` of them for B tokens) and the KV cache of the sequences in flight, per
+  GPU, at the published HBM efficiency; compute = their FLOPs at the published training
+  throughput; ``t_layer`` = the per-layer time a decode step takes beyond that read at batch 1
+  (kernel launches, small GEMMs, sampling), derived from a published batch-1 measurement per GPU
+  generation; collectives = two tensor-parallel all-reduces per layer, at the published
+  all-reduce time within an NVLink domain, or, when the engine spans nodes, the published
+  network all-reduce latency plus the ring's bytes over the NIC. Prefill is compute at the
+  training throughput.
+* **Log-probs and training**: model FLOPs (:mod:`megarl.planner.flops`; full recompute adds a
+  forward) at the published MoE training throughput of the model family on the GPU type
+  (4,096-token sequences), times the published dropless/forced-balance ratio where the source
+  forced balanced routing (RL trains on the model's own routing), times the published trend of
+  throughput with sequence length for the recipe's micro-batch length, times the pipeline
+  bubble ``(M + pp - 1) / M`` (interleaved: ``(M + (pp - 1)/vpp) / M``) of the M micro-batches
+  per data-parallel rank; plus, per optimizer step, the data-parallel gradient reduce-scatter
+  (fp32) and parameter all-gather (bf16) of the rank's share over the NIC when the data-parallel
+  group spans nodes (NVLink otherwise), and the pipeline's activation sends across stage
+  boundaries. With ``trainer.optimizer_offload`` the update runs on the host: the fp32 grads go
+  down and the bf16 parameters come back over the host link, and Adam reads and writes 28 bytes
+  per parameter at the published host memory bandwidth.
+* **Weight sync**: each vLLM GPU receives its shard of the bf16 weights at the rate a published
+  refit achieved per GPU (checkpoint-engine's broadcast into vLLM: within one NVLink node, or
+  into engines that span nodes).
+* **Offload** (``trainer.offload_train_state``, ``rollout.sleep_level`` 1): the training state
+  and vLLM's weights leave the device and come back over the host link at its peak.
+* **Modes**: on-policy colocated runs the phases one after the other; one_step_off and async with
+  ``rollout.placement: split`` generate on their own GPUs while the training GPUs train, so a
+  step takes the longer of generation and (log-probs + training), plus the weight sync, which
+  stalls the engines.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-# --- efficiencies, each from a published measurement -------------------------------------------
-TRAIN_EFFICIENCY = 0.39
-TRAIN_EFFICIENCY_SOURCE = ("Megatron-Core MoE training MFU on H100: 39.0% for Qwen2-57B-A14B, a fine-grained MoE "
-                           "with shared experts (Liu et al., 'MoE Parallel Folding: Heterogeneous Parallelism "
-                           "Mappings for Efficient Large-Scale MoE Model Training with Megatron Core', 2025, "
-                           "abstract); used for training, log-prob and prefill FLOPs on every GPU type")
-HBM_EFFICIENCY = 3000 / 3350
-HBM_EFFICIENCY_SOURCE = ("FlashMLA (github.com/deepseek-ai/FlashMLA README): up to 3000 GB/s in the memory-bound "
-                         "decode configuration on H800 SXM5, whose HBM3 peak is 3.35 TB/s (0.90); used for "
-                         "every decode read (weights and KV cache)")
-
+from megarl.planner import published as P
 
 @dataclass
 class Phase:
@@ -60,10 +67,15 @@ class StepEstimate:
     assumptions: list[str] = field(default_factory=list)
     tokens_per_step: float = 0.0
     train_flops: float = 0.0
+    overlapped: bool = False
+    """Generation overlaps log-probs + training (off-policy modes on split GPUs)."""
 
     @property
     def seconds(self) -> float:
-        return sum(p.seconds for p in self.phases)
+        if not self.overlapped:
+            return sum(p.seconds for p in self.phases)
+        t = {p.name: p.seconds for p in self.phases}
+        return max(t["generation"], t["logprobs"] + t["train"]) + t["sync"] + t["offload"]
 
     def phase(self, name: str) -> Phase:
         return next(p for p in self.phases if p.name == name)
@@ -83,104 +95,271 @@ def pipeline_bubble(micro_batches: int, pp: int, vpp: int) -> float:
     return (micro_batches + (pp - 1) / max(1, vpp)) / micro_batches
 
 
-def dispatch_seconds(*, dims, gpu, tokens_per_gpu: float, moe_layers: int, ep: int, gpus_per_node: int,
-                     passes: float) -> float:
-    """Seconds one GPU spends sending MoE tokens to their experts and back (module docstring)."""
-    if ep <= 1 or not moe_layers:
+def harmonic(n: float) -> float:
+    """H(n) = 1 + 1/2 + ... + 1/n (n >= 1; ``ln n + 0.5772 + 1/(2n)`` past 1000)."""
+    n = max(1, int(round(n)))
+    if n > 1000:
+        return math.log(n) + 0.5772156649 + 1 / (2 * n)
+    return sum(1.0 / i for i in range(1, n + 1))
+
+
+def decode_steps(samples: int, mean_response: float, cap: int) -> float:
+    """Decode steps of a step: the expected longest of ``samples`` exponentially distributed
+    responses of mean ``mean_response``, at most the cap (module docstring)."""
+    return min(float(cap), mean_response * harmonic(samples))
+
+
+GPU_GENERATION = {"h100": "hopper", "h200": "hopper", "h20": "hopper", "gb200": "blackwell"}
+
+
+def layer_overhead_s(gpu_name: str) -> tuple[float, str]:
+    """Per-layer decode time beyond the weight read, from the published batch-1 measurement of the
+    GPU's generation: (step - read at the published HBM efficiency - its all-reduces) / layers."""
+    eff = P.HBM_EFFICIENCY.value
+    if GPU_GENERATION.get(gpu_name, "hopper") == "blackwell":
+        m = P.DECODE_BATCH1_BLACKWELL
+        step = m.value / 1e3
+        read = 22e9 * 2 / 8 / (8.0e12 * eff)                        # 22B active bf16 over TP8, B200 8 TB/s
+        comm = 2 * 94 * P.ALLREDUCE_NVLINK.value * 1e-6              # one token: the all-reduce's floor
+        layers = 94
+    else:
+        m = P.DECODE_BATCH1_HOPPER
+        step = 1.0 / m.value
+        read = 3.3e9 * 2 / (4.0e12 * eff)                           # 3.3B active bf16, H20 4.0 TB/s
+        comm, layers = 0.0, 48
+    per_layer = (step - read - comm) / layers
+    return per_layer, (f"{per_layer * 1e6:.0f} us per layer = ({step * 1e3:.2f} ms measured - {read * 1e3:.2f} ms weight "
+                       f"read - {comm * 1e3:.2f} ms all-reduces) / {layers} layers, from {m.name}")
+
+
+def network_allreduce_s() -> tuple[float, str]:
+    """Latency of one tensor-parallel all-reduce whose group spans nodes, from the published
+    cross-node decode: (step - weight read - 61 layers x the Hopper per-layer time) / 122."""
+    m = P.DECODE_CROSS_NODE
+    read = 37e9 * 1 / 16 / (3.35e12 * P.HBM_EFFICIENCY.value)      # 37B active, FP8, over TP16, H100
+    layers = 61 * layer_overhead_s("h100")[0]
+    latency = (m.value / 1e3 - read - layers) / 122
+    return latency, (f"{latency * 1e6:.0f} us per all-reduce across nodes = ({m.value:.1f} ms measured - "
+                     f"{read * 1e3:.2f} ms weight read - {layers * 1e3:.2f} ms of 61 layers) / 122, from {m.name}")
+
+
+def allreduce_s(message_bytes: float, *, nvlink: bool, group: int, link_bytes_per_s: float) -> float:
+    """One tensor-parallel all-reduce of ``message_bytes`` over ``group`` GPUs: the published
+    NVLink all-reduce (0.5 MB; larger messages in proportion), or across nodes the latency derived
+    from the published cross-node decode plus the ring's ``2 (G-1)/G x bytes`` over the NIC."""
+    if group <= 1:
         return 0.0
-    per_token = 2 * dims.num_experts_per_tok * dims.hidden_size * 2 * passes * moe_layers
-    remote = max(0, ep - gpus_per_node) / ep if ep > gpu.nvlink_domain else 0.0
-    sent = tokens_per_gpu * per_token * (ep - 1) / ep
-    return sent * remote / gpu.internode_bytes_per_s + sent * (1 - remote) / gpu.nvlink_unidir_bytes_per_s
+    if nvlink:
+        return P.ALLREDUCE_NVLINK.value * 1e-6 * max(1.0, message_bytes / 0.5e6)
+    return network_allreduce_s()[0] + 2 * (group - 1) / group * message_bytes / link_bytes_per_s
 
 
-def estimate_step(*, dims, gpu, world: int, pp: int, vpp: int, micro_batches: int, samples: int,
-                  mean_prompt: int, mean_response: int, max_response: int, engines: int, engine_tp: int,
-                  dense_params: int, expert_params: int, kv_bytes_token: int, kv_capacity_tokens: float,
-                  recompute: str, epochs: int, reference: bool, offload_bytes_per_gpu: int,
-                  vllm_weight_bytes_per_gpu: int, sleep_level: int, ranks_per_stage: int, ep: int, gpus_per_node: int,
-                  moe_layers_per_stage: int) -> StepEstimate:
-    """The step-time estimate (module docstring); sizes per the arguments' names, bytes and
-    parameter counts of the whole model unless they say per GPU."""
+def decode_step_s(*, dims, gpu, engine_tp: int, in_flight: float, context: float, dense_params: float,
+                  expert_params: float, kv_bytes_token: float, weight_bytes: float = 2.0,
+                  tflops: float) -> tuple[float, dict]:
+    """One decode step of an engine (module docstring): seconds and its parts."""
     from megarl.planner.flops import flops_per_token
 
+    touched = experts_touched(in_flight, dims.num_experts, dims.num_experts_per_tok)
+    read = ((dense_params + touched * expert_params) * weight_bytes / engine_tp + in_flight * context * kv_bytes_token)
+    memory = read / (gpu.hbm_tbps * 1e12 * P.HBM_EFFICIENCY.value)
+    compute = in_flight * flops_per_token(dims, max(1, int(context)), False) / engine_tp / (tflops * 1e12)
+    nvlink = engine_tp <= gpu.nvlink_domain
+    comm = 2 * dims.num_layers * allreduce_s(in_flight * dims.hidden_size * 2, nvlink=nvlink, group=engine_tp,
+                                             link_bytes_per_s=gpu.internode_bytes_per_s)
+    layers = dims.num_layers * layer_overhead_s(gpu.key)[0]
+    parts = dict(memory=memory, compute=compute, layers=layers, comm=comm, read=read, touched=touched, nvlink=nvlink)
+    return max(memory, compute) + layers + comm, parts
+
+
+def model_family(dims) -> str:
+    """The published training-throughput family of a model (the nearest by activated size)."""
+    from megarl.planner.flops import active_matmul_params
+
+    if dims.model_type.startswith("deepseek"):
+        return "deepseek_v3"
+    return "qwen3_moe_235b" if active_matmul_params(dims) > 10e9 else "qwen3_moe_30b"
+
+
+@dataclass
+class StepInputs:
+    """What the step model needs of a plan (sizes of the whole model unless the name says per GPU)."""
+
+    dims: object
+    gpu: object
+    world: int
+    """Training GPUs."""
+    pp: int
+    vpp: int
+    dp: int
+    micro_batches: int
+    micro_batch_tokens: float
+    samples: int
+    mean_prompt: int
+    mean_response: int
+    max_response: int
+    engines: int
+    engine_tp: int
+    dense_params: int
+    expert_params: int
+    kv_bytes_token: int
+    kv_capacity_tokens: float
+    recompute: str
+    epochs: int
+    optimizer_steps: int
+    reference: bool
+    offload_bytes_per_gpu: int
+    vllm_weight_bytes_per_gpu: int
+    sleep_level: int
+    gpus_per_node: int
+    rank_dense_params: int
+    rank_expert_params: int
+    expert_dp: int
+    mode: str = "on_policy"
+    staleness: int = 1
+    """async: trainer.max_staleness (the fleet runs that many steps ahead)."""
+    split: bool = False
+    optimizer_offload: bool = False
+    optimizer_shard_params: int = 0
+
+
+def estimate_step(x: StepInputs) -> StepEstimate:
+    """The step-time estimate (module docstring)."""
+    from megarl.planner.flops import flops_per_token
+
+    dims, gpu = x.dims, x.gpu
     est = StepEstimate()
-    peak = gpu.bf16_tflops * 1e12
-    hbm = gpu.hbm_tbps * 1e12
-    seq = mean_prompt + mean_response
-    est.tokens_per_step = samples * seq
+    seq = x.mean_prompt + x.mean_response
+    est.tokens_per_step = x.samples * seq
+    family = model_family(dims)
+    published_tflops, train_source = P.training_throughput(family, gpu.key)
+    t_layer_how = layer_overhead_s(gpu.key)[1]
     est.assumptions += [
         f"peak {gpu.bf16_tflops:g} TFLOPS bf16 dense, HBM {gpu.hbm_tbps:g} TB/s, NVLink {gpu.nvlink_gbps:g} GB/s "
         f"(both directions), network {gpu.internode_gbps:g} GB/s per GPU, host link {gpu.host_gbps:g} GB/s: "
         f"{gpu.source}",
-        f"compute efficiency {TRAIN_EFFICIENCY:.2f}: {TRAIN_EFFICIENCY_SOURCE}",
-        f"decode memory efficiency {HBM_EFFICIENCY:.2f}: {HBM_EFFICIENCY_SOURCE}",
-        f"mean prompt {mean_prompt} and response {mean_response} tokens (plan.mean_prompt_tokens / "
-        f"plan.mean_response_tokens); decode runs {max_response} steps (rollout.max_response_tokens: the "
-        "longest response decides)",
-        "phases run one after the other (colocated, on-policy); communication: MoE all-to-all in training "
-        "and log-probs, TP all-reduce in decode, weight sync and offload at peak bandwidth; collective "
-        "latency, pipeline sends, data-parallel gradient reduction, kernel launch and host overheads are "
-        "not modelled (the estimate is a lower bound of what these efficiencies allow)",
+        f"mean prompt {x.mean_prompt} and response {x.mean_response} tokens (plan.mean_prompt_tokens / "
+        "plan.mean_response_tokens)",
+        *[f"published: {m.line()}" for m in P.ALL],
+        f"published: {train_source}",
+        f"derived: decode overhead {t_layer_how}",
+        f"derived: {network_allreduce_s()[1]}",
     ]
 
+    # training throughput at this recipe's shape
+    t = [t for t in P.TRAINING if t.family == family]
+    forced = all(r.forced_balance for r in t)
+    routing = P.DROPLESS_SERIES.value if forced and dims.num_experts else 1.0
+    trend = P.SEQUENCE_TREND.value ** math.log2(max(1.0, x.micro_batch_tokens) / 4096)
+    tflops = published_tflops * routing * trend
+    est.assumptions.append(f"derived: training throughput {tflops:.0f} TFLOPS/GPU = {published_tflops:.0f} x "
+                           f"{routing:.2f} (dropless) x {trend:.2f} ({x.micro_batch_tokens:,.0f}-token micro-batches "
+                           f"vs 4,096); MFU {tflops / gpu.bf16_tflops:.2f}")
+    achieved = tflops * 1e12
+
     # generation
-    per_engine = samples / engines
-    gpus_gen = engines * engine_tp
-    prefill_s = samples * mean_prompt * flops_per_token(dims, mean_prompt, False) / (gpus_gen * peak * TRAIN_EFFICIENCY)
-    in_flight = min(per_engine, kv_capacity_tokens / max(1, seq)) if kv_capacity_tokens > 0 else per_engine
-    in_flight = max(1.0, in_flight)
-    waves = per_engine / in_flight
-    context = mean_prompt + mean_response / 2
-    touched = experts_touched(in_flight, dims.num_experts, dims.num_experts_per_tok)
-    read = ((dense_params + touched * expert_params) * 2 / engine_tp
-            + in_flight * context * kv_bytes_token)
-    step_mem = read / (hbm * HBM_EFFICIENCY)
-    step_flops = in_flight * flops_per_token(dims, int(context), False) / engine_tp / (peak * TRAIN_EFFICIENCY)
-    step_comm = 0.0
-    if engine_tp > 1:
-        reduced = 2 * (engine_tp - 1) / engine_tp * in_flight * dims.hidden_size * 2 * 2 * dims.num_layers
-        link = gpu.nvlink_unidir_bytes_per_s if engine_tp <= gpu.nvlink_domain else gpu.internode_bytes_per_s
-        step_comm = reduced / link
-    decode_s = max_response * (max(step_mem, step_flops) + step_comm) * waves
-    bound = "memory" if step_mem >= step_flops else "compute"
-    est.phases.append(Phase("generation", prefill_s + decode_s,
-                            f"prefill {prefill_s:.1f} s; decode {max_response} steps x "
-                            f"{(max(step_mem, step_flops) + step_comm) * 1e3:.1f} "
-                            f"ms ({bound}-bound: {read / 1e9:.1f} GB read per GPU per step, {in_flight:.0f} sequences "
-                            f"in flight per engine, {touched:.0%} of experts touched; TP all-reduce {step_comm * 1e3:.1f} ms) "
-                            f"x {waves:.2f} waves"))
+    per_engine = x.samples / x.engines
+    gen_gpus = x.engines * x.engine_tp
+    prefill_s = x.samples * x.mean_prompt * flops_per_token(dims, x.mean_prompt, False) / (gen_gpus * achieved)
+    continuous = x.mode == "async"
+    if continuous:
+        # the fleet generates continuously into a buffer of (max_staleness + 1) steps of samples:
+        # every slot the KV cache holds stays busy, no step waits for a longest response
+        slots = per_engine * (x.staleness + 1)
+        resident = max(1.0, min(slots, x.kv_capacity_tokens / max(1, seq)) if x.kv_capacity_tokens > 0 else slots)
+        in_flight, waves = resident, 1.0
+        steps = per_engine * x.mean_response / resident
+    else:
+        steps = decode_steps(x.samples, x.mean_response, x.max_response)
+        resident = min(per_engine, x.kv_capacity_tokens / max(1, seq)) if x.kv_capacity_tokens > 0 else per_engine
+        resident = max(1.0, resident)
+        waves = per_engine / resident
+        in_flight = max(1.0, resident * min(1.0, x.mean_response / steps))
+    context = x.mean_prompt + x.mean_response / 2
+    step, d = decode_step_s(dims=dims, gpu=gpu, engine_tp=x.engine_tp, in_flight=in_flight, context=context,
+                            dense_params=x.dense_params, expert_params=x.expert_params,
+                            kv_bytes_token=x.kv_bytes_token, tflops=tflops)
+    nvlink = d["nvlink"]
+    decode_s = steps * step * waves
+    bound = "memory" if d["memory"] >= d["compute"] else "compute"
+    generation = Phase("generation", prefill_s + decode_s,
+                       f"prefill {prefill_s:.1f} s; decode {steps:,.0f} steps "
+                       f"({'continuous: the step' + chr(39) + 's tokens over the busy slots' if continuous else f'longest of {x.samples} responses'}) x "
+                       f"{step * 1e3:.1f} ms = {bound} {max(d['memory'], d['compute']) * 1e3:.1f} ({d['read'] / 1e9:.1f} "
+                       f"GB per GPU, {in_flight:.0f} sequences in flight per engine on average, {d['touched']:.0%} of "
+                       f"experts touched) + layers {d['layers'] * 1e3:.1f} + TP all-reduce {d['comm'] * 1e3:.1f} "
+                       f"({'NVLink' if nvlink else 'across nodes'}) x {waves:.2f} waves")
 
     # log-probs and training
-    bubble = pipeline_bubble(micro_batches, pp, vpp)
+    bubble = pipeline_bubble(x.micro_batches, x.pp, x.vpp)
     fwd = est.tokens_per_step * flops_per_token(dims, seq, False)
-    passes = 2 if reference else 1
-    tokens_per_gpu = est.tokens_per_step / ranks_per_stage   # MoE with tp > 1 needs sequence parallelism
-    a2a = dict(dims=dims, gpu=gpu, tokens_per_gpu=tokens_per_gpu, moe_layers=moe_layers_per_stage, ep=ep,
-               gpus_per_node=gpus_per_node)
-    logprob_a2a = dispatch_seconds(**a2a, passes=passes)
-    logprob_s = passes * fwd / (world * peak * TRAIN_EFFICIENCY) * bubble + logprob_a2a
-    est.phases.append(Phase("logprobs", logprob_s, f"{passes} forward pass(es) over {est.tokens_per_step:,.0f} tokens, "
-                                                   f"pipeline bubble x{bubble:.2f} ({micro_batches} micro-batches), "
-                                                   f"MoE all-to-all {logprob_a2a:.1f} s"))
-    est.train_flops = epochs * est.tokens_per_step * flops_per_token(dims, seq, True)
-    hardware = est.train_flops * (4 / 3 if recompute == "full" else 1.0)
-    train_a2a = dispatch_seconds(**a2a, passes=epochs * (4 if recompute == "full" else 3))
-    train_s = hardware / (world * peak * TRAIN_EFFICIENCY) * bubble + train_a2a
-    est.phases.append(Phase("train", train_s, f"{est.train_flops / 1e15:,.1f} PFLOP model"
-                                              f"{' (+1/3 full recompute)' if recompute == 'full' else ''}, "
-                                              f"bubble x{bubble:.2f}, MoE all-to-all {train_a2a:.1f} s"))
+    passes = 2 if x.reference else 1
+    sends = pipeline_send_s(x, passes=1)
+    logprob_s = passes * (fwd / (x.world * achieved) * bubble + sends)
+    logprobs = Phase("logprobs", logprob_s, f"{passes} forward pass(es) over {est.tokens_per_step:,.0f} tokens, "
+                                            f"bubble x{bubble:.2f} ({x.micro_batches} micro-batches), "
+                                            f"pipeline sends {sends:.2f} s")
+    est.train_flops = x.epochs * est.tokens_per_step * flops_per_token(dims, seq, True)
+    hardware = est.train_flops * (4 / 3 if x.recompute == "full" else 1.0)
+    grad_s = x.optimizer_steps * gradient_reduction_s(x)
+    train_sends = x.epochs * pipeline_send_s(x, passes=2)
+    update_s = x.optimizer_steps * host_update_s(x) if x.optimizer_offload else 0.0
+    train_s = hardware / (x.world * achieved) * bubble + grad_s + train_sends + update_s
+    train = Phase("train", train_s, f"{est.train_flops / 1e15:,.1f} PFLOP model"
+                                    f"{' (+1/3 full recompute)' if x.recompute == 'full' else ''}, bubble x{bubble:.2f}, "
+                                    f"gradient reduction {grad_s:.1f} s, pipeline sends {train_sends:.2f} s"
+                                    + (f", host optimizer {update_s:.1f} s" if x.optimizer_offload else ""))
 
     # weight sync
-    nvlink = engine_tp <= gpu.nvlink_domain
-    bandwidth = gpu.nvlink_unidir_bytes_per_s if nvlink else gpu.internode_bytes_per_s
-    sync_s = vllm_weight_bytes_per_gpu / bandwidth
-    est.phases.append(Phase("sync", sync_s, f"{vllm_weight_bytes_per_gpu / 1e9:.1f} GB per vLLM GPU over "
-                                            f"{'NVLink' if nvlink else 'the network'} at {bandwidth / 1e9:.0f} GB/s"))
+    sync_rate = P.refit_bytes_per_s(over_network=not nvlink)
+    sync = Phase("sync", x.vllm_weight_bytes_per_gpu / sync_rate,
+                 f"{x.vllm_weight_bytes_per_gpu / 1e9:.1f} GB per vLLM GPU at {sync_rate / 1e9:.1f} GB/s "
+                 f"(published refit {'into engines spanning nodes' if not nvlink else 'within an NVLink domain'})")
 
     # offload / sleep
     host = gpu.host_gbps * 1e9
-    moved = 2 * offload_bytes_per_gpu + (2 * vllm_weight_bytes_per_gpu if sleep_level == 1 else 0)
-    est.phases.append(Phase("offload", moved / host, f"{moved / 1e9:.1f} GB per GPU to and from the host at "
-                                                     f"{gpu.host_gbps:g} GB/s"))
+    moved = 2 * x.offload_bytes_per_gpu + (2 * x.vllm_weight_bytes_per_gpu if x.sleep_level == 1 and not x.split else 0)
+    offload = Phase("offload", moved / host, f"{moved / 1e9:.1f} GB per GPU to and from the host at {gpu.host_gbps:g} GB/s")
+
+    est.phases = [generation, logprobs, train, sync, offload]
+    if x.mode != "on_policy" and x.split:
+        est.overlapped = True
+        est.assumptions.append(f"{x.mode} on split GPUs: a step takes max(generation, log-probs + train) + sync + offload")
     return est
+
+
+def pipeline_send_s(x: StepInputs, passes: int) -> float:
+    """Activation sends of one pass (forward: 1; forward and backward: 2) across the pipeline's
+    stage boundaries on the critical path: (M + pp - 1) micro-batch hops, bf16 hidden states,
+    over the NIC when the stages sit on different nodes (stages are ``world / pp`` ranks apart)."""
+    if x.pp <= 1:
+        return 0.0
+    across = x.world // x.pp >= x.gpus_per_node
+    link = P.NIC_BANDWIDTH.value * 1e9 if across else x.gpu.nvlink_unidir_bytes_per_s
+    hop = x.micro_batch_tokens * x.dims.hidden_size * 2 / link
+    return passes * (x.micro_batches + x.pp - 1) * hop
+
+
+def gradient_reduction_s(x: StepInputs) -> float:
+    """One optimizer step's distributed-optimizer traffic per GPU: reduce-scatter of fp32 grads and
+    all-gather of bf16 params, ``(n-1)/n`` of the rank's parameters each, over its data-parallel
+    group (dense) and expert-data-parallel group (experts); over the NIC at the published rate
+    when the group spans nodes (it does when dp > 1 and the model-parallel ranks fill a node)."""
+    total = 0.0
+    for params, group in ((x.rank_dense_params, x.dp), (x.rank_expert_params, x.expert_dp)):
+        if group <= 1:
+            continue
+        spans = x.world // group >= x.gpus_per_node or group > x.gpus_per_node
+        link = P.NIC_BANDWIDTH.value * 1e9 if spans else x.gpu.nvlink_unidir_bytes_per_s
+        total += (4 + 2) * params * (group - 1) / group / link
+    return total
+
+
+def host_update_s(x: StepInputs) -> float:
+    """``trainer.optimizer_offload``: the rank's fp32 grads to the host and bf16 params back over the
+    host link, and Adam's 28 bytes per parameter (read param, grad, two moments; write param,
+    two moments) at the GPU's share of the published host memory bandwidth (2 sockets per
+    8 GPUs on DGX H100)."""
+    shard = x.optimizer_shard_params
+    per_gpu_memory = 2 * P.HOST_MEMORY_BANDWIDTH.value * 1e9 / 8
+    return (4 + 2) * shard / (x.gpu.host_gbps * 1e9) + 28 * shard / per_gpu_memory

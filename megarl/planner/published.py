@@ -1,0 +1,190 @@
+"""Published measurements the step-time model (:mod:`megarl.planner.roofline`) is built from.
+
+Every number here is a measurement another system published, quoted with its source, and never
+one of the GRPO step times ``perf/plan_vs_published.py`` compares the estimates with (NeMo-RL's
+performance summary). ``tests/unit/test_planner_published.py`` pins each value to the cited
+one: changing a constant is a deliberate edit that names a new source. What the model derives
+from them (a per-layer decode overhead, a bandwidth per GPU) is computed in the functions below,
+in the open, from these values and the arithmetic their sources state.
+
+Conventions: ``value`` in the unit named; ``source`` says where (repository + path + commit, or
+URL) and quotes the figure; ``setting`` is what was measured (model, hardware, batch), which the
+derivation needs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Measurement:
+    name: str
+    value: float
+    unit: str
+    setting: str
+    source: str
+
+    def line(self) -> str:
+        return f"{self.name} = {self.value:g} {self.unit} ({self.setting}): {self.source}"
+
+
+# --- decode -----------------------------------------------------------------------------------
+DECODE_BATCH1_HOPPER = Measurement(
+    "decode_batch1_hopper", 137.18, "tokens/s",
+    "Qwen3-30B-A3B BF16 on one NVIDIA H20 (4.0 TB/s), batch 1, input length 1, 2,048 generated tokens, "
+    "SGLang 0.4.6.post1; 48 layers, 3.3B activated parameters (Qwen3 model card)",
+    "QwenLM/Qwen3 docs/source/getting_started/speed_benchmark.md (commit c7f51a1a): Qwen3-30B-A3B "
+    "'BF16 | 1 | 137.18'")
+DECODE_BATCH1_BLACKWELL = Measurement(
+    "decode_batch1_blackwell", 10.23, "ms per token",
+    "Qwen3-235B-A22B-Instruct-2507 BF16 on 8x B200 (8 TB/s), tensor parallel 8, max-concurrency 1, "
+    "1000 input / 8000 output tokens, SGLang 0.5.6; 94 layers, 22B activated parameters",
+    "sgl-project/sgl-cookbook docs/autoregressive/Qwen/Qwen3.md (commit 7b5bd9c0): 'Mean TPOT (ms): 10.23'")
+ALLREDUCE_NVLINK = Measurement(
+    "allreduce_nvlink", 10.0, "us",
+    "vLLM custom all-reduce (one-stage), H100 SXM, 4 GPUs, bf16 (32, 8192) = 0.5 MB per call",
+    "vllm-project/vllm PR #24111, 'Isolated primitives benchmark results: H100', TP=4 row "
+    "'(32, 8192) 0.50 MB 0.010'")
+DECODE_CROSS_NODE = Measurement(
+    "decode_cross_node", 23.1, "ms per token",
+    "DeepSeek-R1-0528 (FP8 weights, 61 layers, 37B activated) on 16 H100 in 2 nodes over InfiniBand, tensor "
+    "parallel 16, SGLang, concurrency 1, 128 input / 128 output tokens: the time of an engine whose "
+    "all-reduces cross nodes",
+    "tenstorrent/tt-inference-server issue #356, 'Performance Benchmark Sweeps for DeepSeek-R1-0528 on 16 H100 "
+    "(SGLANG + INFINIBAND)': '128 | 128 | 1 | 8 | 179.7 | 23.1'")
+HBM_EFFICIENCY = Measurement(
+    "hbm_efficiency", 3000 / 3350, "of peak",
+    "FlashMLA decode, memory-bound configuration, H800 SXM5 (HBM3 peak 3.35 TB/s)",
+    "deepseek-ai/FlashMLA README: 'up to 3000 GB/s in memory-bound configuration'")
+
+# --- training ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrainingThroughput:
+    """Published MoE training throughput of a model family on one GPU type (bf16, 4096-token
+    sequences, the source's routing)."""
+
+    family: str
+    gpu: str
+    tflops: float
+    forced_balance: bool
+    setting: str
+    source: str
+
+    def line(self) -> str:
+        routing = "forced/fake-balanced routing" if self.forced_balance else "dropless routing"
+        return (f"training {self.family} on {self.gpu}: {self.tflops:g} TFLOPS/GPU at 4096 tokens, bf16, {routing} "
+                f"({self.setting}): {self.source}")
+
+
+TRAINING = [
+    TrainingThroughput("deepseek_v3", "h100", 250.0, True, "DeepSeek V3 671B, 256 H100, TP1 PP4 EP64 VP8, TE + DeepEP",
+                       "NVIDIA-NeMo/Automodel docs/performance-summary.md (commit 01926a5c, 2025-10-02): "
+                       "'DeepSeek V3 671B | 256 | 512 | ... | 8.18 | 250 | 1,002'; 'Fake balanced gate is enabled'"),
+    TrainingThroughput("deepseek_v3", "gb200", 782.0, True, "DeepSeekV3 (w/o MTP), 256 GB200, TP1 PP4 VP4 EP64",
+                       "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md, 25.11 GB200 table: "
+                       "'DeepSeekV3 (w/o MTP) | 256 | BF16 | ... | 3139 | 782'; 'we force-balance the token "
+                       "distribution among experts'"),
+    TrainingThroughput("qwen3_moe_235b", "h100", 276.0, True, "Qwen3-235B-A22B, 256 H100, TP2 PP8 VPP4 EP32, DeepEP",
+                       "yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md (commit 798dfb50): "
+                       "'235B | DeepEP | H100 | BF16 | 256 | 4096 | ... | 17.6 | 276'; run script "
+                       "--moe-router-force-load-balancing"),
+    TrainingThroughput("qwen3_moe_235b", "gb200", 728.0, True, "Qwen3_235B_a22B, 256 GB200, TP1 PP8 VP3 EP32",
+                       "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md, 25.11 GB200 table: "
+                       "'Qwen3_235B_a22B | 256 | BF16 | ... | 4916 | 728'"),
+    TrainingThroughput("qwen3_moe_30b", "h100", 277.0, True, "Qwen3 MoE 30B, 8 H100, EP8, TE + DeepEP",
+                       "NVIDIA-NeMo/Automodel docs/performance-summary.md (commit 01926a5c): "
+                       "'Qwen3 MoE 30B | 8 | 512 | ... | 21.773 | 277 | 12,040'; 'Fake balanced gate is enabled'"),
+]
+"""Qwen3-30B-A3B on GB200 has no bf16 row anywhere (Megatron-Bridge publishes MXFP8 only): the
+planner scales the H100 figure by the GB200/H100 ratio of the nearest family that has both
+(Qwen3-235B: 728 / 276) and says so."""
+
+DROPLESS_SERIES = Measurement(
+    "dropless_vs_forced", 237 / 295, "ratio",
+    "Qwen3-235B-A22B, 256 H100, bf16, DeepEP, 16,384-token sequences: dropless 237 vs forced balance 295 TFLOPS "
+    "(RL trains on the model's own routing, dropless)",
+    "yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md, 'Long Context' table: "
+    "'16384 | 32 | 4 | 1 | 256 | 295 (forced balance) / 237 (dropless)'")
+SEQUENCE_TREND = Measurement(
+    "tflops_per_doubling", (357 / 237) ** (1 / 3), "x per doubling of the sequence",
+    "Qwen3-235B-A22B, 256 H100, bf16, dropless: 237, 277, 320, 357 TFLOPS at 16K, 32K, 64K, 128K tokens "
+    "(the geometric mean step, applied to micro-batches shorter or longer than 4,096 tokens)",
+    "yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md, 'Long Context' table")
+RL_TRAINING_MFU = [
+    Measurement("rl_mfu_qwen3_30b_h20", 0.31, "MFU",
+                "verl, Megatron backend, GRPO policy update of Qwen3-30B-A3B on 32 H20, TP1 PP1 EP8, optimizer "
+                "offload (MFU of the update only, 6 x active params + attention, against 148 TFLOPS)",
+                "volcengine/verl docs/perf/dpsk.md (commit b178a3cd)"),
+    Measurement("rl_mfu_deepseek_v3_h20", 0.19, "MFU",
+                "verl, Megatron backend, GRPO of DeepSeek-V3 671B on 96 H20, mean response 1,960 tokens",
+                "volcengine/verl docs/perf/dpsk.md (commit b178a3cd)"),
+]
+"""Cross-checks, not inputs: the RL updates another system measured (on H20, whose peak is a
+sixth of H100's), printed beside the training estimate."""
+
+# --- weight sync (refit) and host transfers ---------------------------------------------------
+REFIT_NVLINK = Measurement(
+    "refit_nvlink", 6.22, "s",
+    "checkpoint-engine broadcast update of Qwen3-235B-A22B-Instruct-2507 BF16 into vLLM, 8x H800, TP8 "
+    "(one NVLink node): 470 GB of bf16 weights, 58.7 GB per GPU",
+    "MoonshotAI/checkpoint-engine README.md (commit 415c3205): 'Qwen3-235B-A22B-Instruct-2507 (BF16) | "
+    "8xH800 TP8 | 0.33s | 6.22s (2.67GiB)'")
+REFIT_NETWORK = Measurement(
+    "refit_network", 11.33, "s",
+    "checkpoint-engine broadcast update of DeepSeek-V3.1 (FP8, 671 GB) into vLLM, 256x H20 in 16 TP16 "
+    "instances (each spanning 2 nodes): 41.9 GB per GPU",
+    "MoonshotAI/checkpoint-engine README.md (commit 415c3205): 'DeepSeek-V3.1 (FP8) | 256xH20 TP16 | 0.80s | "
+    "11.33s (8.00GiB)'")
+REFIT_BYTES_PER_GPU = {"refit_nvlink": 470e9 / 8, "refit_network": 671e9 / 16}
+
+HOST_MEMORY_BANDWIDTH = Measurement(
+    "host_memory_bandwidth", 307.2, "GB/s per CPU socket",
+    "Intel Xeon Platinum 8480C (DGX H100: 2 sockets per 8 GPUs): 8 channels of DDR5-4800",
+    "Intel ark, Xeon Platinum 8480+ specifications: 'Max # of Memory Channels 8', 'DDR5-4800'; "
+    "8 x 4800 MT/s x 8 B = 307.2 GB/s")
+
+NIC_BANDWIDTH = Measurement(
+    "nic_bandwidth", 47.0, "GB/s per NIC",
+    "NCCL bus bandwidth of one 400 Gb/s NDR InfiniBand NIC (one NIC per GPU on DGX H100): the rate of a "
+    "collective whose group spans nodes (data-parallel gradient reduction, pipeline sends across nodes)",
+    "NVIDIA/nccl-tests issue #290 (maintainer): 'For NDR @ 400Gbps you should see 46-48GB/s per NIC'")
+
+ALL = [DECODE_BATCH1_HOPPER, DECODE_BATCH1_BLACKWELL, ALLREDUCE_NVLINK, DECODE_CROSS_NODE, HBM_EFFICIENCY,
+       DROPLESS_SERIES, SEQUENCE_TREND, *RL_TRAINING_MFU, REFIT_NVLINK, REFIT_NETWORK, HOST_MEMORY_BANDWIDTH, NIC_BANDWIDTH]
+
+
+def refit_bytes_per_s(over_network: bool) -> float:
+    """Bytes per second one vLLM GPU receives in a published refit (checkpoint-engine's broadcast):
+    over NVLink within a node, or into engines that span nodes."""
+    m = REFIT_NETWORK if over_network else REFIT_NVLINK
+    return REFIT_BYTES_PER_GPU[m.name] / m.value
+
+
+def training_throughput(family: str, gpu: str) -> tuple[float, str]:
+    """(TFLOPS per GPU, how it was obtained) for a model family on a GPU type: the published row;
+    for another Hopper GPU (H200, H20) the family's H100 row times the ratio of the datasheet bf16
+    peaks; for a Blackwell GPU without a row, the H100 row times the GB200/H100 ratio of a family
+    that has both (said in the text)."""
+    from megarl.planner.hardware import GPUS
+
+    rows = {(t.family, t.gpu): t for t in TRAINING}
+    if (family, gpu) in rows:
+        return rows[family, gpu].tflops, rows[family, gpu].line()
+    fams = {t.family for t in TRAINING}
+    if family not in fams:
+        raise KeyError(f"no published MoE training throughput for model family {family!r} "
+                       f"(known: {', '.join(sorted(fams))}); add one to megarl/planner/published.py")
+    base = rows[family, "h100"]
+    if gpu in ("h200", "h20"):
+        ratio = GPUS[gpu].bf16_tflops / GPUS["h100"].bf16_tflops
+        return base.tflops * ratio, (f"training {family} on {gpu}: no published row; its H100 figure {base.tflops:g} x "
+                                     f"{ratio:.2f} (datasheet bf16 peak {GPUS[gpu].bf16_tflops:g} / 989)")
+    kin = family.rsplit("_", 1)[0]   # qwen3_moe_30b -> a qwen3_moe family first
+    ref = next((f for f in sorted(fams, key=lambda f: (not f.startswith(kin), f))
+                if (f, gpu) in rows and (f, "h100") in rows), None)
+    if ref is None:
+        raise KeyError(f"no published MoE training throughput for {family!r} on {gpu!r}")
+    ratio = rows[ref, gpu].tflops / rows[ref, "h100"].tflops
+    return base.tflops * ratio, (f"training {family} on {gpu}: no published bf16 row; its H100 figure "
+                                 f"{base.tflops:g} x {ratio:.2f} ({ref}: {rows[ref, gpu].tflops:g} on {gpu} / "
+                                 f"{rows[ref, 'h100'].tflops:g} on h100)")
