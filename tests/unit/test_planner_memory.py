@@ -179,3 +179,17 @@ def test_meta_build_counts_equal_the_fixture(name, world, layout):
         assert counts[1].expert == 4 * 3 * 256 * 128 and counts[1].output == 49152 * 256
     else:   # tp 2: the rank holds half of every tensor-parallel weight and 4 of 8 experts
         assert counts[0].expert == 2 * 4 * 3 * 256 * 128 // 2
+
+
+def test_data_plane_bytes_by_hand():
+    # 512 samples of 128 + 700 tokens; DeepSeek-V3's 58 MoE layers x top-8, int16
+    d = mem.data_plane_bytes(samples=512, mean_prompt=128, mean_response=700, moe_layers=58, topk=8, routing=True,
+                             dp=16, ranks_per_node=8)
+    routing = 512 * 828 * 58 * 8 * 2
+    assert d.routing == routing and routing / (512 * 828) == 928          # the issue's 928 B/token
+    assert d.controller_in == 512 * (4 * 828 + 8 * 700) + routing
+    assert d.controller_out == d.controller_in + 512 * 5 * 700
+    assert d.per_rank == d.controller_out // 16 and d.per_node == 8 * d.per_rank
+    plain = mem.data_plane_bytes(samples=512, mean_prompt=128, mean_response=700, moe_layers=58, topk=8,
+                                 routing=False, dp=16, ranks_per_node=8)
+    assert plain.routing == 0 and plain.controller_in == d.controller_in - routing
