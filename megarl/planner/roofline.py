@@ -242,6 +242,8 @@ def estimate_step(x: StepInputs) -> StepEstimate:
         "plan.mean_response_tokens)",
         *[f"published: {m.line()}" for m in P.ALL],
         f"published: {train_source}",
+        *([] if dims.num_experts else [f"dense model: priced with the training throughput of the MoE family "
+                                       f"{family} (no dense row in megarl/planner/published.py)"]),
         f"derived: decode overhead {t_layer_how}",
         f"derived: {network_allreduce_s()[1]}",
     ]
@@ -286,8 +288,9 @@ def estimate_step(x: StepInputs) -> StepEstimate:
                        f"prefill {prefill_s:.1f} s; decode {steps:,.0f} steps "
                        f"({'continuous: the step' + chr(39) + 's tokens over the busy slots' if continuous else f'longest of {x.samples} responses'}) x "
                        f"{step * 1e3:.1f} ms = {bound} {max(d['memory'], d['compute']) * 1e3:.1f} ({d['read'] / 1e9:.1f} "
-                       f"GB per GPU, {in_flight:.0f} sequences in flight per engine on average, {d['touched']:.0%} of "
-                       f"experts touched) + layers {d['layers'] * 1e3:.1f} + TP all-reduce {d['comm'] * 1e3:.1f} "
+                       f"GB per GPU, {in_flight:.0f} sequences in flight per engine on average"
+                       + (f", {d['touched']:.0%} of experts touched" if dims.num_experts else "")
+                       + f") + layers {d['layers'] * 1e3:.1f} + TP all-reduce {d['comm'] * 1e3:.1f} "
                        f"({'NVLink' if nvlink else 'across nodes'}) x {waves:.2f} waves")
 
     # log-probs and training
