@@ -24,9 +24,11 @@ step k's checkpoint repeats steps k+1.. of an uninterrupted run.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -68,17 +70,15 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
     nor shut down here, also on error: its owner does that."""
     from megarl.algorithms import build_kl_controller
     from megarl.config import save_resolved
-    from megarl.observability import MetricsLogger, PhaseTimer, gpu_stats
+    from megarl.observability import MetricsLogger
     from megarl.observability.console import run_console
     from megarl.observability.generations import GenerationLog
     from megarl.rewards import RewardPool
-    from megarl.trainer.algorithm import needs_old_logprob_pass, resolve
-    from megarl.algorithms.offpolicy import correct_rollout
     from megarl.observability.timeline import Timeline
     from megarl.rewards.model import RewardModelTerm
     from megarl.rewards.spec import model_term, parse_reward
     from megarl.trainer.checkpoint import CheckpointManager, load_plain
-    from megarl.trainer.modes import SampleLog, make_source, offpolicy_metrics
+    from megarl.trainer.modes import SampleLog, make_source
     from megarl.trainer.rollout import Rollouts
     from megarl.trainer.routing import StepRouting
     from megarl.trainer.workers import WorkerGroup
@@ -118,8 +118,6 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
         group.timeline = timeline
         sample_log = SampleLog(run_dir, resume_step=start + 1)
         routing = StepRouting(cfg, run_dir, resume_step=start + 1)
-        adv_fn, adv_opts, _ = resolve(cfg.algorithm)
-        old_pass = needs_old_logprob_pass(cfg)
         log = cleanup.enter_context(MetricsLogger(
             run_dir, stdout=cfg.logging.stdout, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
             progress=cfg.logging.progress, total_steps=cfg.trainer.steps, resume_step=start + 1, stream=console))
@@ -132,135 +130,215 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
             reward_model = RewardModelTerm(cfg, reward_model_state)
 
         save_drafts = rollouts.drafts.save if rollouts.drafts is not None else None
-
-        def checkpoint_metadata() -> dict:
-            return {"kl_coef": kl_ctl.value, "rollout_source": source.state(),
-                    **({"reward_model": reward_model.state()} if reward_model is not None else {})}
-
-        def phase(step: int, name: str, **fields) -> None:   # the progress line; what a stop waits for
-            stop.step, stop.phase = step, name
-            log.progress_line(step, name, **fields)
-
-        def run_step(step: int, m: dict) -> None:
-            nonlocal window_start
-            timer = PhaseTimer()
-            phase(step, "generate")
-            rollout, m_gen = source.batch(step, lambda: stop.abandon_if_requested(m))   # times itself
-            m.update(m_gen, **offpolicy_metrics(rollout, step))
-            if reward_model is not None:                       # its own phase: a forward pass on the workers
-                phase(step, "reward_model")
-                m.update(reward_model.apply(rollout, group))
-            generations.write(step, rollout)                   # decoded samples: generations.jsonl
-            stop.abandon_if_requested(m)                       # safe point: nothing updated yet
-            routing_out = {}
-            old_lp = entropy = ref_lp = values = None
-            forward_passes = old_pass or group.has_reference or group.has_critic   # before the update
-            if forward_passes:
-                phase(step, "logprobs", reward=m["reward/mean"])
-            with timer("logprobs"):   # ~0 s (the plan only) when no pass runs: the phase is always reported
-                plan = group.plan(rollout)
-                if old_pass:
-                    old_lp, entropy = group.logprobs(rollout, plan, reference=False, **routing.old_pass(rollout))
-                    routing_out = group.routing_out
-                if group.has_reference:
-                    ref_lp = group.logprobs(rollout, plan, reference=True, **routing.reference_pass(rollout))[0]
-                if group.has_critic:
-                    values = group.values(rollout, plan)
-            m["actor/old_logprob_pass"] = int(old_pass)
-
-            def read_logprobs(lp: list, entropy: list) -> tuple[dict, list | None]:
-                """What the policy's log-probs before the update feed: the alarm, metrics, the
-                sample log, the rollout correction and the KL (its per-token reward, with
-                kl_mode=reward); the per-sample tensors for the update and the KL rewards."""
-                m.update(alarm_metrics(rollout, lp, cfg.trainer.logprob_diff_threshold, step - 1))
-                m.update(routing.metrics(rollout, lp, routing_out, step - 1))
-                sample_log.write(step, rollout, lp)
-                corrected, m_corr = correct_rollout(lp, rollout.sample_logprobs, cfg.algorithm)
-                m.update(m_corr)
-                kl_rewards = None
-                if ref_lp is not None:
-                    kl = [a - b for a, b in zip(lp, ref_lp)]   # k1 of the sampled tokens
-                    k1 = float(torch.cat(kl).mean())
-                    # a KL loss term reports its own estimator as actor/kl (the update's metrics win)
-                    m.setdefault("actor/kl", k1)
-                    if cfg.algorithm.kl_mode == "reward":      # -beta * KL as a per-token reward
-                        kl_rewards = [-kl_ctl.value * k for k in kl]
-                    kl_ctl.update(k1, len(rollout))
-                m["actor/entropy"] = float(torch.cat(entropy).mean()) if entropy else math.nan
-                return corrected, kl_rewards
-
-            per_sample, kl_rewards = {}, None
-            if old_pass:
-                corrected, kl_rewards = read_logprobs(old_lp, entropy)
-                per_sample.update(old_logprobs_T=old_lp, **corrected)
-            if ref_lp is not None:
-                per_sample["ref_logprobs_T"] = ref_lp
-            per_sample["advantages_T"], returns = compute_advantages(rollout, adv_fn, adv_opts, kl_rewards, values)
-            m.update(advantage_metrics(rollout, per_sample["advantages_T"]))
-            stop.abandon_if_requested(m)                       # last safe point: the updates follow
-            if values is not None:
-                phase(step, "critic")
-                with timer("critic"):
-                    m.update(group.train_critic(rollout, plan, {"old_values_T": values, "returns_T": returns}))
-                    m.update(critic_metrics(values, returns))
-            phase(step, "train", **({} if forward_passes else {"reward": m["reward/mean"]}))
-            with timer("train"):
-                m_train, forward = group.train(rollout, plan, per_sample, kl_ctl.value,
-                                               routing=routing.train_routing(rollout, routing_out),
-                                               own_old_logprobs=not old_pass)
-            m.update(m_train)
-            if forward is not None:
-                # the update's own forward gave the old log-probs: their readers come after it. The
-                # alarm raised here stops the run after the update but before the weight sync and
-                # the step's checkpoint: the updated weights never leave the training workers
-                read_logprobs(*forward)
-            routing.write(step, group.moe_tokens_per_expert, routing_out)
-            phase(step, "sync")
-
-            def sync() -> dict:   # and what needs the engines idle: probes, evaluation
-                with timer("sync"):
-                    out = group.sync_weights()
-                if after_sync is not None:
-                    after_sync(group, step)
-                if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
-                    with timer("eval"):
-                        out.update(rollouts.evaluate(rewards))
-                return out
-
-            m.update(source.after_update(step, sync))
-            m.update(timer.pop())
-            now = time.monotonic()
-            m.update(timeline.step_metrics(step, window_start, now))
-            window_start = now
-            m["throughput/tokens_per_s"] = sum(rollout.lengths()) / max(1e-9, sum(
-                v for k, v in m.items() if k.startswith("time/")))
-            m["actor/kl_coef"] = kl_ctl.value
-            m.update(gpu_stats())
+        steps = StepRunner(cfg, group=group, rollouts=rollouts, source=source, stop=stop, log=log,
+                           timeline=timeline, generations=generations, sample_log=sample_log, routing=routing,
+                           rewards=rewards, reward_model=reward_model, kl_ctl=kl_ctl, after_sync=after_sync)
 
         stop.last_step = start
-        window_start = time.monotonic()   # a step's timeline window starts where the last one ended
+        steps.window_start = time.monotonic()   # a step's timeline window starts where the last one ended
         for step in range(start + 1, cfg.trainer.steps + 1):
             if stop.requested:                                 # safe point between steps
                 break
             kl_at_start = kl_ctl.value
             try:
                 with log.step(step) as m:                      # written also if the step raises
-                    run_step(step, m)
+                    steps.run(step, m)
             except StepAbandoned as abandoned:
                 kl_ctl.value = kl_at_start                     # its KL update belongs to the abandoned step
                 megarl_log.info(str(abandoned))
                 break
             stop.last_step = step
             if cfg.checkpoint.save_every and (step % cfg.checkpoint.save_every == 0 or step == cfg.trainer.steps):
-                group.save_checkpoint(ckpt, step, checkpoint_metadata(), save_drafts)
+                group.save_checkpoint(ckpt, step, steps.checkpoint_metadata(), save_drafts)
         if stop.requested and (done := stop.last_step) < cfg.trainer.steps:
             megarl_log.info(f"stopping after step {done} (interrupt)")
             stop.step, stop.phase = 0, "checkpoint and shutdown"
             if cfg.checkpoint.save_on_interrupt and done > 0 and done not in dict(ckpt.complete()):
                 megarl_log.info(f"writing the checkpoint of step {done} (checkpoint.save_on_interrupt)")
-                group.save_checkpoint(ckpt, done, checkpoint_metadata(), save_drafts)
+                group.save_checkpoint(ckpt, done, steps.checkpoint_metadata(), save_drafts)
             raise RunInterrupted(stop.signum, done, hard=False)
     return run_dir
+
+
+@dataclass
+class ForwardPasses:
+    """What the forward passes before the update give; None for a pass that does not run."""
+
+    plan: object
+    """The step's micro-batch plan (:meth:`WorkerGroup.plan`)."""
+    old_lp: Optional[list] = None
+    entropy: Optional[list] = None
+    ref_lp: Optional[list] = None
+    values: Optional[list] = None
+    routing_out: dict = field(default_factory=dict)
+    """The routing the old log-prob pass recorded (MoE routing actions)."""
+
+
+class StepRunner:
+    """The steps of RL, in order, for one run (:meth:`run`), each phase a method: generate, the
+    reward model's score, the forward passes (old / reference log-probs, critic values), what
+    reads the old log-probs, advantages, the updates, the weight sync and the step's metrics.
+    :func:`train` builds it with the run's parts and loops over the steps; the mode's sample
+    source (:mod:`megarl.trainer.modes`) decides where samples come from and when the weights
+    reach the engines."""
+
+    def __init__(self, cfg: MegaRLConfig, *, group, rollouts, source, stop, log, timeline, generations, sample_log,
+                 routing, rewards, reward_model, kl_ctl, after_sync: Optional[Callable] = None):
+        from megarl.trainer.algorithm import needs_old_logprob_pass, resolve
+
+        self.cfg, self.group, self.rollouts, self.source, self.stop = cfg, group, rollouts, source, stop
+        self.log, self.timeline, self.generations, self.sample_log = log, timeline, generations, sample_log
+        self.routing, self.rewards, self.reward_model, self.kl_ctl = routing, rewards, reward_model, kl_ctl
+        self.after_sync = after_sync
+        self.adv_fn, self.adv_opts, _ = resolve(cfg.algorithm)
+        self.old_pass = needs_old_logprob_pass(cfg)
+        self.window_start = time.monotonic()
+        """Where the next step's timeline window starts (where the last one ended)."""
+
+    # ---------------------------------------------------------------- the step
+    def run(self, step: int, m: dict) -> None:
+        """One RL step; ``m`` collects its metrics (written also when it raises)."""
+        from megarl.observability import PhaseTimer
+
+        timer = PhaseTimer()
+        rollout = self.generate(step, m)
+        self.score_with_reward_model(step, rollout, m)
+        self.generations.write(step, rollout)                  # decoded samples: generations.jsonl
+        self.stop.abandon_if_requested(m)                      # safe point: nothing updated yet
+        passes = self.forward_passes(step, rollout, timer, m)
+        per_sample, returns = self.advantages(step, rollout, passes, m)
+        self.stop.abandon_if_requested(m)                      # last safe point: the updates follow
+        self.update(step, rollout, passes, per_sample, returns, timer, m)
+        self.phase(step, "sync")
+        m.update(self.source.after_update(step, functools.partial(self.sync_weights, step, timer)))
+        self.step_metrics(step, rollout, timer, m)
+
+    def phase(self, step: int, name: str, **fields) -> None:
+        """The progress line; what a stop waits for."""
+        self.stop.step, self.stop.phase = step, name
+        self.log.progress_line(step, name, **fields)
+
+    def generate(self, step: int, m: dict) -> Rollout:
+        from megarl.trainer.modes import offpolicy_metrics
+
+        self.phase(step, "generate")
+        rollout, m_gen = self.source.batch(step, functools.partial(self.stop.abandon_if_requested, m))  # times itself
+        m.update(m_gen, **offpolicy_metrics(rollout, step))
+        return rollout
+
+    def score_with_reward_model(self, step: int, rollout: Rollout, m: dict) -> None:
+        """A ``model:`` reward term: its own phase, a forward pass on the workers."""
+        if self.reward_model is not None:
+            self.phase(step, "reward_model")
+            m.update(self.reward_model.apply(rollout, self.group))
+
+    def forward_passes(self, step: int, rollout: Rollout, timer, m: dict) -> ForwardPasses:
+        """The old log-prob pass (when the step needs one), the reference pass and the critic's
+        values, before the update."""
+        group, routing = self.group, self.routing
+        if self.old_pass or group.has_reference or group.has_critic:
+            self.phase(step, "logprobs", reward=m["reward/mean"])
+        with timer("logprobs"):   # ~0 s (the plan only) when no pass runs: the phase is always reported
+            out = ForwardPasses(plan=group.plan(rollout))
+            if self.old_pass:
+                out.old_lp, out.entropy = group.logprobs(rollout, out.plan, reference=False,
+                                                         **routing.old_pass(rollout))
+                out.routing_out = group.routing_out
+            if group.has_reference:
+                out.ref_lp = group.logprobs(rollout, out.plan, reference=True, **routing.reference_pass(rollout))[0]
+            if group.has_critic:
+                out.values = group.values(rollout, out.plan)
+        m["actor/old_logprob_pass"] = int(self.old_pass)
+        return out
+
+    def read_logprobs(self, step: int, rollout: Rollout, lp: list, entropy: list, passes: ForwardPasses,
+                      m: dict) -> tuple[dict, list | None]:
+        """What the policy's log-probs before the update feed: the alarm, metrics, the sample log,
+        the rollout correction and the KL (its per-token reward, with kl_mode=reward); returns the
+        per-sample tensors for the update and the KL rewards."""
+        from megarl.algorithms.offpolicy import correct_rollout
+
+        cfg, kl_ctl = self.cfg, self.kl_ctl
+        m.update(alarm_metrics(rollout, lp, cfg.trainer.logprob_diff_threshold, step - 1))
+        m.update(self.routing.metrics(rollout, lp, passes.routing_out, step - 1))
+        self.sample_log.write(step, rollout, lp)
+        corrected, m_corr = correct_rollout(lp, rollout.sample_logprobs, cfg.algorithm)
+        m.update(m_corr)
+        kl_rewards = None
+        if passes.ref_lp is not None:
+            kl = [a - b for a, b in zip(lp, passes.ref_lp)]   # k1 of the sampled tokens
+            k1 = float(torch.cat(kl).mean())
+            m.setdefault("actor/kl", k1)   # a KL loss term reports its own estimator (the update's metrics win)
+            if cfg.algorithm.kl_mode == "reward":              # -beta * KL as a per-token reward
+                kl_rewards = [-kl_ctl.value * k for k in kl]
+            kl_ctl.update(k1, len(rollout))
+        m["actor/entropy"] = float(torch.cat(entropy).mean()) if entropy else math.nan
+        return corrected, kl_rewards
+
+    def advantages(self, step: int, rollout: Rollout, passes: ForwardPasses, m: dict) -> tuple[dict, list]:
+        """The update's per-sample tensors (old and reference log-probs, the rollout correction,
+        advantages) and the critic's returns."""
+        per_sample, kl_rewards = {}, None
+        if self.old_pass:
+            corrected, kl_rewards = self.read_logprobs(step, rollout, passes.old_lp, passes.entropy, passes, m)
+            per_sample.update(old_logprobs_T=passes.old_lp, **corrected)
+        if passes.ref_lp is not None:
+            per_sample["ref_logprobs_T"] = passes.ref_lp
+        per_sample["advantages_T"], returns = compute_advantages(rollout, self.adv_fn, self.adv_opts, kl_rewards,
+                                                                 passes.values)
+        m.update(advantage_metrics(rollout, per_sample["advantages_T"]))
+        return per_sample, returns
+
+    def update(self, step: int, rollout: Rollout, passes: ForwardPasses, per_sample: dict, returns: list, timer,
+               m: dict) -> None:
+        """The critic's update (PPO), then the policy's. Without an old log-prob pass the update's
+        own forward gave the old log-probs: their readers come after it, so the alarm raised there
+        stops the run after the update but before the weight sync and the step's checkpoint (the
+        updated weights never leave the training workers)."""
+        group, routing = self.group, self.routing
+        if passes.values is not None:
+            self.phase(step, "critic")
+            with timer("critic"):
+                m.update(group.train_critic(rollout, passes.plan, {"old_values_T": passes.values, "returns_T": returns}))
+                m.update(critic_metrics(passes.values, returns))
+        forward_ran = self.old_pass or group.has_reference or group.has_critic
+        self.phase(step, "train", **({} if forward_ran else {"reward": m["reward/mean"]}))
+        with timer("train"):
+            m_train, forward = group.train(rollout, passes.plan, per_sample, self.kl_ctl.value,
+                                           routing=routing.train_routing(rollout, passes.routing_out),
+                                           own_old_logprobs=not self.old_pass)
+        m.update(m_train)
+        if forward is not None:
+            self.read_logprobs(step, rollout, *forward, passes, m)
+        routing.write(step, group.moe_tokens_per_expert, passes.routing_out)
+
+    def sync_weights(self, step: int, timer) -> dict:
+        """The weight sync, and what needs the engines idle: probes (``after_sync``), evaluation.
+        The sample source calls it when its mode syncs (:meth:`SampleSource.after_update`)."""
+        with timer("sync"):
+            out = self.group.sync_weights()
+        if self.after_sync is not None:
+            self.after_sync(self.group, step)
+        if self.cfg.trainer.eval_every and step % self.cfg.trainer.eval_every == 0:
+            with timer("eval"):
+                out.update(self.rollouts.evaluate(self.rewards))
+        return out
+
+    def step_metrics(self, step: int, rollout: Rollout, timer, m: dict) -> None:
+        from megarl.observability import gpu_stats
+
+        m.update(timer.pop())
+        now = time.monotonic()
+        m.update(self.timeline.step_metrics(step, self.window_start, now))
+        self.window_start = now
+        m["throughput/tokens_per_s"] = sum(rollout.lengths()) / max(1e-9, sum(
+            v for k, v in m.items() if k.startswith("time/")))
+        m["actor/kl_coef"] = self.kl_ctl.value
+        m.update(gpu_stats())
+
+    def checkpoint_metadata(self) -> dict:
+        return {"kl_coef": self.kl_ctl.value, "rollout_source": self.source.state(),
+                **({"reward_model": self.reward_model.state()} if self.reward_model is not None else {})}
 
 
 def _release(group, stop: StopRequest) -> None:
