@@ -7,13 +7,14 @@
 source of every constant; ``plan.problems`` lists what does not fit, each naming the phase, the
 rank or node, and the component that takes the most.
 
-Phases on a device (colocated placement, the one the recipes use):
+Phases on a device (colocated placement; with ``rollout.placement: split`` the engines have GPUs
+of their own, which hold vLLM's share only, and the training GPUs the training state only):
 
 * **train** (and log-probs, which need less): parameters + fp32 grads + optimizer shard (in
   host memory instead with ``trainer.optimizer_offload``) + the frozen reference copy of the
   parameters when ``algorithm.kl_coef > 0`` + activations, plus vLLM's whole share
-  (``gpu_memory_utilization`` x device) when ``rollout.sleep_level`` is 0 (vLLM never sleeps); at levels 1 and 2 vLLM's KV cache is freed
-  and its weights are in host memory (1) or dropped (2).
+  (``gpu_memory_utilization`` x device) when ``rollout.sleep_level`` is 0 (vLLM never sleeps); at
+  levels 1 and 2 vLLM's KV cache is freed and its weights are in host memory (1) or dropped (2).
 * **generation**: vLLM's share, plus the training state unless ``trainer.offload_train_state``
   moved it to host memory.
 
@@ -216,7 +217,8 @@ def make_plan(cfg, recipe: str = "") -> Plan:
         optimizer_steps=optimizer_steps, reference=cfg.algorithm.kl_coef > 0,
         offload_bytes_per_gpu=moved if t.offload_train_state else 0, vllm_weight_bytes_per_gpu=vllm_weights,
         sleep_level=r.sleep_level, gpus_per_node=gpn, rank_dense_params=worst.count.dense,
-        rank_expert_params=worst.count.expert, expert_dp=topology.expert_dp, mode=t.mode, staleness=t.max_staleness, split=split,
+        rank_expert_params=worst.count.expert, expert_dp=topology.expert_dp, mode=t.mode,
+        staleness=t.max_staleness, split=split,
         optimizer_offload=t.optimizer_offload,
         optimizer_shard_params=worst.count.dense // (topology.dp * topology.cp)
         + worst.count.expert // max(1, topology.expert_dp)))

@@ -249,8 +249,7 @@ def estimate_step(x: StepInputs) -> StepEstimate:
     ]
 
     # training throughput at this recipe's shape
-    t = [t for t in P.TRAINING if t.family == family]
-    forced = all(r.forced_balance for r in t)
+    forced = all(r.forced_balance for r in P.TRAINING if r.family == family)
     routing = P.DROPLESS_SERIES.value if forced and dims.num_experts else 1.0
     trend = P.SEQUENCE_TREND.value ** math.log2(max(1.0, x.micro_batch_tokens) / 4096)
     tflops = published_tflops * routing * trend
@@ -284,9 +283,9 @@ def estimate_step(x: StepInputs) -> StepEstimate:
     nvlink = d["nvlink"]
     decode_s = steps * step * waves
     bound = "memory" if d["memory"] >= d["compute"] else "compute"
+    how = "continuous: the step's tokens over the busy slots" if continuous else f"longest of {x.samples} responses"
     generation = Phase("generation", prefill_s + decode_s,
-                       f"prefill {prefill_s:.1f} s; decode {steps:,.0f} steps "
-                       f"({'continuous: the step' + chr(39) + 's tokens over the busy slots' if continuous else f'longest of {x.samples} responses'}) x "
+                       f"prefill {prefill_s:.1f} s; decode {steps:,.0f} steps ({how}) x "
                        f"{step * 1e3:.1f} ms = {bound} {max(d['memory'], d['compute']) * 1e3:.1f} ({d['read'] / 1e9:.1f} "
                        f"GB per GPU, {in_flight:.0f} sequences in flight per engine on average"
                        + (f", {d['touched']:.0%} of experts touched" if dims.num_experts else "")
