@@ -143,6 +143,15 @@ HOST_MEMORY_BANDWIDTH = Measurement(
     "Intel ark, Xeon Platinum 8480+ specifications: 'Max # of Memory Channels 8', 'DDR5-4800'; "
     "8 x 4800 MT/s x 8 B = 307.2 GB/s")
 
+HOST_TO_DEVICE = Measurement(
+    "host_to_device", 35.19, "GB/s",
+    "nvbandwidth host_to_device_memcpy_sm, one H100 of an 8-GPU H100 server (PCIe Gen5): what onload achieves",
+    "NVIDIA/nvbandwidth issue #24: 'memcpy SM CPU(row) -> GPU(column) bandwidth (GB/s)' row '35.19 35.25 35.30 ...'")
+DEVICE_TO_HOST = Measurement(
+    "device_to_host", 52.77, "GB/s",
+    "nvbandwidth device_to_host_memcpy_sm on the same H100 server: what offload achieves",
+    "NVIDIA/nvbandwidth issue #24: 'memcpy SM CPU(row) <- GPU(column) bandwidth (GB/s)' row '52.77 52.77 52.77 ...'")
+
 NIC_BANDWIDTH = Measurement(
     "nic_bandwidth", 47.0, "GB/s per NIC",
     "NCCL bus bandwidth of one 400 Gb/s NDR InfiniBand NIC (one NIC per GPU on DGX H100): the rate of a "
@@ -150,7 +159,17 @@ NIC_BANDWIDTH = Measurement(
     "NVIDIA/nccl-tests issue #290 (maintainer): 'For NDR @ 400Gbps you should see 46-48GB/s per NIC'")
 
 ALL = [DECODE_BATCH1_HOPPER, DECODE_BATCH1_BLACKWELL, ALLREDUCE_NVLINK, DECODE_CROSS_NODE, HBM_EFFICIENCY,
-       DROPLESS_SERIES, SEQUENCE_TREND, *RL_TRAINING_MFU, REFIT_NVLINK, REFIT_NETWORK, HOST_MEMORY_BANDWIDTH, NIC_BANDWIDTH]
+       DROPLESS_SERIES, SEQUENCE_TREND, *RL_TRAINING_MFU, REFIT_NVLINK, REFIT_NETWORK, HOST_MEMORY_BANDWIDTH, NIC_BANDWIDTH,
+       HOST_TO_DEVICE, DEVICE_TO_HOST]
+
+
+def host_link_bytes_per_s(gpu) -> tuple[float, float]:
+    """(device -> host, host -> device) bytes per second of one GPU: the published achieved rates
+    on a PCIe Gen5 Hopper server; GB200's NVLink-C2C at its datasheet figure (no published achieved
+    rate was found)."""
+    if gpu.key in ("h100", "h200", "h20"):
+        return DEVICE_TO_HOST.value * 1e9, HOST_TO_DEVICE.value * 1e9
+    return gpu.host_gbps * 1e9, gpu.host_gbps * 1e9
 
 
 def refit_bytes_per_s(over_network: bool) -> float:

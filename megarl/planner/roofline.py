@@ -35,13 +35,14 @@ every value quoted with its source and pinned by a unit test) and the datasheet 
   (fp32) and parameter all-gather (bf16) of the rank's share over the NIC when the data-parallel
   group spans nodes (NVLink otherwise), and the pipeline's activation sends across stage
   boundaries. With ``trainer.optimizer_offload`` the update runs on the host: the fp32 grads go
-  down and the bf16 parameters come back over the host link, and Adam reads and writes 28 bytes
-  per parameter at the published host memory bandwidth.
+  down and the bf16 parameters come back over the host link (its achieved rates), and Adam reads
+  and writes 28 bytes per parameter at the published host memory bandwidth.
 * **Weight sync**: each vLLM GPU receives its shard of the bf16 weights at the rate a published
   refit achieved per GPU (checkpoint-engine's broadcast into vLLM: within one NVLink node, or
   into engines that span nodes).
 * **Offload** (``trainer.offload_train_state``, ``rollout.sleep_level`` 1): the training state
-  and vLLM's weights leave the device and come back over the host link at its peak.
+  and vLLM's weights leave the device and come back over the host link at the published achieved
+  rates of each direction (GB200: its datasheet NVLink-C2C figure).
 * **Modes**: on-policy colocated runs the phases one after the other; one_step_off and async with
   ``rollout.placement: split`` generate on their own GPUs while the training GPUs train, so a
   step takes the longer of generation and (log-probs + training), plus the weight sync, which
@@ -319,9 +320,10 @@ def estimate_step(x: StepInputs) -> StepEstimate:
                  f"(published refit {'into engines spanning nodes' if not nvlink else 'within an NVLink domain'})")
 
     # offload / sleep
-    host = gpu.host_gbps * 1e9
-    moved = 2 * x.offload_bytes_per_gpu + (2 * x.vllm_weight_bytes_per_gpu if x.sleep_level == 1 and not x.split else 0)
-    offload = Phase("offload", moved / host, f"{moved / 1e9:.1f} GB per GPU to and from the host at {gpu.host_gbps:g} GB/s")
+    down, up = P.host_link_bytes_per_s(gpu)
+    moved = x.offload_bytes_per_gpu + (x.vllm_weight_bytes_per_gpu if x.sleep_level == 1 and not x.split else 0)
+    offload = Phase("offload", moved / down + moved / up,
+                    f"{moved / 1e9:.1f} GB per GPU to the host at {down / 1e9:.1f} GB/s and back at {up / 1e9:.1f} GB/s")
 
     est.phases = [generation, logprobs, train, sync, offload]
     if x.mode != "on_policy" and x.split:
@@ -364,4 +366,5 @@ def host_update_s(x: StepInputs) -> float:
     8 GPUs on DGX H100)."""
     shard = x.optimizer_shard_params
     per_gpu_memory = 2 * P.HOST_MEMORY_BANDWIDTH.value * 1e9 / 8
-    return (4 + 2) * shard / (x.gpu.host_gbps * 1e9) + 28 * shard / per_gpu_memory
+    down, up = P.host_link_bytes_per_s(x.gpu)
+    return 4 * shard / down + 2 * shard / up + 28 * shard / per_gpu_memory

@@ -28,6 +28,8 @@ PINNED = {
     "refit_network": (11.33, "MoonshotAI/checkpoint-engine"),
     "host_memory_bandwidth": (307.2, "Intel ark"),
     "nic_bandwidth": (47.0, "nccl-tests issue #290"),
+    "host_to_device": (35.19, "NVIDIA/nvbandwidth issue #24"),
+    "device_to_host": (52.77, "NVIDIA/nvbandwidth issue #24"),
 }
 TRAINING = {   # (family, gpu) -> (TFLOPS, source fragment)
     ("deepseek_v3", "h100"): (250.0, "NVIDIA-NeMo/Automodel"),
@@ -73,6 +75,8 @@ def test_derived_quantities_by_hand():
     assert allreduce_s(1e6, nvlink=False, group=32, link_bytes_per_s=50e9) == pytest.approx(
         network + 2 * 31 / 32 * 1e6 / 50e9)
     assert allreduce_s(1e6, nvlink=False, group=1, link_bytes_per_s=50e9) == 0.0
+    assert P.host_link_bytes_per_s(get_gpu("h100")) == (52.77e9, 35.19e9)
+    assert P.host_link_bytes_per_s(get_gpu("gb200")) == (225e9, 225e9)
     assert P.refit_bytes_per_s(over_network=False) == pytest.approx(470e9 / 8 / 6.22)
     assert P.refit_bytes_per_s(over_network=True) == pytest.approx(671e9 / 16 / 11.33)
     # training throughput on a GPU without a row
@@ -144,10 +148,9 @@ def test_optimizer_offload_moves_the_optimizer_to_the_host_and_costs_its_transfe
     assert on.host_peak == off.host_peak      # offload_train_state moves all of it either way
     train_on, train_off = on.estimate.phase("train"), off.estimate.phase("train")
     assert "host optimizer" in train_on.detail and train_on.seconds > train_off.seconds
-    gpu = get_gpu("h20")
     worst = max(on.kinds, key=lambda k: k.state.total).count
     shard = worst.dense + worst.expert                                   # dp = expert-dp = 1 here
-    host = 6 * shard / (gpu.host_gbps * 1e9) + 28 * shard / (2 * 307.2e9 / 8)
+    host = 4 * shard / 52.77e9 + 2 * shard / 35.19e9 + 28 * shard / (2 * 307.2e9 / 8)
     optimizer_steps = 3
     assert train_on.seconds - train_off.seconds == pytest.approx(optimizer_steps * host, rel=1e-6)
     assert math.isfinite(on.estimate.seconds)
