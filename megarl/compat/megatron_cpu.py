@@ -38,7 +38,9 @@ P10 optimizer/cpu_offloading/hybrid_optimizer.py                   every paramet
     ``get_te_version()`` (None without TE) to a version: TypeError; fp32 model params detached
     distrib_optimizer.py _build_model_and_main_param_groups hands   (as upstream does for 16-bit ones):
     fp32 params' shards as non-leaf views, which the new torch      same storage, same updates
-    optimizer refuses ("can't optimize a non-leaf Tensor")
+    optimizer refuses ("can't optimize a non-leaf Tensor");
+    _update_fp32_params_by_new_state (checkpoint load) looks up an  a state without an fp32 copy is copied
+    fp32 copy for every parameter; fp32 ones have none: KeyError    into the parameter or its host copy
 ==  ============================================================  ==========================================
 
 P8 (SP with the local torch norm) is not needed: megarl always builds the TE spec, whose CPU norm
@@ -402,6 +404,19 @@ def patch_hybrid_optimizer():
         return host_groups, device_groups, to_host, to_device, fp32
 
     HybridDeviceOptimizer._get_sub_optimizer_param_groups = _get_sub_optimizer_param_groups
+
+    # loading a checkpoint: upstream copies every state's ``master_param`` into the parameter's
+    # fp32 copy, but fp32 parameters have none (only lower-precision ones get one): KeyError.
+    # An fp32 parameter's master is the parameter itself, or its host copy when offloaded.
+    def _update_fp32_params_by_new_state(self):
+        if not self.param_update_in_fp32:
+            return
+        for param, state in self.state.items():
+            target = self.param_to_fp32_param.get(param, self.param_to_inner_param.get(param, param))
+            if "master_param" in state and target is not state["master_param"]:
+                target.data.copy_(state["master_param"])
+
+    HybridDeviceOptimizer._update_fp32_params_by_new_state = _update_fp32_params_by_new_state
     HybridDeviceOptimizer._megarl_patched = True
 
     # fp32 model parameters (every CPU run; a GPU run with model.dtype float32): their shards are

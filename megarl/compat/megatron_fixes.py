@@ -25,8 +25,9 @@ M2  Distributed checkpoints load no code (torch DCP, which megatron's ``torch_di
     ``torch.Size``, dtypes and layouts (:func:`restricted_load`); byte items load with
     ``weights_only=True``. Anything else raises :class:`UnsafePickleError` before it is built.
     Seen in a megatron checkpoint: exactly those types. Not covered: TE FP8 extra state that
-    pickles a recipe object (GPU FP8 runs; it would be refused, not run). Tested by
-    tests/unit/test_safe_loads.py.
+    pickles a recipe object (GPU FP8 runs; it would be refused, not run). Optimizer classes are
+    allowed by name (:func:`optimizer_classes`: HybridDeviceOptimizer's parameter groups hold
+    them). Tested by tests/unit/test_safe_loads.py.
 """
 from __future__ import annotations
 
@@ -73,12 +74,28 @@ def load_weights_only(source, what: str, map_location=None):
     import torch
 
     try:
-        return torch.load(source, map_location=map_location, weights_only=True)
+        with torch.serialization.safe_globals(optimizer_classes()):
+            return torch.load(source, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
         found = re.search(r"(?:unsupported|unsafe) GLOBAL [^\s]+|Unsupported global: GLOBAL [^\s]+|"
                           r"Unsupported operand \d+", str(err))
         raise UnsafePickleError(f"{what}: refused to load: it holds a pickled object that would run code "
                                 f"({found.group(0) if found else str(err).splitlines()[0]})") from err
+
+
+def optimizer_classes() -> list:
+    """Optimizer classes a checkpoint may name (not build): megatron-core's HybridDeviceOptimizer
+    (``trainer.optimizer_offload``) keeps its host and device optimizer classes in its parameter
+    groups, so its state names torch's Adam/AdamW/SGD (and Transformer Engine's fused ones on GPU).
+    A class reference is resolved by name; nothing of it runs while loading."""
+    import torch
+
+    found = [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD]
+    try:
+        from transformer_engine.pytorch import optimizers as te_optimizers
+    except Exception:   # no TE (CPU), or a TE that fails to import: nothing of it to allow
+        return found
+    return found + [c for c in (getattr(te_optimizers, n, None) for n in ("FusedAdam", "FusedSGD")) if c is not None]
 
 
 def _load_bytes(self, read_item, value) -> None:

@@ -68,7 +68,9 @@ class SequenceBatch:
     """MoE models: per sequence, an integer tensor ``[L, Lm, K]``: the experts each of its tokens
     was routed to in each MoE layer (the rollout engine's routing, or the trainer's own recorded
     one; -1 rows: unknown, the layer routes that token itself). :mod:`megarl.engine.replay`
-    compares it with, or replays it in, the model's routing."""
+    compares it with, or replays it in, the model's routing. A rank receives handles on the
+    arrays in Ray's object store instead (:class:`megarl.data.store.Stored`) and fetches them
+    (:func:`megarl.data.store.fetch_routing`) before the forward."""
 
     def __post_init__(self):
         if len(self.input_ids) != len(self.prompt_lengths) or not self.input_ids:
@@ -83,7 +85,9 @@ class SequenceBatch:
                 raise ValueError(f"SequenceBatch: routing for {len(self.routing)} sequences, expected "
                                  f"{len(self.input_ids)}")
             for i, (ids, r) in enumerate(zip(self.input_ids, self.routing)):
-                if r.dim() != 3 or r.shape[0] != ids.numel() or r.shape[1:] != self.routing[0].shape[1:]:
+                # len(shape): a tensor, or a handle on one in the object store (megarl/data/store.py)
+                if len(r.shape) != 3 or r.shape[0] != ids.numel() or \
+                        tuple(r.shape[1:]) != tuple(self.routing[0].shape[1:]):
                     raise ValueError(f"SequenceBatch: sequence {i} has {ids.numel()} tokens and routing of shape "
                                      f"{tuple(r.shape)}; expected [{ids.numel()}, MoE layers, top-k], the same "
                                      "layers and top-k for every sequence")

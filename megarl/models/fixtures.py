@@ -88,23 +88,31 @@ def smollm2_gguf_path() -> Path:
 
 def ensure_fixture(name: str, rebuild: bool = False) -> Path:
     """Build fixture ``name`` into the cache unless a complete copy is there; return its folder."""
+    import fcntl
+
     out = fixture_dir(name)
     if is_built(name) and not rebuild:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
-    try:
-        if name == "smollm2":
-            _build_smollm2(staging)
-        else:
-            _build_random(name, staging)
-        (staging / ".complete").write_text(_marker(name))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+    # one builder at a time (e.g. the ranks of a launch that all find it missing): the others wait
+    # and then find it built, instead of deleting the folder a finished builder's process reads
+    with open(out.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_built(name) and not rebuild:
+            return out
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
+        try:
+            if name == "smollm2":
+                _build_smollm2(staging)
+            else:
+                _build_random(name, staging)
+            (staging / ".complete").write_text(_marker(name))
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(staging, out)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
     return out
 
 

@@ -144,19 +144,22 @@ def vllm_weight_bytes(total_params: int, rollout_tp: int, dtype_bytes: int = 2) 
 
 @dataclass(frozen=True)
 class DataPlane:
-    """Bytes one step moves between the engines, the controller and the training ranks (megarl
-    today: every sample's tensors come back to the single controller and go out again to the
-    ranks, issue 36). Per token of a sample: token id (int32, prompt and response), the engine's
-    sampling log-prob and the policy version of each response token (fp32, int32), and with
-    routing replay (``algorithm.router_replay: r3`` / ``rollout.return_routing``) the experts every
-    MoE layer chose, ``moe_layers x top-k`` int16 per prompt and response token; out to the ranks
-    the same plus the loss mask and advantage per response token (1 + 4 B). Each training rank
-    receives its data-parallel share (every rank of a model-parallel group the same share)."""
+    """Bytes one step moves between the engines, the controller and the training ranks. Per token
+    of a sample: token id (int32, prompt and response), the engine's sampling log-prob and the
+    policy version of each response token (fp32, int32): these come back to the single controller
+    and go out again to the ranks (issue 36's open part). With routing replay
+    (``algorithm.router_replay: r3`` / ``rollout.return_routing``) the experts every MoE layer
+    chose, ``moe_layers x top-k`` int16 per prompt and response token: through Ray's object store
+    from the engines to the ranks (``trainer.data_plane: object_store``), or through the
+    controller too (``controller``). Out to the ranks also the loss mask and advantage per
+    response token (1 + 4 B). Each training rank receives its data-parallel share (every rank of
+    a model-parallel group the same share)."""
 
     controller_in: int
     controller_out: int
     routing: int
-    """Of controller_in: the routing replay's bytes (0 without it)."""
+    """The routing replay's bytes per step (0 without it); in ``controller_in`` and
+    ``controller_out`` only when they pass through the controller."""
     per_rank: int
     per_node: int
 
@@ -166,13 +169,14 @@ class DataPlane:
 
 
 def data_plane_bytes(*, samples: int, mean_prompt: float, mean_response: float, moe_layers: int, topk: int,
-                     routing: bool, dp: int, ranks_per_node: int) -> DataPlane:
-    """The step's :class:`DataPlane` (means per sample, sizes in bytes)."""
+                     routing: bool, dp: int, ranks_per_node: int, routing_via_store: bool = True) -> DataPlane:
+    """The step's :class:`DataPlane` (means per sample, sizes in bytes); ``routing_via_store``:
+    ``trainer.data_plane`` is ``object_store`` (the routing bypasses the controller)."""
     tokens = mean_prompt + mean_response
     route = samples * tokens * moe_layers * topk * 2 if routing else 0
     base_in = samples * (4 * tokens + (4 + 4) * mean_response)
-    inbound = int(base_in + route)
-    outbound = int(inbound + samples * (1 + 4) * mean_response)
-    per_rank = outbound // max(1, dp)
-    return DataPlane(controller_in=inbound, controller_out=outbound, routing=int(route), per_rank=per_rank,
-                     per_node=per_rank * ranks_per_node)
+    base_out = base_in + samples * (1 + 4) * mean_response
+    through = 0 if routing_via_store else route
+    per_rank = int(base_out + route) // max(1, dp)
+    return DataPlane(controller_in=int(base_in + through), controller_out=int(base_out + through), routing=int(route),
+                     per_rank=per_rank, per_node=per_rank * ranks_per_node)

@@ -226,7 +226,8 @@ def make_plan(cfg, recipe: str = "") -> Plan:
         plan.world = topology.world_size + r.dp * r.tp
     moe_layers = sum(dims.is_moe_layer(i) for i in range(dims.num_layers))
     flow = dict(samples=samples, mean_prompt=mean_prompt, mean_response=mean_response, moe_layers=moe_layers,
-                topk=dims.num_experts_per_tok, dp=topology.dp, ranks_per_node=min(gpn, topology.world_size))
+                topk=dims.num_experts_per_tok, dp=topology.dp, ranks_per_node=min(gpn, topology.world_size),
+                routing_via_store=t.data_plane == "object_store")
     replay = cfg.algorithm.router_replay == "r3" or r.return_routing
     plan.data_plane = mem.data_plane_bytes(routing=replay and moe_layers > 0, **flow)
     if moe_layers and not replay:
@@ -272,19 +273,22 @@ def _check_fit(plan: Plan, cfg) -> None:
                              f"state and sleeping vLLM weights > {_gib(plan.host_budget)} (cluster.host_memory_gib)")
 
 
-def _data_plane_lines(plan: Plan) -> list[str]:
+def _data_plane_lines(plan: Plan, cfg) -> list[str]:
     d = plan.data_plane
     def gb(n: float) -> str:
         return f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"
 
-    lines = [f"  data plane per step (every sample through the controller): the controller receives "
-             f"{gb(d.controller_in)} from the engines and sends {gb(d.controller_out)} to the training ranks"
-             + (f" (routing replay {gb(d.routing)} of what it receives)" if d.routing else "")
+    store = cfg.trainer.data_plane == "object_store"
+    where = ("through Ray's object store, engines to ranks" if store
+             else "through the controller, trainer.data_plane=controller")
+    lines = [f"  data plane per step: the controller receives {gb(d.controller_in)} from the engines and sends "
+             f"{gb(d.controller_out)} to the training ranks (ids, log-probs, versions, advantages, masks)"
+             + (f"; routing replay {gb(d.routing)} ({where})" if d.routing else "")
              + f"; a training rank receives {gb(d.per_rank)}, a node {gb(d.per_node)}"]
     if plan.data_plane_replay is not None:
         e = plan.data_plane_replay
-        lines.append(f"  with routing replay (algorithm.router_replay=r3): the controller {gb(e.controller)} in all "
-                     f"({gb(e.routing)} of routing in), a node {gb(e.per_node)}")
+        lines.append(f"  with routing replay (algorithm.router_replay=r3): {gb(e.routing)} more of routing "
+                     f"({where}), the controller {gb(e.controller)} in all, a node {gb(e.per_node)}")
     return lines
 
 
@@ -335,7 +339,7 @@ def format_plan(plan: Plan, cfg) -> str:
         f"  weight bridge: each vLLM GPU receives {_gib(plan.bridge_recv_per_gpu)} per sync; a training rank sends at "
         f"most {_gib(plan.bridge_send_max)}; extra buffer per device up to bridge.bucket_mb = "
         f"{_gib(plan.bridge_bucket)}",
-        *_data_plane_lines(plan),
+        *_data_plane_lines(plan, cfg),
         "", f"step-time estimate: {plan.estimate.seconds:.1f} s (published measurements, listed below)"]
     for p in plan.estimate.phases:
         lines.append(f"  {p.name:<11} {p.seconds:8.1f} s  {p.detail}")

@@ -39,7 +39,10 @@ its prefill). A partial sample carries the routing of what was computed so far; 
 (prompt + prefix) covers all of it again. On CPU the rows are captured inside vLLM
 (:mod:`megarl.compat.vllm_cpu`, V4) and fetched from the workers after each engine step that
 finished requests (:class:`RoutingReader`); on GPU they come from vLLM's own
-``CompletionOutput.routed_experts`` (``enable_return_routed_experts``), converted.
+``CompletionOutput.routed_experts`` (``enable_return_routed_experts``), converted. An engine actor
+with ``trainer.data_plane: object_store`` puts each sample's array into Ray's object store and the
+sample carries a handle (:class:`megarl.data.store.Stored`): the routing goes from the engine's
+node to the training ranks without passing through the controller.
 """
 from __future__ import annotations
 
@@ -204,6 +207,10 @@ class RoutingReader:
         from megarl.rollout.worker_ext import MOE_LAYOUT
 
         self.llm, self.gpu = llm, cuda_available()
+        self.store = False
+        """Put each sample's routing into Ray's object store and attach the handle
+        (:class:`megarl.data.store.Stored`; an engine actor with ``trainer.data_plane:
+        object_store``) instead of the array."""
         layout = llm.collective_rpc(MOE_LAYOUT)[0]
         self.layers, self.top_k = [int(x) for x in layout["layers"]], int(layout["top_k"])
         if not self.layers:
@@ -217,16 +224,20 @@ class RoutingReader:
         num_layers = len(self.layers)
         if self.gpu:
             for _, sample, num_prompt, out in items:
-                sample["routed_experts"] = sample_routing(getattr(out, "routed_experts", None),
-                                                          num_prompt + len(sample["token_ids"]), num_layers,
-                                                          self.top_k, layers=self.layers)
+                self._set(sample, sample_routing(getattr(out, "routed_experts", None),
+                                                 num_prompt + len(sample["token_ids"]), num_layers,
+                                                 self.top_k, layers=self.layers))
             return
         rows = self._take([rid for rid, *_ in items if rid is not None])
         for rid, sample, num_prompt, _ in items:
             got = rows.get(rid)
             raw = None if got is None else np.frombuffer(got[0], np.int16).reshape(got[1], num_layers, self.top_k)
-            sample["routed_experts"] = sample_routing(raw, num_prompt + len(sample["token_ids"]), num_layers,
-                                                      self.top_k)
+            self._set(sample, sample_routing(raw, num_prompt + len(sample["token_ids"]), num_layers, self.top_k))
+
+    def _set(self, sample: dict, routing: np.ndarray) -> None:
+        from megarl.data.store import Stored
+
+        sample["routed_experts"] = Stored.put(routing) if self.store else routing
 
     def forget(self, request_ids: list) -> None:
         """Drop the captured rows of requests nobody will read (CPU)."""
@@ -390,12 +401,19 @@ class EngineActor:
         self._inboxes: dict = {}   # open stream id -> queue of submitted request lists (None: closed)
         self._inbox_lock = threading.Lock()
         self.llm = make_rollout_llm(cfg, str(resolve_model_path(cfg.model.path)), cores)
+        self.set_data_plane(cfg.trainer.data_plane)
         heap.trim()   # the loader's freed copies: SmolLM2 fp32 2455 -> 2263 MiB PSS (megarl/compat/heap.py)
         if cfg.rollout.weight_noise_std > 0:
             from megarl.rollout.worker_ext import SET_WEIGHT_NOISE
 
             self.llm.collective_rpc(SET_WEIGHT_NOISE, args=(cfg.rollout.weight_noise_std, cfg.trainer.seed,
                                                             cfg.rollout.weight_noise_match))
+
+    def set_data_plane(self, plane: str) -> None:
+        """``trainer.data_plane``: ``object_store`` puts each sample's routing into Ray's object
+        store (the sample carries a handle), ``controller`` returns the array inline."""
+        if (reader := routing_reader(self.llm)) is not None:
+            reader.store = plane == "object_store"
 
     def info(self) -> dict:
         """pid and node of this actor (:func:`megarl.parallel.nodes.where`; its vLLM processes

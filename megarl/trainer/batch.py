@@ -151,6 +151,7 @@ def micro_batches_for(rollout: Rollout, plan, dp_rank: int, per_sample: dict[str
                       routing: list | None = None):
     """The engine's ``SequenceBatch`` list of one DP rank; ``per_sample`` values are [R_i] tensors;
     ``routing``: per sample ``[P + R, Lm, K]`` (``SequenceBatch.routing``), or None."""
+    from megarl.data.store import Stored
     from megarl.engine import SequenceBatch
 
     out = []
@@ -159,7 +160,9 @@ def micro_batches_for(rollout: Rollout, plan, dp_rank: int, per_sample: dict[str
         extras = {k: torch.cat([v[i] for i in indices]) for k, v in per_sample.items()}
         loss_mask = torch.cat([rollout.loss_mask_T(i) for i in indices])   # tool-result tokens: no loss
         extras["mask_T"] = extras["mask_T"] & loss_mask if "mask_T" in extras else loss_mask
-        mb_routing = [torch.as_tensor(routing[i]) for i in indices] if routing is not None else None
+        # a Stored handle (trainer.data_plane=object_store) is fetched by the rank (megarl/data/store.py)
+        mb_routing = [routing[i] if isinstance(routing[i], Stored) else torch.as_tensor(routing[i]) for i in indices] \
+            if routing is not None else None
         out.append(SequenceBatch(ids, [len(rollout.prompt_ids[i]) for i in indices], extras, routing=mb_routing))
     return out
 

@@ -181,12 +181,18 @@ class HybridWorker:
                  routing: str | None = None, record_routing: bool = False):
         """DP leaders: ``([(log-probs, entropy, routing misses, recorded routing)] per micro-batch,
         the routing report)`` (:meth:`megarl.engine.policy.PolicyEngine.forward_logprobs`); else None."""
+        from megarl.data.store import fetch_routing, put_all
+
         engine = self.ref if reference else self.policy
+        fetch_routing(micro_batches)   # trainer.data_plane=object_store: this rank's samples' routing
         outs = engine.forward_logprobs(micro_batches, with_entropy=with_entropy, routing=routing,
                                        record_routing=record_routing)
         if not self.info()["dp_leader"]:
             return None
-        return [(o.logprobs_R, o.entropy_R, o.routing_miss_R, o.routing) for o in outs], engine.routing_report
+        # recorded routing stays in the object store (owned here) unless the data plane is the controller
+        keep = (lambda x: x) if self.cfg.trainer.data_plane == "controller" else (
+            lambda x: put_all(x) if x is not None else None)
+        return [(o.logprobs_R, o.entropy_R, o.routing_miss_R, keep(o.routing)) for o in outs], engine.routing_report
 
     def reward_scores(self, micro_batches):
         """The reward model's score of each sequence, per micro-batch ``[N]`` (DP leaders; else
@@ -233,8 +239,10 @@ class HybridWorker:
         the loss takes the training forward's own (:func:`megarl.trainer.algorithm.needs_old_logprob_pass`)
         and the DP leaders return that forward's log-probs and entropy in ``outputs``
         (``[(log-probs, entropy)]`` per micro-batch, as :meth:`logprobs` does)."""
+        from megarl.data.store import fetch_routing
         from megarl.trainer.algorithm import make_loss_fn
 
+        fetch_routing(micro_batches)   # the routing replayed in the MoE layers, from the object store
         loss_fn = make_loss_fn(self.cfg.algorithm, self.cfg.rollout.max_response_tokens, kl_coef,
                                own_old_logprobs=own_old_logprobs)
         self.num_train_calls += 1
@@ -338,11 +346,14 @@ class HybridWorker:
         import torch
         from megatron.core import dist_checkpointing, tensor_parallel
 
-        from megarl.compat.megatron_fixes import find_unsafe
+        from megarl.compat.megatron_fixes import find_unsafe, optimizer_classes
         from megarl.trainer.checkpoint import CheckpointError, UnsafeCheckpointError, describe_error, load_plain
 
         try:
-            state = dist_checkpointing.load(self._sharded_state(is_loading=True), folder)
+            # common.pt is read with torch.load(weights_only=True): optimizer classes by name only
+            # (trainer.optimizer_offload's HybridDeviceOptimizer keeps them in its parameter groups)
+            with torch.serialization.safe_globals(optimizer_classes()):
+                state = dist_checkpointing.load(self._sharded_state(is_loading=True), folder)
         except Exception as err:   # M2 refused a pickle of the folder: name it, do not treat it as damage
             if (unsafe := find_unsafe(err)) is not None:
                 raise UnsafeCheckpointError(f"{folder}: refused to load the distributed checkpoint: {unsafe}; "

@@ -154,6 +154,8 @@ class WorkerGroup:
         self.has_reference, self.has_critic = cfg.algorithm.kl_coef > 0, needs_critic(cfg.algorithm)
         self.skipped_in_a_row = {"actor": 0, "critic": 0}
         self._all("set_config", cfg)
+        if self.fleet is not None:
+            self._wait_fleet("set_data_plane", cfg.trainer.data_plane)
 
     def shutdown(self) -> None:
         """Stop the engines and actors, remove the placement group, stop Ray if the run started it."""

