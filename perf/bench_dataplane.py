@@ -149,11 +149,10 @@ def cpu_flags() -> str:
 
 
 def table(rows: list[dict]) -> str:
-    cols = ["routing", "plane", "scale", "samples", "tokens", "peak_rss_mib", "controller_cpu_s", "step_s"]
-    fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)   # noqa: E731
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
+    from bench_modes import table as markdown   # perf/ is the script's folder: on sys.path
+
+    return markdown(rows, ["routing", "plane", "scale", "samples", "tokens", "peak_rss_mib", "controller_cpu_s",
+                           "step_s"])
 
 
 def main(argv=None) -> None:

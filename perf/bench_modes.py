@@ -87,9 +87,12 @@ def summarise(mode: str, rows: list[dict]) -> dict:
             "gap_max": max(r.get("offpolicy/version_gap_max", 0) for r in rows)}
 
 
-def table(rows: list[dict]) -> str:
-    cols = ["mode", "steps", "step_s", "generate_s", "train_s", "overlap_s", "max_s", "sum_s", "reward_first",
-            "reward_last", "gap_max"]
+COLUMNS = ["mode", "steps", "step_s", "generate_s", "train_s", "overlap_s", "max_s", "sum_s", "reward_first",
+           "reward_last", "gap_max"]
+
+
+def table(rows: list[dict], cols: list[str] = COLUMNS) -> str:
+    """A markdown table of ``rows`` (floats with 2 decimals)."""
     fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)   # noqa: E731
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
