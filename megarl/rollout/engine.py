@@ -40,9 +40,10 @@ its prefill). A partial sample carries the routing of what was computed so far; 
 (:mod:`megarl.compat.vllm_cpu`, V4) and fetched from the workers after each engine step that
 finished requests (:class:`RoutingReader`); on GPU they come from vLLM's own
 ``CompletionOutput.routed_experts`` (``enable_return_routed_experts``), converted. An engine actor
-with ``trainer.data_plane: object_store`` puts each sample's array into Ray's object store and the
-sample carries a handle (:class:`megarl.data.store.Stored`): the routing goes from the engine's
-node to the training ranks without passing through the controller.
+with ``trainer.data_plane: object_store`` puts each sample's array into Ray's object store, keeps
+it in its :class:`megarl.data.store.Outbox` and streams the key; the controller claims the handle
+(:meth:`EngineActor.take_stored`; why not stream the reference: :mod:`megarl.data.store`): the
+routing goes from the engine's node to the training ranks without passing through the controller.
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ from megarl.compat import heap
 
 CONTROL = "control"
 """The Ray concurrency group of :data:`CONTROL_METHODS` (one thread of its own)."""
-CONTROL_METHODS = ("pause", "resume", "submit", "close_stream")
+CONTROL_METHODS = ("pause", "resume", "submit", "close_stream", "take_stored")
 
 
 def captures_routing(cfg) -> bool:
@@ -207,10 +208,11 @@ class RoutingReader:
         from megarl.rollout.worker_ext import MOE_LAYOUT
 
         self.llm, self.gpu = llm, cuda_available()
-        self.store = False
-        """Put each sample's routing into Ray's object store and attach the handle
-        (:class:`megarl.data.store.Stored`; an engine actor with ``trainer.data_plane:
-        object_store``) instead of the array."""
+        self.outbox = None
+        """An engine actor with ``trainer.data_plane: object_store``: its
+        :class:`megarl.data.store.Outbox`; each sample's routing is put into Ray's object store
+        and the sample carries its :class:`~megarl.data.store.Pending` key (the controller claims
+        the handle) instead of the array."""
         layout = llm.collective_rpc(MOE_LAYOUT)[0]
         self.layers, self.top_k = [int(x) for x in layout["layers"]], int(layout["top_k"])
         if not self.layers:
@@ -235,9 +237,7 @@ class RoutingReader:
             self._set(sample, sample_routing(raw, num_prompt + len(sample["token_ids"]), num_layers, self.top_k))
 
     def _set(self, sample: dict, routing: np.ndarray) -> None:
-        from megarl.data.store import Stored
-
-        sample["routed_experts"] = Stored.put(routing) if self.store else routing
+        sample["routed_experts"] = self.outbox.put(routing) if self.outbox is not None else routing
 
     def forget(self, request_ids: list) -> None:
         """Drop the captured rows of requests nobody will read (CPU)."""
@@ -400,6 +400,9 @@ class EngineActor:
         self.paused = threading.Event()
         self._inboxes: dict = {}   # open stream id -> queue of submitted request lists (None: closed)
         self._inbox_lock = threading.Lock()
+        from megarl.data.store import Outbox
+
+        self.outbox = Outbox()   # routing put into the object store, until the controller claims it
         self.llm = make_rollout_llm(cfg, str(resolve_model_path(cfg.model.path)), cores)
         self.set_data_plane(cfg.trainer.data_plane)
         heap.trim()   # the loader's freed copies: SmolLM2 fp32 2455 -> 2263 MiB PSS (megarl/compat/heap.py)
@@ -413,7 +416,12 @@ class EngineActor:
         """``trainer.data_plane``: ``object_store`` puts each sample's routing into Ray's object
         store (the sample carries a handle), ``controller`` returns the array inline."""
         if (reader := routing_reader(self.llm)) is not None:
-            reader.store = plane == "object_store"
+            reader.outbox = self.outbox if plane == "object_store" else None
+
+    def take_stored(self, keys: list) -> list:
+        """The :class:`megarl.data.store.Stored` handles of the routing streamed as ``keys``
+        (:func:`megarl.data.store.claim`); a control method: it runs while a stream does."""
+        return self.outbox.take(keys)
 
     def info(self) -> dict:
         """pid and node of this actor (:func:`megarl.parallel.nodes.where`; its vLLM processes

@@ -24,6 +24,11 @@ unfinished prompts again, with the same seeds: the call's samples are those it w
 returned without the fault. Beyond that the error, naming the engine, fails the step, and the run
 can resume from its last checkpoint (``megarl train --resume``).
 
+Routing in the object store (``trainer.data_plane: object_store``): a message's samples carry
+keys of what their engine put (:class:`megarl.data.store.Pending`); each message's handles are
+claimed from that engine as it arrives (:func:`megarl.data.store.claim`), before anyone sees the
+samples.
+
 Metrics of the last call (:attr:`Fleet.metrics`): per engine generated tokens and busy seconds,
 ``rollout/busy_ratio``, the max/mean busy seconds across engines (1.0: no engine waits for
 another; the long tail shows as > 1; an engine given no prompt counts as idle), and
@@ -48,6 +53,15 @@ FEED_POLL_S = 0.02
 
 class EngineHung(RuntimeError):
     """An engine reported no progress for ``rollout.engine_timeout_s`` seconds during generation."""
+
+
+def samples_in(item: dict) -> list:
+    """The sample dicts of an engine's stream message: ``done`` as ``[(prompt index, [samples])]``
+    (:meth:`EngineActor.generate_stream`) or ``[(request id, sample)]``, and ``partial``."""
+    out = []
+    for _, x in list(item.get("done", ())) + list(item.get("partial", ())):
+        out.extend(x if isinstance(x, list) else [x])
+    return out
 
 
 class Fleet:
@@ -244,6 +258,7 @@ class Fleet:
         runs while it has streams or more may come."""
         import ray
 
+        from megarl.data.store import claim
         from megarl.rollout.vllm_engine import EngineDied
         from megarl.trainer.workers import WorkerDied, _reason
 
@@ -301,6 +316,7 @@ class Fleet:
                     continue
                 try:
                     item = ray.get(next(g))
+                    claim(self.engines[k], samples_in(item))   # the routing's object-store handles
                 except StopIteration:
                     del streams[k]
                     carried[k] = dict(stats[k])   # a later stream of this engine (a feed's) counts on

@@ -46,7 +46,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -331,11 +331,13 @@ class AsyncSource(OnPolicy):
                     if self.pause.is_set() or self.closed:
                         continue
                     t0 = time.monotonic()
-                    _, partial = self.group.fleet.generate_requests(requests, pause=self.pause, on_done=self._on_done)
+                    partial = self.group.fleet.generate_requests(requests, pause=self.pause, on_done=self._on_done)[1]
                     self._engine_spans(t0, self.group.fleet.metrics)
                     with self.lock:
                         for rid, sample in partial.items():
                             self._extend(rid, sample, done=False)
+                    # held while the producer waits, these would keep trained groups' stored routing alive
+                    del partial, requests
         except BaseException as err:   # noqa: BLE001 - handed to the controller's thread
             with self.lock:
                 self.error = err

@@ -23,11 +23,18 @@ TIMEOUT_S = 3   # rollout.engine_timeout_s
 class FakeEngine:
     """``mode``: "ok"; "hang": after its first prompt it yields nothing more; "die": its process
     exits after its first prompt; "routing": each sample carries routed experts ``[P + R, 64, 8]``
-    int16 (filled with p[1]: prompts() numbers them), put into the object store as a vLLM engine actor
-    does with ``trainer.data_plane: object_store`` (:class:`megarl.data.store.Stored`)."""
+    int16 (filled with p[1]: prompts() numbers them), put into the object store and streamed as a
+    key, claimed by the controller, as a vLLM engine actor does with ``trainer.data_plane:
+    object_store`` (:class:`megarl.data.store.Outbox`)."""
 
     def __init__(self, index: int, n: int, delay_s: float, mode: str = "ok"):
+        from megarl.data.store import Outbox   # imports torch: seconds, at start (not counted as a hang)
+
         self.index, self.n, self.delay_s, self.mode = index, n, delay_s, mode
+        self.outbox = Outbox()
+
+    def take_stored(self, keys):   # a control method (fake_actor), as EngineActor's
+        return self.outbox.take(keys)
 
     def info(self) -> dict:
         import ray
@@ -53,13 +60,69 @@ class FakeEngine:
                        for _ in range(1 if greedy else self.n)]
             if self.mode == "routing":
                 import numpy as np
-                from megarl.data.store import Stored
 
                 for s in samples:
-                    s["routed_experts"] = Stored.put(np.full((len(p) + p[0], 64, 8), p[1], np.int16))
+                    s["routed_experts"] = self.outbox.put(np.full((len(p) + p[0], 64, 8), p[1], np.int16))
             tokens += sum(len(s["token_ids"]) for s in samples)
             spec_s = {"verify_s": 0.5 * (self.index + 1), "residual_s": 0.0} if drafts is not None else {}
             yield {"done": [(j, samples)], "busy_s": self.delay_s * (j + 1), "tokens": tokens, "spec_s": spec_s}
+
+
+class AsyncFakeEngine(FakeEngine):
+    """:meth:`EngineActor.generate_requests` without vLLM, for the async source: every pending
+    request gains a token (7) each ``delay_s``; done and paused (partial) samples carry routed
+    experts ``[prompt + tokens, 64, 64]`` int16 (8 KiB a row) put into the object store, as a
+    capturing engine with ``trainer.data_plane: object_store`` does; ``pause``/``resume`` are
+    control methods (their own thread), as the real engine's."""
+
+    def __init__(self, index: int, n: int, delay_s: float, mode: str = "ok"):
+        import threading
+
+        super().__init__(index, n, delay_s, mode)
+        self.paused = threading.Event()
+
+    def pause(self) -> None:
+        self.paused.set()
+
+    def resume(self) -> None:
+        self.paused.clear()
+
+    def _sample(self, request: dict, tokens: list, clipped: bool) -> dict:
+        import numpy as np
+
+        sample = {"token_ids": list(tokens), "logprobs": [-0.5] * len(tokens), "clipped": clipped}
+        if tokens:
+            rows = len(request["prompt_ids"]) + len(tokens)
+            sample["routed_experts"] = self.outbox.put(np.full((rows, 64, 64), self.index, np.int16))
+        return sample
+
+    def generate_requests(self, requests, flush_s=0.25, heartbeat_s=2.0, stream_id=None):
+        have = {i: [] for i in range(len(requests))}
+        t0 = last = time.perf_counter()
+        done, tokens = [], 0
+        while have and not self.paused.is_set():
+            time.sleep(self.delay_s)
+            for i in list(have):
+                have[i].append(7)
+                tokens += 1
+                if len(have[i]) == requests[i]["max_tokens"]:
+                    done.append((requests[i]["id"], self._sample(requests[i], have.pop(i), True)))
+            if time.perf_counter() - last >= 0.1:
+                yield {"done": done, "partial": [], "busy_s": time.perf_counter() - t0, "tokens": tokens}
+                done, last = [], time.perf_counter()
+        yield {"done": done, "partial": [(requests[i]["id"], self._sample(requests[i], t, False)) for i, t in have.items()],
+               "busy_s": time.perf_counter() - t0, "tokens": tokens}
+
+
+def fake_actor(ray, cls):
+    """``cls`` as a Ray actor class with the real engine's control methods in their own thread
+    (:func:`megarl.rollout.engine.engine_actor_class`)."""
+    from megarl.rollout.engine import CONTROL, CONTROL_METHODS
+
+    for name in CONTROL_METHODS:
+        if hasattr(cls, name):
+            ray.method(concurrency_group=CONTROL)(getattr(cls, name))
+    return ray.remote(num_cpus=0, concurrency_groups={CONTROL: 1})(cls)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +152,7 @@ def fleet_of(ray_local):
         cfg = load_config(None, ["rollout.n=2", f"rollout.engine_timeout_s={TIMEOUT_S}",
                                  "rollout.max_response_tokens=8", f"rollout.dp={len(specs)}",
                                  f"topology.world_size={len(specs)}", f"rollout.engine_restarts={restarts}"])
-        actor = ray_local.remote(num_cpus=0)(FakeEngine)
+        actor = fake_actor(ray_local, FakeEngine)
         engines = [actor.remote(k, cfg.rollout.n, delay, mode) for k, (delay, mode) in enumerate(specs)]
         made.extend(engines)
 
@@ -267,3 +330,72 @@ def test_routing_travels_by_reference_and_is_freed_after_each_step(fleet_of, ray
     print("referenced objects after each step:", live, "object store bytes:", usage, "idle:", plasma_bytes())
     assert live == [0] * 20
     assert plasma_bytes() == 0
+
+
+def test_async_mode_holds_at_most_its_buffer_and_frees_every_group(ray_local):
+    """trainer.mode=async with the object-store data plane (issue 36): the producer keeps up to
+    trainer.buffer_groups groups generated or in flight; partial samples' routing is replaced when
+    they resume, stale groups are dropped, trained ones released. Over 20 steps (a pause, a sync
+    and a resume after each) the objects the engines own never exceed the buffer's samples and one
+    group in transit, nor grow; the rollouts hold handles whose shapes match their samples; and
+    nothing is left once the source is closed."""
+    from types import SimpleNamespace
+
+    from megarl.data.store import Stored
+    from megarl.observability.timeline import Timeline
+    from megarl.trainer.fleet import Fleet
+    from megarl.trainer.modes import AsyncSource
+    from megarl.trainer.rollout import Rollouts
+
+    class Tokenizer:
+        def __call__(self, text):
+            return SimpleNamespace(input_ids=[ord(c) % 50 for c in text[:6]])
+
+        def batch_decode(self, ids, skip_special_tokens=True):
+            return ["x" * len(t) for t in ids]
+
+    class Rewards:
+        def score(self, name, texts, answers, extras=None):
+            return SimpleNamespace(rewards=[float(i % 2) for i in range(len(texts))], n_errors=0, n_timeouts=0)
+
+    cfg = load_config(None, ["rollout.n=2", f"rollout.engine_timeout_s={TIMEOUT_S}", "rollout.max_response_tokens=12",
+                             "rollout.dp=2", "topology.world_size=2", "trainer.mode=async", "trainer.max_staleness=1",
+                             "trainer.buffer_groups=4", "data.prompts_per_step=2", "data.use_chat_template=false"])
+    actor = fake_actor(ray_local, AsyncFakeEngine)
+    engines = [actor.remote(k, 2, 0.01) for k in range(2)]
+    try:
+        fleet = Fleet(cfg, engines, ray_local.get([e.info.remote() for e in engines]))
+        rollouts = Rollouts(cfg, sample_fn=None, tokenizer=Tokenizer())
+        src = AsyncSource(cfg, rollouts, SimpleNamespace(fleet=fleet), Rewards(), Timeline(None), 0, {})
+        owned = lambda: sum(ray_local.get([e.owned.remote() for e in engines]))  # noqa: E731
+        # the buffer's samples, plus one group's: the last message of an engine stream (already
+        # taken into the buffer) lives in Ray's deserializer until the next one arrives
+        bound = (cfg.trainer.buffer_groups + 1) * cfg.rollout.n
+        live, versions, mixed = [], set(), 0
+        for step in range(1, 21):
+            rollout, m = src.batch(step, lambda: None)
+            assert len(rollout) == 4 and all(isinstance(r, Stored) for r in rollout.routed_experts)
+            assert [r.shape[0] for r in rollout.routed_experts] == [len(p) + len(t) for p, t in
+                                                                  zip(rollout.prompt_ids, rollout.response_ids)]
+            versions.update(v for vs in rollout.token_versions for v in vs)
+            mixed += sum(len(set(vs)) > 1 for vs in rollout.token_versions)   # resumed partials
+            del rollout
+            src.after_update(step, lambda: {})
+            time.sleep(0.3)
+            live.append((owned(), sum(len(g.samples) for g in list(src.ready) + list(src.groups.values()))))
+        print("objects the engines own after each step (and the samples buffered or generating):", live, "bound:",
+              bound, "versions:", sorted(versions), "samples resumed after a pause:", mixed,
+              "groups dropped as stale:", m["async/dropped_stale_total"])
+        owned_after = [o for o, _ in live]
+        assert max(owned_after) <= bound and max(owned_after[10:]) <= max(owned_after[:10]), live   # bounded, no growth
+        assert len(versions) > 5          # the run went on through the updates (not one version's samples)
+        assert mixed > 0 and m["async/dropped_stale_total"] > 0   # partials were resumed, stale groups dropped
+        src.close()
+        del src
+        deadline = time.monotonic() + 5
+        while owned() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert owned() == 0
+    finally:
+        for e in engines:
+            ray_local.kill(e)

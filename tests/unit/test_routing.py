@@ -137,3 +137,42 @@ def test_weight_noise_can_be_limited_to_the_routers():
     assert out["model.layers.1.mlp.experts.0.up_proj.weight"] is named[1][1]
     assert torch.equal(dict(with_noise(named, 0.1, 7, 1))["model.layers.1.mlp.gate.weight"],
                        out["model.layers.1.mlp.gate.weight"])
+
+
+def test_streamed_routing_is_claimed_by_key_from_its_engine(monkeypatch):
+    """Engines stream Pending keys, never object references (a reference nested in a Ray
+    streaming-generator item can lose its count: megarl/data/store.py); the controller claims the
+    handles of each message's samples with one ordinary call to the engine that made them."""
+    import pickle
+
+    import ray
+
+    from megarl.data.store import Pending, RoutingLost, Stored, claim
+    from megarl.trainer.fleet import samples_in
+
+    monkeypatch.setattr(ray, "get", lambda x: x)   # the fake actor answers at once
+
+    class Engine:
+        def __init__(self):
+            self.held, self.calls = {1: Stored("ref1", (5, 2, 2), "int16", 40), 2: Stored("ref2", (4, 2, 2), "int16", 32)}, []
+            self.take_stored = SimpleNamespace(remote=self._take)
+
+        def _take(self, keys):
+            self.calls.append(list(keys))
+            return [self.held.pop(k, None) for k in keys]
+
+    a, b = Pending(1, (5, 2, 2), "int16", 40), Pending(2, (4, 2, 2), "int16", 32)
+    assert "ref" not in repr(pickle.loads(pickle.dumps(a))) and pickle.loads(pickle.dumps(a)).key == 1
+    plain = {"token_ids": [7]}
+    by_prompt = {"done": [(0, [{"routed_experts": a}, plain])], "busy_s": 0.1}       # generate_stream
+    by_request = {"done": [("r0", {"routed_experts": b})], "partial": [("r1", plain)]}   # generate_requests
+    assert len(samples_in(by_prompt)) == 2 and len(samples_in(by_request)) == 2
+    engine = Engine()
+    claim(engine, samples_in(by_prompt) + samples_in(by_request))
+    assert engine.calls == [[1, 2]]                         # one call for the message's keys
+    assert by_prompt["done"][0][1][0]["routed_experts"].ref == "ref1"
+    assert by_request["done"][0][1]["routed_experts"].ref == "ref2"
+    claim(engine, [plain])
+    assert engine.calls == [[1, 2]]                         # nothing pending: no call
+    with pytest.raises(RoutingLost, match="no longer holds"):
+        claim(engine, [{"routed_experts": Pending(1, (5, 2, 2), "int16", 40)}])   # claimed twice
