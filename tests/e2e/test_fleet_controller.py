@@ -347,16 +347,8 @@ def test_async_mode_holds_at_most_its_buffer_and_frees_every_group(ray_local):
     from megarl.trainer.modes import AsyncSource
     from megarl.trainer.rollout import Rollouts
 
-    class Tokenizer:
-        def __call__(self, text):
-            return SimpleNamespace(input_ids=[ord(c) % 50 for c in text[:6]])
-
-        def batch_decode(self, ids, skip_special_tokens=True):
-            return ["x" * len(t) for t in ids]
-
-    class Rewards:
-        def score(self, name, texts, answers, extras=None):
-            return SimpleNamespace(rewards=[float(i % 2) for i in range(len(texts))], n_errors=0, n_timeouts=0)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "unit"))
+    from test_modes import Rewards, Tokenizer   # the async source's unit tests' stand-ins (no model, no reward code)
 
     cfg = load_config(None, ["rollout.n=2", f"rollout.engine_timeout_s={TIMEOUT_S}", "rollout.max_response_tokens=12",
                              "rollout.dp=2", "topology.world_size=2", "trainer.mode=async", "trainer.max_staleness=1",
