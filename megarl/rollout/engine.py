@@ -414,7 +414,8 @@ class EngineActor:
 
     def set_data_plane(self, plane: str) -> None:
         """``trainer.data_plane``: ``object_store`` puts each sample's routing into Ray's object
-        store (the sample carries a handle), ``controller`` returns the array inline."""
+        store (the sample carries its key, the controller claims the handle: :meth:`take_stored`),
+        ``controller`` returns the array inline."""
         if (reader := routing_reader(self.llm)) is not None:
             reader.outbox = self.outbox if plane == "object_store" else None
 
