@@ -176,6 +176,8 @@ def fake_run(tmp_path, monkeypatch):
     monkeypatch.setattr(megarl.trainer.rollout, "Rollouts", FakeRollouts)
     monkeypatch.setattr(megarl.rewards, "RewardPool", FakeRewardPool)
     FakeGroup.instances = []
+    # Python's own SIGINT handler, also under nohup or a background shell job (which inherit SIGINT ignored)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def run(signals: dict, *overrides: str):
         monkeypatch.setattr(FakeGroup, "SIGNALS", signals)
@@ -194,7 +196,8 @@ def fake_run(tmp_path, monkeypatch):
         ckpt = CheckpointManager(tmp_path / "run" / "checkpoints")
         return stopped, rows, {step: ckpt.metadata(folder) for step, folder in ckpt.complete()}, FakeGroup.instances[-1]
 
-    return run
+    yield run
+    signal.signal(signal.SIGINT, inherited)
 
 
 def test_a_stop_before_the_update_abandons_the_step_and_saves_the_last_completed_one(fake_run):
