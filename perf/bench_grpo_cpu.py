@@ -224,8 +224,8 @@ def report(a, sides: list[dict]) -> str:
              f"Model {a.model_label}; arithmetic level {a.level}; {a.prompts} prompts x {a.n} samples per step; "
              f"<= {a.max_new} new tokens; lr {a.lr:g} constant; no reference model; one update per step; "
              f"{a.steps} steps, medians over steps 2-{a.steps}. Machine: {os.cpu_count()} CPUs "
-             f"({_cpu_model()}), torch threads default. Command: `python perf/bench_grpo_cpu.py "
-             f"{' '.join(sys.argv[1:])}`.", "",
+             f"({_cpu_model()}; {_cpu_flags()}), torch threads default. megarl's dtype: {a.dtype_reason}. "
+             f"Command: `python perf/bench_grpo_cpu.py {' '.join(sys.argv[1:])}`.", "",
              "| side | dtype | step s (median) | per-phase s (median) | mean response tokens | response tokens/s "
              "| peak summed PSS GiB | run wall s |", "|---|---|---|---|---|---|---|---|"]
     for s in sides:
@@ -261,6 +261,13 @@ def _cpu_model() -> str:
     return "unknown CPU"
 
 
+def _cpu_flags() -> str:
+    from megarl.precision import cpu_flags
+
+    flags = cpu_flags()[1]
+    return "flags " + (", ".join(sorted(flags)) if flags else "none of avx2/avx512/amx")
+
+
 def main(argv=None) -> None:
     from megarl.config import load_config
 
@@ -274,7 +281,8 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--level", type=int, default=1)
     p.add_argument("--data-seed", type=int, default=0)
-    p.add_argument("--megarl-dtype", default=quick.model.dtype, help="default: configs/quickstart.yaml's")
+    p.add_argument("--megarl-dtype", default=quick.model.dtype,
+                   help="default: configs/quickstart.yaml's (auto: resolved here, on this machine)")
     p.add_argument("--trl-dtypes", default=None,
                    help="comma-separated; default float32, plus megarl's dtype when different")
     p.add_argument("--only", choices=["megarl", "trl"], default=None)
@@ -283,6 +291,10 @@ def main(argv=None) -> None:
     p.add_argument("--workdir", default=None, help="default runs/bench_grpo_cpu/<time>")
     p.add_argument("--results", default=None, help="default perf/results/bench_grpo_cpu_<date>.md (and .json)")
     a = p.parse_args(argv)
+    from megarl.precision import auto_reason
+
+    a.dtype_reason = (auto_reason() or f"model.dtype {a.megarl_dtype} (the quickstart's)") \
+        if a.megarl_dtype == quick.model.dtype else f"model.dtype {a.megarl_dtype} (--megarl-dtype)"
 
     from megarl.models.fixtures import resolve_model_path
 

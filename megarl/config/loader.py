@@ -189,17 +189,21 @@ def _model_path_next_to_recipe(base, folder: Path) -> None:
 def resolve_presets(cfg: MegaRLConfig) -> MegaRLConfig:
     """``cfg`` with the algorithm fields left null filled from ``algorithm.name``'s preset
     (:mod:`megarl.config.presets`), ``rollout.dp`` from the devices and
-    ``trainer.logprob_diff_threshold`` from ``model.dtype`` (:data:`LOGPROB_DIFF_THRESHOLDS`)."""
+    ``trainer.logprob_diff_threshold`` and ``algorithm.rollout_correction`` from ``model.dtype``
+    (:data:`LOGPROB_DIFF_THRESHOLDS`; tis under bfloat16, else none)."""
     from megarl.config.presets import resolve_algorithm
 
-    cfg = dataclasses.replace(cfg, algorithm=resolve_algorithm(cfg.algorithm, cfg.rollout.max_response_tokens))
-    if cfg.rollout.dp is None:   # the fleet's size: as many engines as the devices hold
-        dp = cfg.topology.world_size // cfg.rollout.tp if cfg.rollout.placement == "colocated" else 1
-        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, dp=max(1, dp)))
     if cfg.model.dtype == "auto":   # once, here: every process gets the same concrete dtype
         from megarl.precision import resolve_auto
 
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=resolve_auto()))
+    if cfg.algorithm.rollout_correction is None:   # bf16's rollout-training mismatch: tis, at no extra pass
+        cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(
+            cfg.algorithm, rollout_correction="tis" if cfg.model.dtype == "bfloat16" else "none"))
+    cfg = dataclasses.replace(cfg, algorithm=resolve_algorithm(cfg.algorithm, cfg.rollout.max_response_tokens))
+    if cfg.rollout.dp is None:   # the fleet's size: as many engines as the devices hold
+        dp = cfg.topology.world_size // cfg.rollout.tp if cfg.rollout.placement == "colocated" else 1
+        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, dp=max(1, dp)))
     if cfg.trainer.logprob_diff_threshold is None:   # the alarm's default for the run's precision
         from megarl.config.schema import LOGPROB_DIFF_THRESHOLDS
 

@@ -117,6 +117,8 @@ def resolve_algorithm(algorithm, max_response_tokens: int):
         filled["clip_low"] = low
     if algorithm.clip_high is None:   # dapo's clip-higher is for its own (ppo) loss
         filled["clip_high"] = preset.get("clip_high", high) if policy_loss == preset["policy_loss"] else high
+    if algorithm.rollout_correction is None:   # load_config chooses by the dtype; built in code: none
+        filled["rollout_correction"] = "none"
     if algorithm.overlong_buffer is None:
         buffer = preset["overlong_buffer"]   # a number, or a function of the response limit
         filled["overlong_buffer"] = buffer(max_response_tokens) if callable(buffer) else buffer

@@ -331,7 +331,7 @@ class AlgorithmConfig:
     """PPO critic learning rate (same optimizer and schedule as the policy); null: trainer.lr."""
     value_clip: Optional[float] = 0.2
     """PPO critic: clip range of the value loss around the rollout's values; null disables it."""
-    rollout_correction: Literal["none", "tis", "mask", "icepop"] = "none"
+    rollout_correction: Optional[Literal["none", "tis", "mask", "icepop"]] = None
     """Correction for samples that the rollout policy (vLLM: another precision, kernels, or an
     older policy version off-policy) drew instead of the trained one; w = pi_train / pi_rollout
     of the sampled tokens (the trainer's recomputed log-probs over vLLM's). tis: truncated
@@ -339,7 +339,10 @@ class AlgorithmConfig:
     whose w leaves [correction_low, correction_high] are dropped, the rest unweighted; icepop:
     two-sided masking, tokens whose w leaves the band are dropped and the rest weighted by w.
     none: only the mismatch metrics (rollout_corr/*), logged every step in every mode.
-    megarl/algorithms/offpolicy.py."""
+    null: tis (token level) when model.dtype is (or auto chooses) bfloat16, whose vLLM and Megatron
+    kernels disagree by more than fp32's (docs/precision.md), none in float32. Token-level tis
+    with one update per step costs no extra forward pass: the update's forward computes its
+    weights (megarl.trainer.algorithm.correction_in_forward). megarl/algorithms/offpolicy.py."""
     correction_level: Literal["token", "sequence"] = "token"
     """tis and mask: the ratio of each token, or of each whole sequence (the product of its token
     ratios); icepop is token-level."""

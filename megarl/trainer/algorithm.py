@@ -59,8 +59,9 @@ def needs_old_logprob_pass(cfg) -> bool:
     - a KL term that acts before the update (``kl_coef`` > 0 with ``kl_mode`` reward: the penalty
       shapes the advantages; or with ``kl_target``: the adaptive controller sets this step's
       coefficient from this step's KL);
-    - ``rollout_correction`` other than none: its importance weights and masks enter the loss (and
-      the masked token counts that normalise it);
+    - ``rollout_correction`` mask or icepop, or tis at sequence level: its masks enter the loss and
+      the masked token counts that normalise it, or a whole sequence's weight (token-level tis does
+      not: :func:`correction_in_forward`);
     - MoE routing in that pass (``router_replay`` r2 records the routing the updates replay; r3, or
       ``rollout.return_routing``, compares the trainer's routing with vLLM's there: the routing/*
       metrics).
@@ -73,8 +74,18 @@ def needs_old_logprob_pass(cfg) -> bool:
     a = cfg.algorithm
     return (a.ppo_epochs > 1 or a.mini_batches > 1
             or (a.kl_coef > 0 and (a.kl_mode == "reward" or a.kl_target is not None))
-            or a.rollout_correction != "none"
+            or a.rollout_correction not in ("none", None) and not correction_in_forward(a)
             or a.router_replay != "off" or cfg.rollout.return_routing)
+
+
+def correction_in_forward(cfg: AlgorithmConfig) -> bool:
+    """Whether the rollout correction's weights can come from the update's own forward when it
+    is the step's only one: token-level tis, min(pi_train / pi_vLLM, cap) per token, where pi_train
+    is the policy before the update, i.e. that forward's log-probs (detached). Nothing else needs
+    them before the update (the kept tokens and their count are those with a vLLM log-prob), so
+    the step runs no extra pass for it: the cheap correction for the rollout-training mismatch
+    that bf16 brings (:func:`megarl.config.loader.resolve_presets` turns it on under bf16)."""
+    return cfg.rollout_correction == "tis" and cfg.correction_level == "token"
 
 
 def loss_options(cfg: AlgorithmConfig) -> dict:
@@ -130,10 +141,17 @@ def make_loss_fn(cfg: AlgorithmConfig, max_response_tokens: int, kl_coef: float 
     ``ref_logprobs_T``, and with ``algorithm.rollout_correction`` ``is_weights_T`` (the importance
     weights of :func:`megarl.algorithms.offpolicy.correct_rollout`, multiplying the policy loss
     per token; its corrected ``mask_T`` leaves the dropped tokens out of the policy, entropy and
-    KL terms and of the engine's global token count). Denominators are the step's global counts,
-    so micro-batch losses sum to the loss of the whole step.
+    KL terms and of the engine's global token count). With ``own_old_logprobs`` and token-level
+    tis (:func:`correction_in_forward`) the extras carry vLLM's ``rollout_logprobs_T`` (float64,
+    NaN where none) instead of ``is_weights_T``, and the weights are computed here from the
+    forward's own log-probs, as :func:`megarl.algorithms.offpolicy.correct_rollout` computes them
+    from a separate pass. Denominators are the step's global counts, so micro-batch losses sum to
+    the loss of the whole step.
     """
+    import torch
+
     from megarl.algorithms import kl_loss
+    from megarl.algorithms.offpolicy import correction_weights
 
     _, _, policy_loss = resolve(cfg)
     clip = loss_options(cfg)
@@ -144,6 +162,12 @@ def make_loss_fn(cfg: AlgorithmConfig, max_response_tokens: int, kl_coef: float 
                       max_response_length=max_response_tokens)
         # only when present: a policy loss given by dotted path need not know the option
         weights = {"is_weights_T": ex["is_weights_T"]} if "is_weights_T" in ex else {}
+        if own_old_logprobs and "rollout_logprobs_T" in ex:   # token-level tis from this forward
+            train_T = logprobs_R.detach().double()
+            rollout_T = ex["rollout_logprobs_T"].to(train_T.device, torch.float64)
+            w_T, _ = correction_weights(train_T, torch.where(rollout_T.isnan(), train_T, rollout_T),
+                                        ex["mask_T"].to(train_T.device), cu, mode="tis", cap=cfg.correction_cap)
+            weights = {"is_weights_T": w_T.to(logprobs_R.dtype)}
         old_T = logprobs_R.detach() if own_old_logprobs else ex["old_logprobs_T"]
         draws = {"generator": micro_batch_generator(batch)} if cfg.policy_loss == "clip_cov" else {}
         loss, metrics = policy_loss(logprobs_R, old_T, ex["advantages_T"], ex["mask_T"], cu,

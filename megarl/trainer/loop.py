@@ -184,7 +184,7 @@ class StepRunner:
 
     def __init__(self, cfg: MegaRLConfig, *, group, rollouts, source, stop, log, timeline, generations, sample_log,
                  routing, rewards, reward_model, kl_ctl, after_sync: Optional[Callable] = None):
-        from megarl.trainer.algorithm import needs_old_logprob_pass, resolve
+        from megarl.trainer.algorithm import correction_in_forward, needs_old_logprob_pass, resolve
 
         self.cfg, self.group, self.rollouts, self.source, self.stop = cfg, group, rollouts, source, stop
         self.log, self.timeline, self.generations, self.sample_log = log, timeline, generations, sample_log
@@ -192,6 +192,7 @@ class StepRunner:
         self.after_sync = after_sync
         self.adv_fn, self.adv_opts, _ = resolve(cfg.algorithm)
         self.old_pass = needs_old_logprob_pass(cfg)
+        self.correct_in_forward = not self.old_pass and correction_in_forward(cfg.algorithm)
         self.window_start = time.monotonic()
         """Where the next step's timeline window starts (where the last one ended)."""
 
@@ -276,12 +277,16 @@ class StepRunner:
         return corrected, kl_rewards
 
     def advantages(self, step: int, rollout: Rollout, passes: ForwardPasses, m: dict) -> tuple[dict, list]:
-        """The update's per-sample tensors (old and reference log-probs, the rollout correction,
-        advantages) and the critic's returns."""
+        """The update's per-sample tensors (old and reference log-probs, the rollout correction or,
+        for the update's forward to weigh its tokens by, vLLM's log-probs, advantages) and the
+        critic's returns."""
         per_sample, kl_rewards = {}, None
         if self.old_pass:
             corrected, kl_rewards = self.read_logprobs(step, rollout, passes.old_lp, passes.entropy, passes, m)
             per_sample.update(old_logprobs_T=passes.old_lp, **corrected)
+        elif self.correct_in_forward:   # the update's forward weighs its tokens (correction_in_forward)
+            rollout_lp = [torch.tensor(lp, dtype=torch.float64) for lp in rollout.sample_logprobs]
+            per_sample.update(rollout_logprobs_T=rollout_lp, mask_T=[~lp.isnan() for lp in rollout_lp])
         if passes.ref_lp is not None:
             per_sample["ref_logprobs_T"] = passes.ref_lp
         per_sample["advantages_T"], returns = compute_advantages(rollout, self.adv_fn, self.adv_opts, kl_rewards,

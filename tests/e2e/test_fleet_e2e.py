@@ -6,7 +6,8 @@ each: one weight sync after training):
 (b) = (a) in bfloat16 with one engine: bf16 Megatron parameters, fp32 main parameters, gradients
     and Adam state in the distributed optimizer, a bf16 vLLM engine, the bridge sending bf16 (half
     of (a)'s bytes per engine); the rollout-vs-train gap stays under the bf16 default of
-    trainer.logprob_diff_threshold (megarl.config.schema.LOGPROB_DIFF_THRESHOLDS);
+    trainer.logprob_diff_threshold (megarl.config.schema.LOGPROB_DIFF_THRESHOLDS); bf16's default
+    rollout correction (tis) weighs the update's tokens from that update's own forward;
 (c) tiny-qwen3_moe, tp2.ep2 (etp1), 2 engines x TP1;
 (d) = (a) with rollout.dp=1: one engine for the same seeds, then a second step that the weight-sync
     alarm stops (below).
@@ -108,7 +109,8 @@ def run_case(tmp, name: str, after_sync=None) -> dict:
     assert cfg.rollout.dp == ENGINES[name] and cfg.rollout.tp == tp
     train(cfg, after_sync=after_sync or probe)
     return {"rows": metrics(tmp / name), "probes": probes, "prompts": prompts, "tp": tp, "dtype": cfg.model.dtype,
-            "threshold": cfg.trainer.logprob_diff_threshold, "samples": cfg.data.prompts_per_step * cfg.rollout.n}
+            "threshold": cfg.trainer.logprob_diff_threshold, "samples": cfg.data.prompts_per_step * cfg.rollout.n,
+            "correction": cfg.algorithm.rollout_correction}
 
 
 def run_alarmed(tmp) -> dict:
@@ -234,3 +236,9 @@ def test_bf16_trains_with_fp32_master_weights_and_syncs_bf16(runs):
     # bf16 rounding shows (a correct fp32 sync agrees to ~1e-6), yet far under the bf16 alarm
     assert 1e-4 < rb["rollout/logprob_diff_mean"] < LOGPROB_DIFF_THRESHOLDS["bfloat16"] / 2, rb["rollout/logprob_diff_mean"]
     assert rb["actor/update_successful"] == 1 and 0 < rb["actor/grad_norm"] < float("inf")
+    # bf16's default rollout correction, token-level tis, weighs the update's tokens from its own
+    # forward: no old-log-prob pass; the weights it reports are those of the gap measured above
+    assert (b["correction"], a["correction"]) == ("tis", "none") and rb["actor/old_logprob_pass"] == 0
+    assert 0 < rb["rollout_corr/weight_mean"] <= 2.0 and rb["rollout_corr/weight_max"] <= 2.0, rb
+    assert rb["rollout_corr/log_ratio_abs_mean"] == pytest.approx(rb["rollout/logprob_diff_mean"], rel=1e-6)
+    assert "rollout_corr/weight_mean" not in ra

@@ -44,6 +44,7 @@ def test_pss_sampler_sums_the_whole_process_tree():
 def test_report_prints_the_ratios_against_every_trl_row():
     class A:
         model_label, level, prompts, n, max_new, lr, steps = "fixture:smollm2", 1, 8, 4, 96, 1e-6, 6
+        dtype_reason = "model.dtype auto -> float32 (CPU without native bf16 (no avx512_bf16 or amx_bf16))"
 
     def side(name, dtype, step_s, pss):
         return {"side": name, "dtype": dtype, "step_s_median": step_s, "phases_median": {"generate": 1.0},
@@ -54,3 +55,4 @@ def test_report_prints_the_ratios_against_every_trl_row():
     text = bench.report(A(), [side("megarl", "float32", 50.0, 6.0), side("TRL GRPOTrainer", "float32", 150.0, 8.0)])
     assert "vs TRL float32: speed-up 3.00x (target >= 2), memory 0.75x (target <= 1)" in text
     assert text.count("Per-process PSS at the peak") == 2
+    assert f"megarl's dtype: {A.dtype_reason}." in text and " flags " in text   # the CPU's flags beside the numbers

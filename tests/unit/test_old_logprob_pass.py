@@ -5,6 +5,8 @@ own_old_logprobs=True)``): ratio exactly 1, and exactly the loss and gradient of
 log-probs as ``old_logprobs_T``. The loop's side (who reads the forward's log-probs, the alarm
 after the update) runs over a fake worker group in tests/unit/test_interrupt.py and on the real
 stack in the e2e tests (the quickstart-like recipes there skip the pass)."""
+import math
+
 import pytest
 import torch
 
@@ -22,6 +24,8 @@ from megarl.trainer.algorithm import make_loss_fn, needs_old_logprob_pass
     ["trainer.mode=one_step_off"],                               # the proximal policy is the current weights
     ["trainer.mode=async"],
     ["model.path=fixture:tiny-qwen3_moe"],                       # MoE without routing replay or vLLM routing
+    ["algorithm.rollout_correction=tis"],                        # token-level tis: weights from the update's forward
+    ["model.dtype=bfloat16"],                                    # tis by default, the same way
 ])
 def test_one_update_per_step_skips_the_pass(overrides):
     assert needs_old_logprob_pass(load_config(None, overrides)) is False
@@ -32,8 +36,9 @@ def test_one_update_per_step_skips_the_pass(overrides):
     ["algorithm.mini_batches=2"],
     ["algorithm.kl_coef=0.01", "algorithm.kl_mode=reward"],      # the KL shapes the advantages
     ["algorithm.kl_coef=0.01", "algorithm.kl_target=0.05"],      # adaptive: this step's KL sets this step's coefficient
-    ["algorithm.rollout_correction=tis"],                        # importance weights enter the loss
-    ["algorithm.rollout_correction=mask"],
+    ["algorithm.rollout_correction=tis", "algorithm.correction_level=sequence"],   # a whole sequence's weight
+    ["algorithm.rollout_correction=tis", "algorithm.ppo_epochs=2"],
+    ["algorithm.rollout_correction=mask"],                       # masks change the loss's token counts
     ["algorithm.rollout_correction=icepop", "trainer.mode=one_step_off"],
     ["model.path=fixture:tiny-qwen3_moe", "algorithm.router_replay=r2"],   # records the routing there
     ["model.path=fixture:tiny-qwen3_moe", "algorithm.router_replay=r3"],   # compares with vLLM's routing there
@@ -91,3 +96,58 @@ def test_without_own_old_logprobs_the_old_ones_must_be_given():
     lp = torch.zeros(5, requires_grad=True)
     with pytest.raises(KeyError, match="old_logprobs_T"):
         make_loss_fn(cfg, 8)(lp, _batch({"advantages_T": torch.ones(5), "mask_T": torch.ones(5, dtype=torch.bool)}))
+
+
+@pytest.mark.parametrize("dtype, expected", [("float32", "none"), ("bfloat16", "tis")])
+def test_rollout_correction_defaults_to_tis_under_bf16(dtype, expected):
+    assert load_config(None, [f"model.dtype={dtype}"]).algorithm.rollout_correction == expected
+    explicit = load_config(None, [f"model.dtype={dtype}", "algorithm.rollout_correction=none"])
+    assert explicit.algorithm.rollout_correction == "none"
+
+
+@pytest.mark.parametrize("lp_dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_tis_from_the_updates_forward_is_the_driver_path_exactly(lp_dtype, agg):
+    """Token-level tis with one update per step: the loss computes the weights from its own
+    forward's log-probs and vLLM's (``rollout_logprobs_T``) -- the same loss, gradient and metrics
+    as the driver's path (a separate old-log-prob pass, :func:`correct_rollout`'s ``is_weights_T``
+    and ``mask_T``, passed with those log-probs as ``old_logprobs_T``). Sample 0's second token
+    has no vLLM log-prob (a tool result: NaN), two weights exceed the cap."""
+    from megarl.algorithms.offpolicy import correct_rollout
+    from megarl.trainer.algorithm import correction_in_forward
+
+    cfg = load_config(None, ["algorithm.rollout_correction=tis", "algorithm.correction_cap=1.5",
+                             f"algorithm.loss_agg_mode={agg}"]).algorithm
+    assert correction_in_forward(cfg)
+    train = [torch.tensor([-1.2, -0.7, -2.0], dtype=lp_dtype), torch.tensor([-0.3, -1.9], dtype=lp_dtype)]
+    rollout = [[-1.0, float("nan"), -2.6], [-1.5, -2.1]]       # w = e^-0.2, -, e^0.6; e^1.2 (both capped), e^0.2
+    loss_mask = torch.tensor([True, True, True, True, False])
+    advantages = torch.tensor([1.5, 1.5, 1.5, -0.5, -0.5], dtype=lp_dtype)
+
+    driver, metrics = correct_rollout(train, rollout, cfg)
+    mask = torch.cat(driver["mask_T"]) & loss_mask
+    given = {"old_logprobs_T": torch.cat(train), "is_weights_T": torch.cat(driver["is_weights_T"]),
+             "advantages_T": advantages, "mask_T": mask}
+    rollout_T = [torch.tensor(r, dtype=torch.float64) for r in rollout]
+    own = {"rollout_logprobs_T": torch.cat(rollout_T), "advantages_T": advantages,
+           "mask_T": torch.cat([~r.isnan() for r in rollout_T]) & loss_mask}
+    assert torch.equal(own["mask_T"], mask) and mask.tolist() == [True, False, True, True, False]
+    assert metrics["rollout_corr/weight_max"] == pytest.approx(1.5)
+
+    def batch(extras):
+        b = _batch(extras)
+        b.num_global_tokens, b.num_global_sequences = int(mask.sum()), 2
+        return b
+
+    given_lp, own_lp = torch.cat(train).requires_grad_(), torch.cat(train).requires_grad_()
+    loss_given, m_given = make_loss_fn(cfg, 8)(given_lp, batch(given))
+    loss_own, m_own = make_loss_fn(cfg, 8, own_old_logprobs=True)(own_lp, batch(own))
+    loss_given.backward()
+    loss_own.backward()
+    assert torch.equal(loss_own, loss_given) and torch.equal(own_lp.grad, given_lp.grad)
+    assert {k: float(v) for k, v in m_own.items()} == {k: float(v) for k, v in m_given.items()}
+    # at ratio 1 the token-mean loss's gradient is -A_t * w_t / tokens, zero where masked
+    if agg == "token-mean":
+        w = [math.exp(-0.2), 0.0, 1.5, 1.5, 0.0]
+        expected = [-a * x / 3 for a, x in zip([1.5, 1.5, 1.5, -0.5, -0.5], w)]
+        assert own_lp.grad.tolist() == pytest.approx(expected, rel=1e-6)
