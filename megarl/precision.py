@@ -16,7 +16,7 @@ import platform
 import time
 from pathlib import Path
 
-__all__ = ["BF16_MIN_SPEEDUP", "CPU_FLAGS", "auto_reason", "choose_dtype", "cpu_flags", "matmul_gflops",
+__all__ = ["BF16_MIN_SPEEDUP", "CPU_FLAGS", "auto_reason", "choose_dtype", "cpu_flags", "cpu_line", "matmul_gflops",
            "resolve_auto"]
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
@@ -45,6 +45,16 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, set[str]]:
     """(model name, the flags of :data:`CPU_FLAGS` this CPU has)."""
     model, flags = read_cpuinfo(cpuinfo)
     return model, (flags or set()) & set(CPU_FLAGS)
+
+
+def cpu_line() -> str:
+    """The machine as the benchmarks print it beside their numbers: model name, cores and the
+    flags of :data:`CPU_FLAGS` it has (which precision is fast here)."""
+    import os
+
+    model, flags = cpu_flags()
+    shown = [f for f in CPU_FLAGS if f in flags]
+    return f"{model}, {os.cpu_count()} cores, flags: {' '.join(shown) or 'none of ' + '/'.join(CPU_FLAGS)}"
 
 
 def matmul_gflops(dtype_name: str, size: int = 512, budget_s: float = 0.2) -> float:

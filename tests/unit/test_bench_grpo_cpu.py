@@ -55,4 +55,4 @@ def test_report_prints_the_ratios_against_every_trl_row():
     text = bench.report(A(), [side("megarl", "float32", 50.0, 6.0), side("TRL GRPOTrainer", "float32", 150.0, 8.0)])
     assert "vs TRL float32: speed-up 3.00x (target >= 2), memory 0.75x (target <= 1)" in text
     assert text.count("Per-process PSS at the peak") == 2
-    assert f"megarl's dtype: {A.dtype_reason}." in text and " flags " in text   # the CPU's flags beside the numbers
+    assert f"megarl's dtype: {A.dtype_reason}." in text and " flags: " in text   # the CPU's flags beside the numbers

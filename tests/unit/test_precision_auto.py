@@ -44,3 +44,14 @@ def test_auto_resolves_at_load_on_this_machine(monkeypatch):
     cfg = load_config(None, ["model.dtype=auto"])
     assert cfg.model.dtype == "bfloat16" and cfg.trainer.logprob_diff_threshold == LOGPROB_DIFF_THRESHOLDS["bfloat16"]
     assert "bf16 300 vs fp32 75 GFLOP/s" in precision.auto_reason()
+
+
+def test_cpu_line_names_the_model_cores_and_flags(monkeypatch):
+    """What every benchmark prints beside its numbers (perf/bench_*.py)."""
+    from megarl import precision
+
+    monkeypatch.setattr(precision, "cpu_flags", lambda: ("Some CPU", {"avx512_bf16", "avx2"}))
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert precision.cpu_line() == "Some CPU, 2 cores, flags: avx2 avx512_bf16"
+    monkeypatch.setattr(precision, "cpu_flags", lambda: ("Other", set()))
+    assert precision.cpu_line().endswith("flags: none of avx2/avx512f/avx512_bf16/amx_bf16/amx_tile")
