@@ -59,7 +59,8 @@ import torch
 
 from megarl.algorithms.packed import broadcast_to_tokens, check_cu_seqlens, segment_sum
 
-__all__ = ["CORRECTION_MODES", "CORRECTION_LEVELS", "correction_weights", "mismatch_metrics", "correct_rollout"]
+__all__ = ["CORRECTION_MODES", "CORRECTION_LEVELS", "correction_weights", "mismatch_metrics", "mismatch_sums",
+           "mismatch_from_sums", "correct_rollout"]
 
 CORRECTION_MODES = ("none", "tis", "mask", "icepop")
 CORRECTION_LEVELS = ("token", "sequence")
@@ -134,23 +135,48 @@ def mismatch_metrics(
     clamped to [-20, 20] before exp); ``rollout_corr/masked_frac``: the fraction of ``mask_T``'s
     tokens that ``keep_T`` drops (0 without ``keep_T``); with ``weights_T``,
     ``rollout_corr/weight_mean`` / ``_max`` over the kept tokens. All 0 on an empty mask.
+    The same as :func:`mismatch_from_sums` of the :func:`mismatch_sums` of parts of the tokens.
     """
+    return mismatch_from_sums([mismatch_sums(train_logprobs_T, rollout_logprobs_T, mask_T, keep_T, weights_T)])
+
+
+def mismatch_sums(
+    train_logprobs_T: torch.Tensor,
+    rollout_logprobs_T: torch.Tensor,
+    mask_T: torch.Tensor,
+    keep_T: torch.Tensor | None = None,
+    weights_T: torch.Tensor | None = None,
+) -> dict:
+    """The sums, maxima and counts behind :func:`mismatch_metrics` (float64), for any part of a
+    step's tokens (a sample: :mod:`megarl.trainer.readout`); :func:`mismatch_from_sums` adds parts up."""
     mask_b = mask_T.bool()
     log_ratio_T = _log_ratio(train_logprobs_T, rollout_logprobs_T).double()[mask_b]
-    out = {"rollout_corr/log_ratio_abs_mean": 0.0, "rollout_corr/log_ratio_abs_max": 0.0,
-           "rollout_corr/k3_kl": 0.0, "rollout_corr/masked_frac": 0.0}
+    clamped = log_ratio_T.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     n = log_ratio_T.numel()
-    if n:
-        clamped = log_ratio_T.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-        out["rollout_corr/log_ratio_abs_mean"] = float(log_ratio_T.abs().mean())
-        out["rollout_corr/log_ratio_abs_max"] = float(log_ratio_T.abs().max())
-        out["rollout_corr/k3_kl"] = float((torch.expm1(clamped) - clamped).mean())
-        if keep_T is not None:
-            out["rollout_corr/masked_frac"] = float((mask_b & ~keep_T.bool()).sum()) / n
+    out = {"n": n, "abs_sum": float(log_ratio_T.abs().sum()), "abs_max": float(log_ratio_T.abs().max()) if n else 0.0,
+           "k3_sum": float((torch.expm1(clamped) - clamped).sum()),
+           "dropped": int((mask_b & ~keep_T.bool()).sum()) if keep_T is not None else 0}
     if weights_T is not None:
         kept = weights_T.detach().double()[mask_b if keep_T is None else keep_T.bool()]
-        out["rollout_corr/weight_mean"] = float(kept.mean()) if kept.numel() else 0.0
-        out["rollout_corr/weight_max"] = float(kept.max()) if kept.numel() else 0.0
+        out.update(w_n=kept.numel(), w_sum=float(kept.sum()), w_max=float(kept.max()) if kept.numel() else 0.0)
+    return out
+
+
+def mismatch_from_sums(parts: list[dict]) -> dict[str, float]:
+    """:func:`mismatch_metrics` of the tokens of all ``parts`` (:func:`mismatch_sums` each)."""
+    n = sum(p["n"] for p in parts)
+    out = {"rollout_corr/log_ratio_abs_mean": 0.0, "rollout_corr/log_ratio_abs_max": 0.0,
+           "rollout_corr/k3_kl": 0.0, "rollout_corr/masked_frac": 0.0}
+    if n:
+        out["rollout_corr/log_ratio_abs_mean"] = sum(p["abs_sum"] for p in parts) / n
+        out["rollout_corr/log_ratio_abs_max"] = max(p["abs_max"] for p in parts if p["n"])
+        out["rollout_corr/k3_kl"] = sum(p["k3_sum"] for p in parts) / n
+        out["rollout_corr/masked_frac"] = sum(p["dropped"] for p in parts) / n
+    weighted = [p for p in parts if "w_n" in p]
+    if weighted:
+        w_n = sum(p["w_n"] for p in weighted)
+        out["rollout_corr/weight_mean"] = sum(p["w_sum"] for p in weighted) / w_n if w_n else 0.0
+        out["rollout_corr/weight_max"] = max(p["w_max"] for p in weighted if p["w_n"]) if w_n else 0.0
     return out
 
 

@@ -148,13 +148,11 @@ def make_loss_fn(cfg: AlgorithmConfig, max_response_tokens: int, kl_coef: float 
     from a separate pass. Denominators are the step's global counts, so micro-batch losses sum to
     the loss of the whole step.
     """
-    import torch
-
     from megarl.algorithms import kl_loss
-    from megarl.algorithms.offpolicy import correction_weights
 
     _, _, policy_loss = resolve(cfg)
     clip = loss_options(cfg)
+    tis_in_forward = correction_in_forward(cfg)
 
     def loss_fn(logprobs_R, batch):
         ex, cu = batch.extras, batch.cu_seqlens_N1
@@ -162,12 +160,8 @@ def make_loss_fn(cfg: AlgorithmConfig, max_response_tokens: int, kl_coef: float 
                       max_response_length=max_response_tokens)
         # only when present: a policy loss given by dotted path need not know the option
         weights = {"is_weights_T": ex["is_weights_T"]} if "is_weights_T" in ex else {}
-        if own_old_logprobs and "rollout_logprobs_T" in ex:   # token-level tis from this forward
-            train_T = logprobs_R.detach().double()
-            rollout_T = ex["rollout_logprobs_T"].to(train_T.device, torch.float64)
-            w_T, _ = correction_weights(train_T, torch.where(rollout_T.isnan(), train_T, rollout_T),
-                                        ex["mask_T"].to(train_T.device), cu, mode="tis", cap=cfg.correction_cap)
-            weights = {"is_weights_T": w_T.to(logprobs_R.dtype)}
+        if own_old_logprobs and tis_in_forward:   # token-level tis from this forward
+            weights = {"is_weights_T": forward_tis_weights(cfg, logprobs_R, batch).to(logprobs_R.dtype)}
         old_T = logprobs_R.detach() if own_old_logprobs else ex["old_logprobs_T"]
         draws = {"generator": micro_batch_generator(batch)} if cfg.policy_loss == "clip_cov" else {}
         loss, metrics = policy_loss(logprobs_R, old_T, ex["advantages_T"], ex["mask_T"], cu,
@@ -182,3 +176,21 @@ def make_loss_fn(cfg: AlgorithmConfig, max_response_tokens: int, kl_coef: float 
         return loss, metrics
 
     return loss_fn
+
+
+def forward_tis_weights(cfg: AlgorithmConfig, logprobs_R, batch):
+    """Token-level tis's weights min(pi_train / pi_vLLM, cap) (float64, detached) of a training
+    forward's own log-probs ``logprobs_R`` against ``batch.extras['rollout_logprobs_T']`` (NaN
+    where none) on ``extras['mask_T']``: what the loss weighs its tokens by
+    (:func:`correction_in_forward`) and the mismatch metrics read (:mod:`megarl.trainer.readout`),
+    as :func:`megarl.algorithms.offpolicy.correct_rollout` computes them from a separate pass."""
+    import torch
+
+    from megarl.algorithms.offpolicy import correction_weights
+
+    ex = batch.extras
+    train_T = logprobs_R.detach().double()
+    rollout_T = ex["rollout_logprobs_T"].to(train_T.device, torch.float64)
+    w_T, _ = correction_weights(train_T, torch.where(rollout_T.isnan(), train_T, rollout_T),
+                                ex["mask_T"].to(train_T.device), batch.cu_seqlens_N1, mode="tis", cap=cfg.correction_cap)
+    return w_T

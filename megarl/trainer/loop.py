@@ -252,41 +252,46 @@ class StepRunner:
         m["actor/old_logprob_pass"] = int(self.old_pass)
         return out
 
-    def read_logprobs(self, step: int, rollout: Rollout, lp: list, entropy: list, passes: ForwardPasses,
-                      m: dict) -> tuple[dict, list | None]:
-        """What the policy's log-probs before the update feed: the alarm, metrics, the sample log,
-        the rollout correction and the KL (its per-token reward, with kl_mode=reward); returns the
-        per-sample tensors for the update and the KL rewards."""
-        from megarl.algorithms.offpolicy import correct_rollout
+    def read_logprobs(self, step: int, rollout: Rollout, readouts: list[dict], m: dict) -> None:
+        """What the policy's log-probs before the update feed, from the step's per-sample
+        read-outs (:mod:`megarl.trainer.readout`): the alarm, metrics, the sample log, the KL
+        controller."""
+        from megarl.trainer.readout import readout_metrics
 
-        cfg, kl_ctl = self.cfg, self.kl_ctl
-        m.update(alarm_metrics(rollout, lp, cfg.trainer.logprob_diff_threshold, step - 1))
-        m.update(self.routing.metrics(rollout, lp, passes.routing_out, step - 1))
-        self.sample_log.write(step, rollout, lp)
-        corrected, m_corr = correct_rollout(lp, rollout.sample_logprobs, cfg.algorithm)
-        m.update(m_corr)
-        kl_rewards = None
-        if passes.ref_lp is not None:
-            kl = [a - b for a, b in zip(lp, passes.ref_lp)]   # k1 of the sampled tokens
-            k1 = float(torch.cat(kl).mean())
+        got = readout_metrics(readouts)
+        m.update(check_alarm({k: got.pop(k) for k in ("rollout/logprob_diff_mean", "rollout/logprob_diff_max")},
+                             self.cfg.trainer.logprob_diff_threshold))
+        self.sample_log.write(step, rollout, readouts)
+        if "actor/kl" in got:
+            k1 = got.pop("actor/kl")
             m.setdefault("actor/kl", k1)   # a KL loss term reports its own estimator (the update's metrics win)
-            if cfg.algorithm.kl_mode == "reward":              # -beta * KL as a per-token reward
-                kl_rewards = [-kl_ctl.value * k for k in kl]
-            kl_ctl.update(k1, len(rollout))
-        m["actor/entropy"] = float(torch.cat(entropy).mean()) if entropy else math.nan
-        return corrected, kl_rewards
+            self.kl_ctl.update(k1, len(rollout))
+        m.update(got)
 
     def advantages(self, step: int, rollout: Rollout, passes: ForwardPasses, m: dict) -> tuple[dict, list]:
-        """The update's per-sample tensors (old and reference log-probs, the rollout correction or,
-        for the update's forward to weigh its tokens by, vLLM's log-probs, advantages) and the
-        critic's returns."""
-        per_sample, kl_rewards = {}, None
+        """The update's per-sample tensors (old and reference log-probs, the rollout correction or
+        vLLM's log-probs for the update's forward to read, advantages) and the critic's returns.
+
+        With an old-log-prob pass its log-probs are here: read (alarm, metrics, sample log) before
+        the update, and the source of the rollout correction's weights and of a KL reward. Without
+        one the update's forward reads its own on the ranks (:mod:`megarl.trainer.readout`): they
+        get vLLM's log-probs (float64, NaN where none), the tokens' versions when some are older
+        than the policy trained, and with token-level tis the tokens it weighs (``mask_T``)."""
+        from megarl.algorithms.offpolicy import correct_rollout
+        from megarl.trainer.readout import controller_readouts, forward_readout_inputs
+
+        cfg, per_sample, kl_rewards = self.cfg, {}, None
         if self.old_pass:
-            corrected, kl_rewards = self.read_logprobs(step, rollout, passes.old_lp, passes.entropy, passes, m)
-            per_sample.update(old_logprobs_T=passes.old_lp, **corrected)
-        elif self.correct_in_forward:   # the update's forward weighs its tokens (correction_in_forward)
-            rollout_lp = [torch.tensor(lp, dtype=torch.float64) for lp in rollout.sample_logprobs]
-            per_sample.update(rollout_logprobs_T=rollout_lp, mask_T=[~lp.isnan() for lp in rollout_lp])
+            lp, ref_lp = passes.old_lp, passes.ref_lp
+            if ref_lp is not None and cfg.algorithm.kl_mode == "reward":   # -beta * k1 as a per-token reward
+                kl_rewards = [-self.kl_ctl.value * (a - b) for a, b in zip(lp, ref_lp)]
+            self.read_logprobs(step, rollout, controller_readouts(rollout, lp, passes.entropy, ref_lp, step - 1), m)
+            m.update(self.routing.metrics(rollout, lp, passes.routing_out, step - 1))
+            corrected, m_corr = correct_rollout(lp, rollout.sample_logprobs, cfg.algorithm)
+            m.update(m_corr)
+            per_sample.update(old_logprobs_T=lp, **corrected)
+        else:
+            per_sample.update(forward_readout_inputs(rollout, step - 1, self.correct_in_forward))
         if passes.ref_lp is not None:
             per_sample["ref_logprobs_T"] = passes.ref_lp
         per_sample["advantages_T"], returns = compute_advantages(rollout, self.adv_fn, self.adv_opts, kl_rewards,
@@ -309,12 +314,12 @@ class StepRunner:
         forward_ran = self.old_pass or group.has_reference or group.has_critic
         self.phase(step, "train", **({} if forward_ran else {"reward": m["reward/mean"]}))
         with timer("train"):
-            m_train, forward = group.train(rollout, passes.plan, per_sample, self.kl_ctl.value,
-                                           routing=routing.train_routing(rollout, passes.routing_out),
-                                           own_old_logprobs=not self.old_pass)
+            m_train, readouts = group.train(rollout, passes.plan, per_sample, self.kl_ctl.value,
+                                            routing=routing.train_routing(rollout, passes.routing_out),
+                                            own_old_logprobs=not self.old_pass, version=step - 1)
         m.update(m_train)
-        if forward is not None:
-            self.read_logprobs(step, rollout, *forward, passes, m)
+        if readouts is not None:
+            self.read_logprobs(step, rollout, readouts, m)
         routing.write(step, group.moe_tokens_per_expert, passes.routing_out)
 
     def sync_weights(self, step: int, timer) -> dict:
@@ -387,18 +392,16 @@ def alarm_metrics(rollout: Rollout, train_lp: list, threshold: float, version: i
     With ``version`` (the policy version being trained) and per-token versions in the rollout,
     only the tokens that this version generated count: older ones differ by the updates since
     (off-policy modes); a step with none of them reports NaN and cannot raise. Tokens without a
-    vLLM log-prob (NaN: the agent loop's inserted tool results, never sampled) do not count."""
-    diffs = []
-    for i, (v, t) in enumerate(zip(rollout.sample_logprobs, train_lp)):
-        d = (torch.tensor(v, dtype=torch.float64) - t.double()).abs()
-        keep = ~d.isnan()
-        if version is not None and rollout.token_versions:
-            keep &= torch.tensor(rollout.token_versions[i], dtype=torch.long) == version
-        diffs.append(d[keep])
-    diff = torch.cat(diffs)
-    if diff.numel() == 0:
-        return {"rollout/logprob_diff_mean": math.nan, "rollout/logprob_diff_max": math.nan}
-    out = {"rollout/logprob_diff_mean": float(diff.mean()), "rollout/logprob_diff_max": float(diff.max())}
+    vLLM log-prob (NaN: the agent loop's inserted tool results, never sampled) do not count.
+    The loop reads the same from per-sample read-outs (:mod:`megarl.trainer.readout`)."""
+    from megarl.trainer.readout import controller_readouts, readout_metrics
+
+    return check_alarm(readout_metrics(controller_readouts(rollout, train_lp, None, None, version)), threshold)
+
+
+def check_alarm(out: dict, threshold: float) -> dict:
+    """``out`` (``rollout/logprob_diff_mean`` and ``_max``), or :class:`WeightSyncAlarm` when the
+    mean passes ``threshold`` (0: off)."""
     if threshold and out["rollout/logprob_diff_mean"] > threshold:
         raise WeightSyncAlarm(
             f"mean |vLLM - Megatron| log-prob of sampled tokens is {out['rollout/logprob_diff_mean']:.4g} "

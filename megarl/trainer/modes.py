@@ -93,27 +93,19 @@ class SampleLog:
         if self.path.exists():
             keep_steps_before(self.path, read_jsonl(self.path), resume_step)
 
-    def write(self, step: int, rollout: Rollout, train_lp: list) -> None:
-        """Agent trajectories (``rollout.loss_masks``) also get ``sampled`` (their model-sampled
-        tokens), ``tool_tokens`` (the inserted ones, no vLLM log-prob, no loss) and
-        ``logprob_diff_max`` over the sampled tokens; a run's mean diff is over its sampled tokens."""
+    def write(self, step: int, rollout: Rollout, readouts: list[dict]) -> None:
+        """``readouts``: the samples' read-outs of the policy's log-probs before the update
+        (:func:`megarl.trainer.readout.sample_readout`). Agent trajectories (``rollout.loss_masks``)
+        also get ``sampled`` (their model-sampled tokens), ``tool_tokens`` (the inserted ones, no
+        vLLM log-prob, no loss) and ``logprob_diff_max`` over the sampled tokens; a run's mean diff
+        is over its sampled tokens."""
         samples = []
-        for i, (sid, versions, vllm_lp, lp) in enumerate(zip(rollout.sample_ids, rollout.token_versions,
-                                                             rollout.sample_logprobs, train_lp)):
-            diff_T = (torch.tensor(vllm_lp, dtype=torch.float64) - lp.double()).abs()
-            loss_mask_T = rollout.loss_mask_T(i)
-            sampled_T = loss_mask_T & ~diff_T.isnan()
-            diff, sampled = diff_T.tolist(), sampled_T.tolist()
-            runs, at, run_diffs = version_runs(versions), 0, []
-            for _, count in runs:
-                part = [d for d, keep in zip(diff[at:at + count], sampled[at:at + count]) if keep]
-                run_diffs.append(sum(part) / len(part) if part else None)
-                at += count
-            sample = {"id": sid, "gap": step - 1 - min(versions) if versions else 0, "runs": runs,
-                      "run_logprob_diff": run_diffs}
+        for i, (sid, versions, readout) in enumerate(zip(rollout.sample_ids, rollout.token_versions, readouts)):
+            sample = {"id": sid, "gap": step - 1 - min(versions) if versions else 0, "runs": version_runs(versions),
+                      "run_logprob_diff": readout["runs"]}
             if rollout.loss_masks:
-                sample.update(sampled=int(sampled_T.sum()), tool_tokens=int((~loss_mask_T).sum()),
-                              logprob_diff_max=float(diff_T[sampled_T].max()) if sampled_T.any() else None)
+                sample.update(sampled=readout["sampled"], tool_tokens=int((~rollout.loss_mask_T(i)).sum()),
+                              logprob_diff_max=readout["sampled_max"])
             samples.append(sample)
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, "samples": samples}) + "\n")

@@ -234,13 +234,16 @@ class HybridWorker:
         return out
 
     def train(self, micro_batches, kl_coef: float, replay_routing: bool = False,
-              own_old_logprobs: bool = False) -> dict:
+              own_old_logprobs: bool = False, version: int | None = None) -> dict:
         """One policy update. ``own_old_logprobs``: the micro-batches carry no ``old_logprobs_T``;
         the loss takes the training forward's own (:func:`megarl.trainer.algorithm.needs_old_logprob_pass`)
-        and the DP leaders return that forward's log-probs and entropy in ``outputs``
-        (``[(log-probs, entropy)]`` per micro-batch, as :meth:`logprobs` does)."""
+        and the DP leaders return what the controller reads of that forward's log-probs and
+        entropy in ``outputs``: per micro-batch, its samples' read-outs
+        (:func:`megarl.trainer.readout.micro_batch_readouts`; ``version``: the policy version
+        being trained, the alarm's), not the tokens."""
         from megarl.data.store import fetch_routing
-        from megarl.trainer.algorithm import make_loss_fn
+        from megarl.trainer.algorithm import correction_in_forward, forward_tis_weights, make_loss_fn
+        from megarl.trainer.readout import micro_batch_readouts
 
         fetch_routing(micro_batches)   # the routing replayed in the MoE layers, from the object store
         loss_fn = make_loss_fn(self.cfg.algorithm, self.cfg.rollout.max_response_tokens, kl_coef,
@@ -252,7 +255,11 @@ class HybridWorker:
                                      replay_routing=replay_routing, return_logprobs=own_old_logprobs)
         outputs = out.pop("outputs", None)
         if own_old_logprobs and self.info()["dp_leader"]:
-            out["outputs"] = [(o.logprobs_R, o.entropy_R) for o in outputs]
+            tis = correction_in_forward(self.cfg.algorithm)
+            out["outputs"] = [micro_batch_readouts(o.logprobs_R, o.entropy_R, b, version,
+                                                   forward_tis_weights(self.cfg.algorithm, o.logprobs_R, b) if tis
+                                                   else None)
+                              for o, b in zip(outputs, micro_batches)]
         out["weight_checksum"] = self._weight_checksum()
         return out
 

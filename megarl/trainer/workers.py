@@ -282,23 +282,23 @@ class WorkerGroup:
         return scatter_back(rollout, plan, self._forward("values", rollout, plan))
 
     def train(self, rollout: Rollout, plan, per_sample: dict, kl_coef: float, routing: list | None = None,
-              own_old_logprobs: bool = False) -> tuple[dict, tuple | None]:
+              own_old_logprobs: bool = False, version: int | None = None) -> tuple[dict, list | None]:
         """One policy update per mini-batch; ``routing`` (per sample ``[P + R, Lm, K]``) is replayed
-        in the MoE layers (:mod:`megarl.engine.replay`). Returns ``(metrics, forward)``.
+        in the MoE layers (:mod:`megarl.engine.replay`). Returns ``(metrics, readouts)``.
 
         ``own_old_logprobs`` (one update per step, no ``old_logprobs_T`` in ``per_sample``; see
         :func:`megarl.trainer.algorithm.needs_old_logprob_pass`): the loss takes the training
-        forward's own log-probs as the old ones, and ``forward`` is that forward's ``(log-probs,
-        entropy)`` per sample, gathered from the DP leaders as :meth:`logprobs` gathers its own;
-        else ``forward`` is None."""
+        forward's own log-probs as the old ones, and ``readouts`` is, per sample, what the
+        controller reads of them (:mod:`megarl.trainer.readout`; ``version``: the policy version
+        being trained), computed by the DP leaders from ``per_sample``'s ``rollout_logprobs_T``
+        (and ``versions_T``, ``ref_logprobs_T``); else ``readouts`` is None."""
         a = self.cfg.algorithm
         assert not own_old_logprobs or (a.ppo_epochs, a.mini_batches) == (1, 1), "own old log-probs: one update only"
         metrics, outs = self._optimize("train", "actor", rollout, plan, per_sample, kl_coef, routing is not None,
-                                       own_old_logprobs, routing=routing)
+                                       own_old_logprobs, version, routing=routing)
         if not own_old_logprobs:
             return metrics, None
-        column = lambda k: scatter_back(rollout, plan, {r: [x[k] for x in o] for r, o in outs.items()})  # noqa: E731
-        return metrics, (column(0), column(1))
+        return metrics, scatter_sequences(rollout, plan, outs)
 
     def posttrain_step(self, batches_per_rank: list, options: dict) -> dict:
         """One optimizer step of an sft / rm stage over each rank's micro-batches (rank order;
@@ -336,8 +336,9 @@ class WorkerGroup:
     def _optimize(self, method: str, tag: str, rollout: Rollout, plan, per_sample: dict, *args,
                   routing: list | None = None) -> tuple[dict, dict]:
         """``ppo_epochs`` passes over ``mini_batches`` chunks of whole groups, one optimizer step each.
-        Returns the metrics and the last pass's ``outputs`` by DP rank (the training forward's own
-        log-probs, from the DP leaders of a ``train`` with ``own_old_logprobs``; else empty).
+        Returns the metrics and the last pass's ``outputs`` by DP rank (the read-outs of the
+        training forward's own log-probs, from the DP leaders of a ``train`` with
+        ``own_old_logprobs``; else empty).
         ``<tag>/skipped_updates`` counts the updates skipped for a non-finite loss or gradient
         (:meth:`megarl.engine.policy.PolicyEngine.train_step`), ``<tag>/grad_norm`` averages the
         applied ones; more than ``trainer.max_skipped_updates`` skipped in a row raise

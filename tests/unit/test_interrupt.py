@@ -113,12 +113,15 @@ class FakeGroup:
 
     FORWARD_LP = -1.0   # the training forward's log-probs (returned with own_old_logprobs)
 
-    def train(self, rollout, plan, per_sample, kl_coef, routing=None, own_old_logprobs=False):
+    def train(self, rollout, plan, per_sample, kl_coef, routing=None, own_old_logprobs=False, version=None):
+        from megarl.trainer.readout import controller_readouts
+
         self.trained.append((own_old_logprobs, sorted(per_sample)))
         self._phase("train")
-        forward = ([torch.full((2,), self.FORWARD_LP) for _ in range(len(rollout))],
-                   [torch.full((2,), 0.5) for _ in range(len(rollout))]) if own_old_logprobs else None
-        return {"actor/loss": 0.0}, forward
+        readouts = controller_readouts(rollout, [torch.full((2,), self.FORWARD_LP) for _ in range(len(rollout))],
+                                       [torch.full((2,), 0.5) for _ in range(len(rollout))],
+                                       per_sample.get("ref_logprobs_T"), version) if own_old_logprobs else None
+        return {"actor/loss": 0.0}, readouts
 
     def sync_weights(self) -> dict:
         return {}
@@ -264,7 +267,8 @@ def test_one_update_per_step_takes_the_old_log_probs_from_the_update_and_alarms_
 
     stopped, rows, checkpoints, group = fake_run({}, "algorithm.kl_target=null")
     assert stopped is None and group.passes == ["reference"] * 4
-    assert group.trained == [(True, ["advantages_T", "ref_logprobs_T"])] * 4
+    # vLLM's log-probs go to the ranks, where the update's forward is read (megarl.trainer.readout)
+    assert group.trained == [(True, ["advantages_T", "ref_logprobs_T", "rollout_logprobs_T"])] * 4
     assert [r["actor/old_logprob_pass"] for r in rows] == [0] * 4 and "time/logprobs_s" in rows[0]   # the reference pass
     assert rows[0]["actor/entropy"] == 0.5 and rows[0]["rollout/logprob_diff_mean"] == 0.0   # the update's forward
     assert rows[0]["actor/kl"] == pytest.approx(0.2)                   # k1: forward -1.0 vs reference -1.2

@@ -1,0 +1,145 @@
+"""What the controller reads of a forward's per-token log-probs: per-sample sums, not tokens.
+
+The readers of the policy's log-probs before its update -- the rollout-vs-train alarm, the
+mismatch metrics ``rollout_corr/*``, ``actor/entropy``, the k1 ``actor/kl`` metric and the sample
+log (``samples.jsonl``) -- need sums, maxima and counts per sample, never the tokens. A
+:func:`sample_readout` holds them for one sample; :func:`readout_metrics` and
+:func:`check_alarm` add up a step's.
+
+Where it is computed follows where the tokens are:
+
+- no old-log-prob pass (one update a step: :func:`megarl.trainer.algorithm.needs_old_logprob_pass`):
+  the update's own forward gives the log-probs, on the training ranks. Each DP leader computes
+  its samples' read-outs there (:func:`micro_batch_readouts`, from the micro-batch's extras:
+  vLLM's ``rollout_logprobs_T``, the loss mask, ``versions_T`` when some token is of another
+  version than the one trained, ``ref_logprobs_T`` with a reference model), and only those return
+  to the controller: a few numbers a sample, where the per-token log-probs and entropies were
+  8 bytes a token (issue 36: the controller handles metadata, not tensors);
+- with the pass, the controller holds the tokens anyway (the update's ``old_logprobs_T``, the
+  corrections' weights and the KL rewards are computed there) and computes the same read-outs
+  from them with the same function.
+
+Sums are float64 whatever the log-probs' dtype; a mean is the step's sum over its count.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megarl.algorithms.offpolicy import mismatch_from_sums, mismatch_sums
+
+
+def sample_readout(lp_R: torch.Tensor, rollout_R: torch.Tensor, *, loss_mask_R: torch.Tensor | None = None,
+                   versions_R: torch.Tensor | None = None, version: int | None = None,
+                   entropy_R: torch.Tensor | None = None, ref_R: torch.Tensor | None = None,
+                   mismatch: bool = False, weights_R: torch.Tensor | None = None) -> dict:
+    """One sample's read-out. ``lp_R``: the trainer's log-probs of its response tokens;
+    ``rollout_R``: vLLM's (float64, NaN where none: tokens the agent loop inserted);
+    ``loss_mask_R``: the tokens that carry loss (default all); ``versions_R``: each token's policy
+    version, and ``version``: the one being trained (the alarm counts only its tokens; without
+    ``versions_R`` every token is of it); ``entropy_R``, ``ref_R``: the policy's entropy and the
+    reference model's log-probs, when there are; ``mismatch``: also the sums of
+    :func:`megarl.algorithms.offpolicy.mismatch_sums` over the tokens with a vLLM log-prob
+    (``weights_R``: token-level tis's weights, which keep them all).
+
+    Keys: ``tokens``; ``alarm``: [sum, count, max] of |vLLM - trainer| over the tokens with a
+    vLLM log-prob of the trained version; ``sampled`` (loss-carrying tokens with a vLLM log-prob),
+    ``sampled_max`` (their largest difference, None without) and ``runs`` (per run of equal
+    versions, the mean difference over its sampled tokens, None without: the sample log);
+    ``entropy`` and ``kl`` (sums of the entropy and of lp - ref), when given; ``mismatch``."""
+    lp = lp_R.detach().double()
+    rollout = rollout_R.double()
+    diff = (rollout - lp).abs()
+    has = ~diff.isnan()
+    counted = has if versions_R is None or version is None else has & (versions_R == version)
+    d = diff[counted]
+    out = {"tokens": lp.numel(),
+           "alarm": [float(d.sum()), d.numel(), float(d.max()) if d.numel() else math.nan]}
+    sampled = has if loss_mask_R is None else has & loss_mask_R.bool()
+    out["sampled"] = int(sampled.sum())
+    out["sampled_max"] = float(diff[sampled].max()) if out["sampled"] else None
+    runs = ([lp.numel()] if lp.numel() else []) if versions_R is None else _run_lengths(versions_R)
+    out["runs"] = []
+    for part, keep in zip(torch.split(diff, runs), torch.split(sampled, runs)):
+        out["runs"].append(float(part[keep].sum()) / int(keep.sum()) if keep.any() else None)
+    if entropy_R is not None:
+        out["entropy"] = float(entropy_R.detach().double().sum())
+    if ref_R is not None:
+        out["kl"] = float((lp_R.detach() - ref_R.to(lp_R.dtype)).double().sum())   # k1, in the log-probs' dtype
+    if mismatch:
+        out["mismatch"] = mismatch_sums(lp, torch.where(has, rollout, lp), has,
+                                        has if weights_R is not None else None, weights_R)
+    return out
+
+
+def _run_lengths(versions_R: torch.Tensor) -> list[int]:
+    _, counts = torch.unique_consecutive(versions_R, return_counts=True)
+    return counts.tolist()
+
+
+def micro_batch_readouts(lp_R: torch.Tensor, entropy_R: torch.Tensor | None, batch, version: int | None,
+                         weights_R: torch.Tensor | None = None) -> list[dict]:
+    """The read-outs of a training micro-batch's samples (the update's own forward: ``lp_R``,
+    ``entropy_R`` packed in ``batch.cu_seqlens_N1``'s layout) from its extras
+    (:func:`megarl.trainer.batch.micro_batches_for`): ``rollout_logprobs_T``, ``mask_T`` (the loss
+    mask, with tis also the tokens with a vLLM log-prob), ``versions_T`` and ``ref_logprobs_T``
+    when present; ``weights_R``: in-forward tis's weights."""
+    ex, cu = batch.extras, batch.cu_seqlens_N1
+    sizes = (cu[1:] - cu[:-1]).tolist()
+    split = lambda t: torch.split(t.cpu(), sizes) if t is not None else [None] * len(sizes)   # noqa: E731
+    columns = zip(split(lp_R), split(ex["rollout_logprobs_T"]), split(ex["mask_T"]), split(ex.get("versions_T")),
+                  split(entropy_R), split(ex.get("ref_logprobs_T")), split(weights_R))
+    return [sample_readout(lp, rollout, loss_mask_R=mask, versions_R=versions, version=version, entropy_R=entropy,
+                           ref_R=ref, mismatch=True, weights_R=weights)
+            for lp, rollout, mask, versions, entropy, ref, weights in columns]
+
+
+def controller_readouts(rollout, lp: list, entropy: list | None, ref_lp: list | None,
+                        version: int | None) -> list[dict]:
+    """The read-outs of a step's samples from per-token tensors on the controller (an
+    old-log-prob pass); the mismatch metrics come with the rollout correction there."""
+    out = []
+    for i, lp_R in enumerate(lp):
+        versions = rollout.token_versions[i] if rollout.token_versions else None
+        out.append(sample_readout(
+            lp_R, torch.tensor(rollout.sample_logprobs[i], dtype=torch.float64),
+            loss_mask_R=rollout.loss_mask_T(i) if rollout.loss_masks else None,
+            versions_R=torch.tensor(versions, dtype=torch.long) if versions is not None else None, version=version,
+            entropy_R=entropy[i] if entropy is not None else None, ref_R=ref_lp[i] if ref_lp is not None else None))
+    return out
+
+
+def forward_readout_inputs(rollout, version: int, tis_in_forward: bool) -> dict:
+    """What the update's micro-batches carry for its ranks to read their own forward
+    (:func:`micro_batch_readouts`), per sample: vLLM's log-probs ``rollout_logprobs_T`` (float64,
+    NaN where none), ``versions_T`` (int32) only when some token is of another version than
+    ``version`` (on-policy: nothing to send), and with token-level tis in the forward
+    (:func:`megarl.trainer.algorithm.correction_in_forward`) ``mask_T``, the tokens it weighs."""
+    rollout_lp = [torch.tensor(lp, dtype=torch.float64) for lp in rollout.sample_logprobs]
+    out = {"rollout_logprobs_T": rollout_lp}
+    if tis_in_forward:
+        out["mask_T"] = [~lp.isnan() for lp in rollout_lp]
+    if rollout.token_versions and any(v != version for vs in rollout.token_versions for v in vs):
+        out["versions_T"] = [torch.tensor(vs, dtype=torch.int32) for vs in rollout.token_versions]
+    return out
+
+
+def readout_metrics(readouts: list[dict]) -> dict:
+    """``rollout/logprob_diff_mean`` / ``_max`` (NaN when no token counts), ``actor/entropy``,
+    ``actor/kl`` (k1, with a reference model) and, when the read-outs carry them, the mismatch
+    metrics ``rollout_corr/*``, over a step's read-outs."""
+    n = sum(r["alarm"][1] for r in readouts)
+    out = {"rollout/logprob_diff_mean": sum(r["alarm"][0] for r in readouts) / n if n else math.nan,
+           "rollout/logprob_diff_max": max(r["alarm"][2] for r in readouts if r["alarm"][1]) if n else math.nan}
+    tokens = sum(r["tokens"] for r in readouts)
+    if readouts and "entropy" in readouts[0]:
+        out["actor/entropy"] = sum(r["entropy"] for r in readouts) / tokens if tokens else math.nan
+    if readouts and "kl" in readouts[0]:
+        out["actor/kl"] = sum(r["kl"] for r in readouts) / tokens if tokens else math.nan
+    if readouts and "mismatch" in readouts[0]:
+        out.update(mismatch_from_sums([r["mismatch"] for r in readouts]))
+    return out
+
+
+__all__ = ["sample_readout", "micro_batch_readouts", "controller_readouts", "forward_readout_inputs", "readout_metrics"]
