@@ -18,7 +18,8 @@ side). They run one after the other, never at the same time.
   transformers version as megarl's). The step time is the trainer's step wall time; phases are
   TRL's own profiled blocks (perf/trl_grpo_driver.py).
 * **Medians** are over the steps after the first (the first pays warm-up on both sides).
-* **Memory**: every 0.25 s the bench sums the PSS (``/proc/<pid>/smaps_rollup``: shared pages
+* **Memory**, in a separate run of ``--memory-steps`` steps per side (reading PSS slows the
+  processes read, so the timed runs are not sampled): every 0.25 s the bench sums the PSS (``/proc/<pid>/smaps_rollup``: shared pages
   divided among the processes that map them, so the sum is the run's real footprint) of the
   run's whole process tree (megarl: the CLI, Ray's daemons and workers, vLLM's engine core;
   TRL: its one process). The peak of that sum is reported, with each process's PSS at that peak.
@@ -117,14 +118,19 @@ class PssSampler:
         return sorted(groups.values(), key=lambda g: -g["pss_mib"])
 
 
-def run_measured(cmd: list[str], log: Path, env: dict | None = None) -> tuple[float, PssSampler]:
-    """Run ``cmd`` (stdout and stderr to ``log``) under a :class:`PssSampler`; (wall s, sampler)."""
+def run_measured(cmd: list[str], log: Path, env: dict | None = None,
+                 sample: bool = True) -> tuple[float, PssSampler | None]:
+    """Run ``cmd`` (stdout and stderr to ``log``), under a :class:`PssSampler` when ``sample``;
+    (wall s, sampler or None)."""
     t0 = time.perf_counter()
+    sampler = None
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        sampler = PssSampler(proc.pid)
+        if sample:
+            sampler = PssSampler(proc.pid)
         rc = proc.wait()
-    sampler.stop()
+    if sampler is not None:
+        sampler.stop()
     if rc != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
         raise RuntimeError(f"{' '.join(cmd[:3])}... exited with {rc}; last lines of {log}:\n{tail}")
@@ -144,9 +150,9 @@ def write_prompts(path: Path, steps: int, prompts: int, level: int, seed: int) -
                 f.write(json.dumps({"prompt": rec.prompt, "answer": rec.answer}) + "\n")
 
 
-def run_megarl(a, work: Path) -> dict:
-    run_dir = work / "megarl"
-    overrides = [f"model.path={a.model}", f"model.dtype={a.megarl_dtype}", f"trainer.steps={a.steps}",
+def run_megarl(a, work: Path, steps: int, sample: bool, tag: str) -> dict:
+    run_dir = work / f"megarl_{tag}"
+    overrides = [f"model.path={a.model}", f"model.dtype={a.megarl_dtype}", f"trainer.steps={steps}",
                  f"trainer.run_dir={run_dir}", "data.task=arithmetic", f"data.difficulty={a.level}",
                  f"data.seed={a.data_seed}", f"data.prompts_per_step={a.prompts}", "data.reward=gsm8k_lenient",
                  f"rollout.n={a.n}", f"rollout.max_response_tokens={a.max_new}", "rollout.temperature=1.0",
@@ -154,7 +160,7 @@ def run_megarl(a, work: Path) -> dict:
                  "algorithm.loss_agg_mode=token-mean", f"trainer.lr={a.lr}", f"trainer.min_lr={a.lr}",
                  "trainer.eval_every=0", "checkpoint.save_every=0", *a.megarl_override]
     cmd = [sys.executable, "-m", "megarl.cli", "train", str(ROOT / "configs" / "quickstart.yaml"), *overrides]
-    wall, pss = run_measured(cmd, work / "megarl.log", env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    wall, pss = run_measured(cmd, work / f"megarl_{tag}.log", env=dict(os.environ, HF_HUB_OFFLINE="1"), sample=sample)
     from bench_grpo import read_metrics   # perf/, beside this file
 
     rows = sorted(read_metrics(run_dir), key=lambda r: r["step"])
@@ -185,23 +191,23 @@ def trl_python(venv: Path) -> Path:
     return py
 
 
-def run_trl(a, work: Path, dtype: str, py: Path) -> dict:
-    out = work / f"trl_{dtype}.jsonl"
+def run_trl(a, work: Path, dtype: str, py: Path, steps: int, sample: bool, tag: str) -> dict:
+    out = work / f"trl_{dtype}_{tag}.jsonl"
     out.unlink(missing_ok=True)
     cmd = [str(py), str(ROOT / "perf" / "trl_grpo_driver.py"), "--model", a.model, "--data", str(work / "prompts.jsonl"),
-           "--out", str(out), "--workdir", str(work / f"trl_{dtype}"), "--steps", str(a.steps),
+           "--out", str(out), "--workdir", str(work / f"trl_{dtype}_{tag}"), "--steps", str(steps),
            "--prompts", str(a.prompts), "--n", str(a.n), "--max-new", str(a.max_new), "--lr", str(a.lr),
            "--dtype", dtype, "--reward-module", str(ROOT / "megarl" / "rewards" / "math.py")]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("PYTHONPATH", None)
-    wall, pss = run_measured(cmd, work / f"trl_{dtype}.log", env=env)
+    wall, pss = run_measured(cmd, work / f"trl_{dtype}_{tag}.log", env=env, sample=sample)
     steps = [json.loads(x) for x in out.read_text().splitlines() if x.strip()]
     for s in steps:
         s["samples"] = a.prompts * a.n
     return summarise("TRL GRPOTrainer", dtype, steps, wall, pss, a)
 
 
-def summarise(name: str, dtype: str, steps: list[dict], wall: float, pss: PssSampler, a) -> dict:
+def summarise(name: str, dtype: str, steps: list[dict], wall: float, pss: PssSampler | None, a) -> dict:
     if len(steps) < 2:
         raise ValueError(f"{name}: {len(steps)} step(s) recorded; the medians skip step 1, so --steps must be >= 2")
     steady = steps[1:]
@@ -213,9 +219,28 @@ def summarise(name: str, dtype: str, steps: list[dict], wall: float, pss: PssSam
             "step_s_all": [round(s["step_s"], 2) for s in steps],
             "phases_median": {k: med([s["phases"].get(k, 0.0) for s in steady]) for k in phase_names},
             "mean_response_length": length, "reward_per_step": [round(s["reward"], 4) for s in steps],
-            "response_tokens_per_s": length * steady[0]["samples"] / step_s,
-            "peak_pss_gib": pss.peak_kib / 2**20, "pss_table": pss.table(), "pss_samples": pss.samples,
-            "run_wall_s": wall}
+            "response_tokens_per_s": length * steady[0]["samples"] / step_s, "run_wall_s": wall,
+            **(memory_fields(pss) if pss is not None else {})}
+
+
+def memory_fields(pss: PssSampler) -> dict:
+    return {"peak_pss_gib": pss.peak_kib / 2**20, "pss_table": pss.table(), "pss_samples": pss.samples}
+
+
+def measure(run, a) -> dict:
+    """A side's step times from a run without the PSS sampler, its memory from a second run of
+    ``--memory-steps`` steps under it (``--memory-steps 0``: one run, sampled). Reading
+    ``smaps_rollup`` walks a process's page tables (~27 ms for a 2 GiB process here, four times a
+    second for each process of the tree) and slows what it measures: megarl's tree, ~10 processes
+    with a 4.5 GiB training rank and a 2.8 GiB engine, ran its median step 37% slower under the
+    sampler (43.8 s against 32.0 s; perf/results/bench_grpo_cpu_2026-12-04_avx512bf16_sampled.md)."""
+    if a.memory_steps == 0:
+        return run(a.steps, True, "sampled")
+    side = run(a.steps, False, "time")
+    memory = run(a.memory_steps, True, "memory")
+    side.update({k: memory[k] for k in ("peak_pss_gib", "pss_table", "pss_samples")},
+                memory_run_wall_s=memory["run_wall_s"])
+    return side
 
 
 # ------------------------------------------------------------------------------------ report
@@ -227,6 +252,9 @@ def report(a, sides: list[dict]) -> str:
              f"<= {a.max_new} new tokens; lr {a.lr:g} constant; no reference model; one update per step; "
              f"{a.steps} steps, medians over steps 2-{a.steps}. Machine: {cpu_line()}, torch threads default. "
              f"megarl's dtype: {a.dtype_reason}. "
+             + (f"Step times from runs without the memory sampler; peak PSS from a separate {a.memory_steps}-step run "
+                "of each side under it. " if getattr(a, "memory_steps", 0) else
+                "Step times and peak PSS from the same run, under the memory sampler. ") +
              f"Command: `python perf/bench_grpo_cpu.py {' '.join(sys.argv[1:])}`.", "",
              "| side | dtype | step s (median) | per-phase s (median) | mean response tokens | response tokens/s "
              "| peak summed PSS GiB | run wall s |", "|---|---|---|---|---|---|---|---|"]
@@ -270,12 +298,16 @@ def main(argv=None) -> None:
                    help="default: configs/quickstart.yaml's (auto: resolved here, on this machine)")
     p.add_argument("--trl-dtypes", default=None,
                    help="comma-separated; default float32, plus megarl's dtype when different")
+    p.add_argument("--memory-steps", type=int, default=None,
+                   help="steps of each side's separate run under the PSS sampler (default --steps: the same "
+                        "batches, so the same peak; 0: sample the timed run)")
     p.add_argument("--only", choices=["megarl", "trl"], default=None)
     p.add_argument("--megarl-override", nargs="*", default=[], help="extra key=value for megarl train")
     p.add_argument("--trl-venv", default=str(Path.home() / ".cache" / "megarl" / "trl-venv"))
     p.add_argument("--workdir", default=None, help="default runs/bench_grpo_cpu/<time>")
     p.add_argument("--results", default=None, help="default perf/results/bench_grpo_cpu_<date>.md (and .json)")
     a = p.parse_args(argv)
+    a.memory_steps = a.steps if a.memory_steps is None else a.memory_steps
     from megarl.precision import auto_reason
 
     a.dtype_reason = (auto_reason() or f"model.dtype {a.megarl_dtype} (the quickstart's)") \
@@ -292,15 +324,16 @@ def main(argv=None) -> None:
               else ["float32"] + ([a.megarl_dtype] if a.megarl_dtype != "float32" else []))
     sides = []
     if a.only in (None, "megarl"):
-        print(f"bench: megarl ({a.megarl_dtype}), {a.steps} steps; log {work / 'megarl.log'}", flush=True)
-        sides.append(run_megarl(a, work))
+        print(f"bench: megarl ({a.megarl_dtype}), {a.steps} steps; logs {work}/megarl_*.log", flush=True)
+        sides.append(measure(lambda steps, sample, tag: run_megarl(a, work, steps, sample, tag), a))
         print(f"bench: megarl median step {sides[-1]['step_s_median']:.1f} s, peak PSS "
               f"{sides[-1]['peak_pss_gib']:.2f} GiB", flush=True)
     if a.only in (None, "trl"):
         py = trl_python(Path(a.trl_venv))
         for dtype in dtypes:
-            print(f"bench: TRL GRPOTrainer ({dtype}), {a.steps} steps; log {work / f'trl_{dtype}.log'}", flush=True)
-            sides.append(run_trl(a, work, dtype, py))
+            print(f"bench: TRL GRPOTrainer ({dtype}), {a.steps} steps; logs {work}/trl_{dtype}_*.log", flush=True)
+            sides.append(measure(lambda steps, sample, tag, dtype=dtype: run_trl(a, work, dtype, py, steps, sample, tag),
+                                 a))
             print(f"bench: TRL {dtype} median step {sides[-1]['step_s_median']:.1f} s, peak PSS "
                   f"{sides[-1]['peak_pss_gib']:.2f} GiB", flush=True)
     text = report(a, sides)
