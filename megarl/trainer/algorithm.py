@@ -142,10 +142,11 @@ def make_loss_fn(cfg: AlgorithmConfig, max_response_tokens: int, kl_coef: float 
     weights of :func:`megarl.algorithms.offpolicy.correct_rollout`, multiplying the policy loss
     per token; its corrected ``mask_T`` leaves the dropped tokens out of the policy, entropy and
     KL terms and of the engine's global token count). With ``own_old_logprobs`` and token-level
-    tis (:func:`correction_in_forward`) the extras carry vLLM's ``rollout_logprobs_T`` (float64,
-    NaN where none) instead of ``is_weights_T``, and the weights are computed here from the
-    forward's own log-probs, as :func:`megarl.algorithms.offpolicy.correct_rollout` computes them
-    from a separate pass. Denominators are the step's global counts, so micro-batch losses sum to
+    tis (:func:`correction_in_forward`) the weights are computed here (:func:`forward_tis_weights`)
+    from the forward's own log-probs and vLLM's ``rollout_logprobs_T`` (float64, NaN where none;
+    with ``own_old_logprobs`` the extras carry them in any case, for the ranks' read-outs:
+    :mod:`megarl.trainer.readout`), as :func:`megarl.algorithms.offpolicy.correct_rollout`
+    computes them from a separate pass. Denominators are the step's global counts, so micro-batch losses sum to
     the loss of the whole step.
     """
     from megarl.algorithms import kl_loss
