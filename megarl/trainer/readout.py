@@ -28,6 +28,7 @@ import math
 import torch
 
 from megarl.algorithms.offpolicy import mismatch_from_sums, mismatch_sums
+from megarl.trainer.modes import version_runs
 
 
 def sample_readout(lp_R: torch.Tensor, rollout_R: torch.Tensor, *, loss_mask_R: torch.Tensor | None = None,
@@ -59,7 +60,8 @@ def sample_readout(lp_R: torch.Tensor, rollout_R: torch.Tensor, *, loss_mask_R: 
     sampled = has if loss_mask_R is None else has & loss_mask_R.bool()
     out["sampled"] = int(sampled.sum())
     out["sampled_max"] = float(diff[sampled].max()) if out["sampled"] else None
-    runs = ([lp.numel()] if lp.numel() else []) if versions_R is None else _run_lengths(versions_R)
+    runs = ([lp.numel()] if lp.numel() else []) if versions_R is None \
+        else [count for _, count in version_runs(versions_R.tolist())]   # the sample log's runs
     out["runs"] = []
     for part, keep in zip(torch.split(diff, runs), torch.split(sampled, runs)):
         out["runs"].append(float(part[keep].sum()) / int(keep.sum()) if keep.any() else None)
@@ -71,11 +73,6 @@ def sample_readout(lp_R: torch.Tensor, rollout_R: torch.Tensor, *, loss_mask_R: 
         out["mismatch"] = mismatch_sums(lp, torch.where(has, rollout, lp), has,
                                         has if weights_R is not None else None, weights_R)
     return out
-
-
-def _run_lengths(versions_R: torch.Tensor) -> list[int]:
-    _, counts = torch.unique_consecutive(versions_R, return_counts=True)
-    return counts.tolist()
 
 
 def micro_batch_readouts(lp_R: torch.Tensor, entropy_R: torch.Tensor | None, batch, version: int | None,
