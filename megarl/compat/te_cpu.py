@@ -275,6 +275,8 @@ class CpuTEDotProductAttention(MegatronModule):
         self.v_channels = v_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.k_channels)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.fused_without_grad = False
+        """Whole sequences without gradients through torch's fused kernel (:meth:`_attend_sequence`)."""
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, **kwargs):
@@ -285,10 +287,6 @@ class CpuTEDotProductAttention(MegatronModule):
         if thd:                                   # [t, h, d] -> [t, 1, h, d]
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         sq, b, nh, _ = query.shape
-        if key.shape[2] != nh:                    # GQA
-            rep = nh // key.shape[2]
-            key = key.repeat_interleave(rep, dim=2)
-            value = value.repeat_interleave(rep, dim=2)
         cp = get_pg_size(self.cp_group) if self.cp_group is not None else 1
         cu_q = cu_k = None
         if thd:
@@ -299,11 +297,15 @@ class CpuTEDotProductAttention(MegatronModule):
                 # One sequence at a time: cost sum(len_i^2), not T^2 over the whole packed row.
                 causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
                 bounds = list(zip(cu_q[:-1].tolist(), cu_q[1:].tolist()))
-                ctx = torch.cat([self._attend(query[s:e], key[s:e], value[s:e], _segment_mask(e - s, causal))
+                ctx = torch.cat([self._attend_sequence(query[s:e], key[s:e], value[s:e], causal)
                                  for s, e in bounds if e > s]
                                 + ([query.new_zeros((sq - bounds[-1][1],) + tuple(query.shape[1:3]) + (value.shape[-1],))]
                                    if bounds and bounds[-1][1] < sq else []))
                 return ctx.reshape(sq, nh * ctx.shape[-1])
+        if key.shape[2] != nh:                    # GQA
+            rep = nh // key.shape[2]
+            key = key.repeat_interleave(rep, dim=2)
+            value = value.repeat_interleave(rep, dim=2)
         if cp > 1:
             r = get_pg_rank(self.cp_group)
             if thd:   # cu_seqlens are global (whole padded sequences); local = chunks r, 2cp-1-r of each
@@ -333,6 +335,30 @@ class CpuTEDotProductAttention(MegatronModule):
             return ctx.reshape(sq, nh * ctx.shape[-1])                      # [t, h*dv]
         return ctx.reshape(sq, b, nh * ctx.shape[-1])
 
+    def _attend_sequence(self, query, key, value, causal: bool):
+        """One whole sequence, q [s,1,h,d], k/v [s,1,hkv,d] -> [s,1,h,dv].
+
+        In a frozen model (``fused_without_grad``: the reference model, set by
+        :class:`megarl.engine.policy.PolicyEngine`) without gradients: torch's fused CPU attention
+        (``scaled_dot_product_attention``: fp32 softmax and accumulation, GQA without repeating
+        K/V); a quickstart-shaped bf16 log-prob pass (3,360 tokens, 30 layers) 4.5 -> 3.8 s
+        (perf/results/quickstart_step_cpu_2026-12-04.md). Otherwise the math path below: the fused
+        kernel's CPU backward measured 4x slower than autograd through the math (3.8 s against
+        ~0.9 s a step there), attention dropout needs megatron's RNG tracker, and a trained model's
+        passes without gradients (the old log-probs) must equal its training forward bit for bit
+        (the ratio is then exactly 1 before the first update; the fused kernel differs by ~4e-6
+        in fp32)."""
+        if not (FUSED_INFERENCE_ATTENTION and self.fused_without_grad) or (self.training and self.dropout_p > 0) or \
+                (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)):
+            if key.shape[2] != query.shape[2]:
+                rep = query.shape[2] // key.shape[2]
+                key, value = key.repeat_interleave(rep, dim=2), value.repeat_interleave(rep, dim=2)
+            return self._attend(query, key, value, _segment_mask(query.shape[0], causal))
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))          # [1, h, s, d]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.softmax_scale,
+                                             enable_gqa=k.shape[1] != q.shape[1])
+        return out.permute(2, 0, 1, 3)                                         # [s, 1, h, dv]
+
     def _attend(self, query, key, value, masked):
         """softmax(q k^T * scale, masked) v with q [s,b,h,d], k/v [t,b,h,d], masked [1|b,1|h,s,t]."""
         scores = torch.einsum("sbhd,tbhd->bhst", query.float(), key.float()) * self.softmax_scale
@@ -342,6 +368,11 @@ class CpuTEDotProductAttention(MegatronModule):
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 probs = F.dropout(probs, p=self.dropout_p)
         return torch.einsum("bhst,tbhd->sbhd", probs.to(value.dtype), value)
+
+
+FUSED_INFERENCE_ATTENTION = True
+"""False: no model uses ``scaled_dot_product_attention`` (:meth:`CpuTEDotProductAttention._attend_sequence`;
+perf/bench_step_cpu.py's A/B)."""
 
 
 def _segment_mask(length: int, causal: bool) -> torch.Tensor:

@@ -130,6 +130,10 @@ class PackedMicroBatch:
     """``batch.routing`` packed like the tokens, ``[T, Lm, K]`` int64 (-1 at padding)."""
     index: int = 0
     """Position of this micro-batch in the call (the replayer keeps per-micro-batch state)."""
+    response_positions_R: Optional[torch.Tensor] = None
+    """When set (:class:`megarl.engine.policy.PolicyEngine` at cp = 1 and no sequence-parallel
+    output layer): the positions of the packed row whose next-token logits are read, the output
+    layer computes only these, and :func:`response_logprobs` gets logits ``[1, R, V/tp]``."""
 
     @property
     def num_packed_tokens(self) -> int:
@@ -320,6 +324,15 @@ def gather_cp(x_T: torch.Tensor, packed: PackedMicroBatch, cp_group) -> torch.Te
     return gather_cp_shares(shares, packed.cu_seqlens_padded_N1)
 
 
+def response_positions(packed: PackedMicroBatch) -> torch.Tensor:
+    """The positions of the full packed row that predict the response tokens ``[R]``: for a
+    sequence starting at s (padded layout) with P prompt tokens and L tokens, s+P-1 .. s+L-2
+    (what :func:`select_response` reads)."""
+    starts = packed.cu_seqlens_padded_N1[:-1].tolist()
+    return torch.cat([torch.arange(s + p - 1, s + ids.numel() - 1)
+                      for s, p, ids in zip(starts, packed.batch.prompt_lengths, packed.batch.input_ids)])
+
+
 def select_response(full_Tf: torch.Tensor, packed: PackedMicroBatch) -> torch.Tensor:
     """Per-position values of the full row -> the values of the response tokens ``[R]``."""
     per_seq = unpack_sequences(full_Tf, packed.cu_seqlens_N1, packed.cu_seqlens_padded_N1)
@@ -329,7 +342,12 @@ def select_response(full_Tf: torch.Tensor, packed: PackedMicroBatch) -> torch.Te
 
 def response_logprobs(logits_1TV: torch.Tensor, packed: PackedMicroBatch, pgs,
                       with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Model output of one micro-batch -> (log-probs ``[R]``, entropy ``[R]`` or None)."""
+    """Model output of one micro-batch -> (log-probs ``[R]``, entropy ``[R]`` or None). The
+    output holds every position of the packed row, or only the response positions when
+    ``packed.response_positions_R`` is set (then already in the order of the response tokens)."""
+    if packed.response_positions_R is not None:
+        return vocab_parallel_logprobs(logits_1TV[0], packed.labels_T[packed.response_positions_R], pgs.tp,
+                                       with_entropy)
     logprobs_T, entropy_T = vocab_parallel_logprobs(logits_1TV[0], packed.labels_T, pgs.tp, with_entropy)
     logprobs_R = select_response(gather_cp(logprobs_T, packed, pgs.cp), packed)
     entropy_R = select_response(gather_cp(entropy_T, packed, pgs.cp), packed) if with_entropy else None

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from megarl.engine.build import BuiltModel, ModelOptions, build_model, check_layout, read_hf_config
 from megarl.engine.export import export_hf_weights, local_shards
 from megarl.engine.logprobs import (PackedMicroBatch, SequenceBatch, pack_micro_batch, packed_length,
-                                   response_logprobs)
+                                   response_logprobs, response_positions)
 from megarl.engine.moe_stats import MoEStats
 from megarl.engine.offload import Offloader
 from megarl.engine.replay import RouterReplayer
@@ -152,9 +152,47 @@ class PolicyEngine:
         else:
             for chunk in self.model.chunks:
                 chunk.requires_grad_(False)
+                for m in chunk.modules():   # CPU: the frozen model's attention may use the fused kernel (te_cpu)
+                    if hasattr(m, "fused_without_grad"):
+                        m.fused_without_grad = True
         self.offloader = Offloader(self)
+        self._logit_positions: Optional[torch.Tensor] = None
+        self._select_logits = self._extract is response_logprobs and self._install_logit_selection()
 
     # ---------------------------------------------------------------- setup
+    def _install_logit_selection(self) -> bool:
+        """Let the output layer compute only the logits that are read (response positions).
+
+        Every position of a packed row goes through the decoder (a response attends to its
+        prompt), but only the positions that predict a response token need the vocabulary
+        projection and the log-softmax over it: in an RL batch the prompts are most of the
+        tokens (the quickstart: ~65-token prompts, 12-60-token responses), and on CPU the
+        projection, the logits' copies and the log-softmax were ~a quarter of a bf16 training
+        step (perf/results/quickstart_step_cpu_2026-12-04.md). A forward pre-hook on the last
+        stage's output layer keeps the rows of :attr:`PackedMicroBatch.response_positions_R`
+        (set by :meth:`_run` per micro-batch); the gradient flows back to the other rows as zeros,
+        as it did through the unread logits. Not with context parallelism (a rank holds chunks of
+        sequences), a sequence-parallel output layer (its input is this rank's slice of the row) or
+        multi-token prediction (its layers read the same hidden states): those read every
+        position. True when installed."""
+        topo = self.groups.topology
+        if topo.cp > 1 or (topo.sp and topo.tp > 1) or getattr(self.config, "mtp_num_layers", None):
+            return False
+
+        def keep_read_rows(module, args, kwargs):
+            if self._logit_positions is None:
+                return None
+            hidden_T1H = args[0].index_select(0, self._logit_positions)
+            return (hidden_T1H,) + tuple(args[1:]), kwargs
+
+        for chunk in self.model.chunks:
+            gpt = chunk
+            while not hasattr(gpt, "output_layer") and hasattr(gpt, "module"):
+                gpt = gpt.module
+            if getattr(gpt, "post_process", False) and getattr(gpt, "output_layer", None) is not None:
+                gpt.output_layer.register_forward_pre_hook(keep_read_rows, with_kwargs=True)
+        return True
+
     def _setup_optimizer(self) -> None:
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -208,6 +246,8 @@ class PolicyEngine:
         packed = [pack_micro_batch(b, topo.tp, topo.cp, g.cp_rank, topo.sp, pad_to=pad_to) for b in micro_batches]
         for i, mb in enumerate(packed):
             mb.index = i
+            if self._select_logits:
+                mb.response_positions_R = response_positions(mb)
         self._packed = packed
 
         moe = bool(self.config.num_moe_experts)
@@ -216,10 +256,12 @@ class PolicyEngine:
             mb = next(data_iterator)
             kwargs = {"padding_mask": self._padding_mask(mb, model)} if moe else {}
             self.router.begin(mb)
+            self._logit_positions = mb.response_positions_R
             try:
                 out = model(mb.tokens_1T, mb.position_ids_1T, None, packed_seq_params=mb.packed_seq_params, **kwargs)
             finally:
                 self.router.end()
+                self._logit_positions = None
             return out, partial(loss_func, mb)
 
         chunks = self.model.chunks
