@@ -58,7 +58,7 @@ class HybridWorker:
         cpu = setup_cpu()
         if cpu:   # CPU: threads per rank (1 thread per process measured 10-20x faster than 2 on 2 cores)
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-            heap.keep()   # reuse freed memory instead of page-faulting it back every micro-batch; trimmed after each sync
+            heap.keep()   # reuse freed memory instead of page-faulting it back every micro-batch (megarl/compat/heap.py)
         else:     # Ray gives each worker one GPU (CUDA_VISIBLE_DEVICES): it is device 0 here
             os.environ["LOCAL_RANK"] = "0"
             torch.cuda.set_device(0)
@@ -291,8 +291,6 @@ class HybridWorker:
             raise EngineDied(f"rollout engine {self.engine_index} died during the weight sync (driven by training "
                              f"rank {self.rank}): {type(err).__name__}") from err
         stats["seconds"] = time.perf_counter() - t0
-        if self.cpu:
-            heap.trim()   # give the step's freed buffers back before the engines generate (heap.keep)
         return stats
 
     def export_hf(self, folder: str) -> None:
