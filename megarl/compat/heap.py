@@ -51,11 +51,11 @@ def keep() -> bool:
     embedding's gradient, fp32 copies of weight gradients), so on CPU these faults cost seconds
     per step. This turns mmap off for allocations (all from the heap), never trims the top
     automatically and uses one arena (the OpenMP threads' allocations land in the same heap).
-    Memory goes back only on :func:`trim`. The training worker keeps it for the whole run: what it
-    holds is its own peak, which every step reaches again, while a CPU vLLM engine holds its
-    weights and KV cache throughout, so the run's summed peak does not grow (measured:
-    perf/results/bench_grpo_cpu_2026-12-04_avx512bf16_cuts.md); trimming after each sync cost
-    ~0.5 s a step (0.16 s of trim, the rest faulting the pages back). Measured on a quickstart-shaped bf16
+    Memory goes back only on :func:`trim`; the training worker never calls it: what it holds is
+    its own peak, which every step reaches again. Measured with bench_grpo_cpu (bf16, 5 steps,
+    same day): without a trim, 24.0 s a step and a summed peak PSS of 7.91 GiB
+    (perf/results/bench_grpo_cpu_2026-12-04_avx512bf16_cuts_notrim.md); trimming after each update,
+    26.5 s and 7.69 GiB (..._cuts.md): the pages given back are faulted in again by the next step. Measured on a quickstart-shaped bf16
     training step (perf/results/quickstart_step_cpu_2026-12-04.md): before the output layer read
     only the response positions, 16.3 -> 14.3 s (1.3M page faults -> 0 with these settings from
     process start); after it, ~0.5 s (13.9 -> 13.4 s; 0.7M -> 0.07M faults, sys time 3.6 -> 2.0 s).
