@@ -13,7 +13,11 @@ update), timed with the speed-ups switched on one after the other in the same pr
    model keeps the math attention, so the training step does not change here);
 4. ``+ heap keep``: freed memory stays in the process (:func:`megarl.compat.heap.keep`, set here
    mid-process: the training worker sets it at start, which measured slightly better);
-5. the same with ``--large-micro-batch`` tokens per micro-batch.
+5. the same with ``--large-micro-batch`` tokens per micro-batch;
+6. ``+ CPU optimizer cuts``: Adam on torch's fused CPU kernel and no data-parallel collectives
+   within a one-rank group (:meth:`megarl.engine.policy.PolicyEngine._fuse_cpu_adam`, patch P11
+   of :mod:`megarl.compat.megatron_cpu`). Rows 1-5 step as megatron-core does unpatched
+   (per-tensor AdamW loop; gloo's one-rank reduce-scatter and all-gather of the whole buffers).
 
 Each row: the median of ``--repeats`` calls after one warm-up, and the page faults of the last
 training step. Prints a markdown table with ratios to ``before`` and the machine line.
@@ -114,7 +118,21 @@ def main(argv=None):
               f"{faults} page faults", flush=True)
         return row
 
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup as G
+
+    from megarl.engine.offload import _torch_optimizers
+
+    patched_sync = (G.start_grad_sync, G.start_param_sync)
+
+    def optimizer_cuts(on: bool):
+        for opt in _torch_optimizers(engine.optimizer):
+            for group in opt.param_groups:
+                group["fused"] = on
+        G.start_grad_sync, G.start_param_sync = patched_sync if on else \
+            (patched_sync[0]._megarl_orig, patched_sync[1]._megarl_orig)
+
     rows = []
+    optimizer_cuts(False)
     engine._select_logits, te_cpu.FUSED_INFERENCE_ATTENTION = False, False
     rows.append(run("before", args.micro_batch))
     engine._select_logits = selection
@@ -128,6 +146,8 @@ def main(argv=None):
     heap.keep()
     rows.append(run("+ heap keep", args.micro_batch))
     rows.append(run(f"+ {args.large_micro_batch} tokens per micro-batch", args.large_micro_batch))
+    optimizer_cuts(True)
+    rows.append(run("+ CPU optimizer cuts (fused AdamW, no 1-rank collectives)", args.large_micro_batch))
 
     tokens = 32 * (65 + args.response)
     print(f"\n{cpu_line()}; torch {torch.__version__}, {torch.get_num_threads()} threads; {args.model} "

@@ -2,7 +2,7 @@
 
 Applied by :func:`megarl.compat.setup_cpu` only when CUDA is absent; no megatron-core file is
 edited. Every patched site is listed here with the upstream line it works around (measured on
-megatron-core 0.16.1, torch 2.13.0+cpu; the table below is the full list, P1-P10).
+megatron-core 0.16.1, torch 2.13.0+cpu; the table below is the full list, P1-P11).
 ``tests/unit/test_compat_sites.py`` checks each ``SITES`` entry against the installed source and
 fails loudly when an upstream site moves or disappears (then the patch must be revisited).
 
@@ -41,6 +41,11 @@ P10 optimizer/cpu_offloading/hybrid_optimizer.py                   every paramet
     optimizer refuses ("can't optimize a non-leaf Tensor");
     _update_fp32_params_by_new_state (checkpoint load) looks up an  a state without an fp32 copy is copied
     fp32 copy for every parameter; fp32 ones have none: KeyError    into the parameter or its host copy
+P11 distributed/param_and_grad_buffer.py                           a group of one rank: only the scaling
+    _ParamAndGradBucketGroup.start_grad_sync / start_param_sync    (and the NaN check) runs, no collective;
+    run their reduce-scatter / all-gather also on a data-parallel  the buffers are the same bytes a 1-rank
+    group of one rank; gloo then copies the whole fp32 gradient    collective would leave (a speed patch:
+    buffer through a temporary (0.7 s a step for 135M parameters)  synchronous sync only, not with overlap)
 ==  ============================================================  ==========================================
 
 P8 (SP with the local torch norm) is not needed: megarl always builds the TE spec, whose CPU norm
@@ -98,6 +103,10 @@ SITES = [
     Site("P10", "megatron.core.optimizer.optimizer_config", "OptimizerConfig", 'is_te_min_version("2.1.0")'),
     Site("P10", "megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer",
          "shard_model_param = model_param.view(-1)[param_range.start : param_range.end]"),
+    Site("P11", "megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup",
+         "dist_reduce_scatter_func("),
+    Site("P11", "megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup",
+         "dist_all_gather_func("),
 ]
 
 _MOE_TE_NAMES = (
@@ -445,8 +454,48 @@ def patch_hybrid_optimizer():
     DistributedOptimizer._build_model_and_main_param_groups = staticmethod(_build_model_and_main_param_groups)
 
 
+# --- P11 ------------------------------------------------------------------------------------
+def patch_single_rank_grad_sync():
+    """Skip the data-parallel collectives of megatron's gradient and parameter buffers when the
+    group has one rank and the sync is synchronous (``overlap_grad_reduce`` / ``overlap_param_gather``
+    off, one distributed-optimizer instance): a one-rank reduce-scatter or all-gather leaves every
+    byte as it was, but gloo copies the whole buffer through a temporary to get there."""
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup as G
+
+    if getattr(G.start_grad_sync, "_megarl_patched", False):
+        return
+    orig_grad, orig_param = G.start_grad_sync, G.start_param_sync
+
+    def alone(group) -> bool:
+        return group is not None and dist.get_world_size(group) == 1
+
+    def start_grad_sync(self, force_all_reduce=False):
+        c = self.ddp_config
+        group = self.intra_distributed_optimizer_instance_group if c.use_distributed_optimizer \
+            else self.data_parallel_group
+        if c.overlap_grad_reduce or c.num_distributed_optimizer_instances != 1 or not alone(group):
+            return orig_grad(self, force_all_reduce)
+        if c.check_for_nan_in_grad or c.check_for_large_grads:
+            self.check_grads(check_for_nan_or_inf=c.check_for_nan_in_grad, check_for_large=c.check_for_large_grads)
+        for bucket in self.buckets:
+            if bucket.gradient_scaling_factor != 1.0:
+                bucket.grad_data *= bucket.gradient_scaling_factor
+        self.grad_reduce_handle = None
+
+    def start_param_sync(self, force_sync=False):
+        if (self.ddp_config.overlap_param_gather and not force_sync) or self.param_gather_handle is not None \
+                or not alone(self.intra_distributed_optimizer_instance_group):
+            return orig_param(self, force_sync)
+        self.param_gather_handle = None
+        self.param_gather_dispatched = True
+
+    start_grad_sync._megarl_patched = True
+    start_grad_sync._megarl_orig, start_param_sync._megarl_orig = orig_grad, orig_param
+    G.start_grad_sync, G.start_param_sync = start_grad_sync, start_param_sync
+
+
 def apply_all():
-    """Apply P1-P7, P9 and P10 (idempotent)."""
+    """Apply P1-P7 and P9-P11 (idempotent)."""
     patch_current_device()
     patch_causal_masks()
     patch_rng_tracker()
@@ -456,3 +505,4 @@ def apply_all():
     patch_uneven_collectives()
     patch_distributed_optimizer_checkpoint()
     patch_hybrid_optimizer()
+    patch_single_rank_grad_sync()

@@ -6,7 +6,10 @@ the same checkpoint: a trained engine that computes the logits of the response p
 reference engine whose passes use torch's fused attention. On packed micro-batches of mixed
 prompt and response lengths it checks:
 - the log-probs and entropies of the two trained engines agree (<= 1e-6), and so do their
-  weights after one Adam step (<= 1e-6 absolute; both from the same start);
+  weights after one Adam step (<= 1e-6 absolute; both from the same start), where the second
+  engine also steps the way it did before the CPU optimizer cuts: torch's per-tensor AdamW loop
+  (not the fused kernel) and megatron's own one-rank gradient reduce-scatter and parameter
+  all-gather (P11 in :mod:`megarl.compat.megatron_cpu` skips them: counted, none);
 - the reference engine's log-probs (fused attention, counted) agree with the trained engine's
   math attention to 1e-5;
 - :func:`megarl.compat.heap.keep`: a freed 64 MiB buffer stays resident for the next allocation
@@ -96,7 +99,31 @@ CHILD = textwrap.dedent(r"""
         e = mb.extras
         return ppo_policy_loss(lp, lp.detach(), e["advantages_T"], e["mask_T"], mb.cu_seqlens_N1,
                                agg_mode="token-mean", num_tokens=mb.num_global_tokens)
-    ra, rb = selecting.train_step(batches(), loss_fn), full.train_step(batches(), loss_fn)
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+    from megarl.engine.offload import _torch_optimizers
+    G = pgb._ParamAndGradBucketGroup
+    out["fused"] = sorted({g["fused"] for o in _torch_optimizers(selecting.optimizer) for g in o.param_groups})
+    collectives = []
+    real_rs, real_ag = pgb.dist_reduce_scatter_func, pgb.dist_all_gather_func
+    def counting_rs(*args, **kw):
+        collectives.append("rs")
+        return real_rs(*args, **kw)
+    def counting_ag(*args, **kw):
+        collectives.append("ag")
+        return real_ag(*args, **kw)
+    pgb.dist_reduce_scatter_func, pgb.dist_all_gather_func = counting_rs, counting_ag
+    ra = selecting.train_step(batches(), loss_fn)
+    out["collectives_patched"] = list(collectives)
+    del collectives[:]
+    for o in _torch_optimizers(full.optimizer):   # the step as it was: per-tensor AdamW, 1-rank collectives
+        for grp in o.param_groups:
+            grp["fused"] = False
+    patched = (G.start_grad_sync, G.start_param_sync)
+    G.start_grad_sync, G.start_param_sync = patched[0]._megarl_orig, patched[1]._megarl_orig
+    rb = full.train_step(batches(), loss_fn)
+    G.start_grad_sync, G.start_param_sync = patched
+    pgb.dist_reduce_scatter_func, pgb.dist_all_gather_func = real_rs, real_ag
+    out["collectives_upstream"] = sorted(set(collectives))
     out["loss"] = [ra["loss"], rb["loss"]]
     out["grad_norm"] = [ra["grad_norm"], rb["grad_norm"]]
     pa = [p.detach() for c in selecting.model.chunks for p in c.parameters()]
@@ -133,6 +160,12 @@ def test_one_step_with_and_without_selection_lands_on_the_same_weights(result):
     assert abs(ga - gb) <= 1e-5 * gb, result
     assert result["moved"] > 1e-4, result          # the step did update (Adam, lr 1e-3)
     assert result["weight_diff"] <= 1e-6, result
+
+
+def test_cpu_optimizer_cuts_fused_adam_and_no_one_rank_collectives(result):
+    assert result["fused"] == [True], result                    # torch's fused CPU AdamW kernel
+    assert result["collectives_patched"] == [], result          # P11: nothing sent within a 1-rank group
+    assert result["collectives_upstream"] == ["ag", "rs"], result   # what megatron does unpatched
 
 
 def test_the_reference_models_fused_attention_matches_the_math(result):
