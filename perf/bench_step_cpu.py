@@ -13,16 +13,22 @@ update), timed with the speed-ups switched on one after the other in the same pr
    model keeps the math attention, so the training step does not change here);
 4. ``+ heap keep``: freed memory stays in the process (:func:`megarl.compat.heap.keep`, set here
    mid-process: the training worker sets it at start, which measured slightly better);
-5. the same with ``--large-micro-batch`` tokens per micro-batch;
-6. ``+ CPU optimizer cuts``: Adam on torch's fused CPU kernel and no data-parallel collectives
-   within a one-rank group (:meth:`megarl.engine.policy.PolicyEngine._fuse_cpu_adam`, patch P11
-   of :mod:`megarl.compat.megatron_cpu`). Rows 1-5 step as megatron-core does unpatched
-   (per-tensor AdamW loop; gloo's one-rank reduce-scatter and all-gather of the whole buffers).
+5. the same with ``--large-micro-batch`` tokens per micro-batch.
+
+Rows 1-5 step as megatron-core does unpatched (per-tensor AdamW loop; gloo's one-rank
+reduce-scatter and all-gather of the whole buffers). The CPU optimizer cuts (Adam on torch's fused
+CPU kernel, :meth:`megarl.engine.policy.PolicyEngine._fuse_cpu_adam`; no data-parallel collectives
+within a one-rank group, patch P11 of :mod:`megarl.compat.megatron_cpu`) are then compared in two
+fresh processes, without and with them, each with the heap kept from its start as the training
+worker does, ``--fresh-steps`` training steps at ``--large-micro-batch`` tokens: what they save
+is mostly the large temporaries (a 538 MB copy of the gradient buffer, per-tensor Adam
+intermediates) that grow and fragment the kept heap, so switching them on mid-process, after
+those temporaries existed, measures nothing (tried: 12.3-12.8 s either way).
 
 Each row: the median of ``--repeats`` calls after one warm-up, and the page faults of the last
 training step. Prints a markdown table with ratios to ``before`` and the machine line.
 
-Usage: python perf/bench_step_cpu.py [--dtype bfloat16] [--response 40] [--repeats 2]
+Usage: python perf/bench_step_cpu.py [--dtype bfloat16] [--response 40] [--repeats 2] [--only-fresh]
 """
 from __future__ import annotations
 
@@ -88,7 +94,14 @@ def main(argv=None):
     ap.add_argument("--micro-batch", type=int, default=512, help="tokens per micro-batch (the quickstart's before)")
     ap.add_argument("--large-micro-batch", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--fresh-steps", type=int, default=5, help="training steps per fresh process (cuts off / on)")
+    ap.add_argument("--only-fresh", action="store_true", help="only the fresh-process comparison of the optimizer cuts")
+    ap.add_argument("--child-optimizer-cuts", choices=["on", "off"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.child_optimizer_cuts:
+        return fresh_child(args)
+    if args.only_fresh:
+        return fresh_comparison(args)
 
     import torch
     import torch.distributed as dist
@@ -146,8 +159,6 @@ def main(argv=None):
     heap.keep()
     rows.append(run("+ heap keep", args.micro_batch))
     rows.append(run(f"+ {args.large_micro_batch} tokens per micro-batch", args.large_micro_batch))
-    optimizer_cuts(True)
-    rows.append(run("+ CPU optimizer cuts (fused AdamW, no 1-rank collectives)", args.large_micro_batch))
 
     tokens = 32 * (65 + args.response)
     print(f"\n{cpu_line()}; torch {torch.__version__}, {torch.get_num_threads()} threads; {args.model} "
@@ -161,6 +172,74 @@ def main(argv=None):
         print(f"| {r['label']} | {r['tokens_per_micro_batch']} | {r['logprob_s']:.2f} | "
               f"{b['logprob_s'] / r['logprob_s']:.2f}x | {r['train_s']:.2f} | {b['train_s'] / r['train_s']:.2f}x | "
               f"{r['faults']} |")
+    dist.destroy_process_group()
+    fresh_comparison(args)
+
+
+def fresh_comparison(args) -> None:
+    """Training steps without and with the CPU optimizer cuts, each in a fresh process."""
+    import json
+    import subprocess
+
+    out = {}
+    for mode in ("off", "on"):
+        cmd = [sys.executable, os.path.abspath(__file__), "--child-optimizer-cuts", mode, "--model", args.model,
+               "--dtype", args.dtype, "--response", str(args.response), "--large-micro-batch",
+               str(args.large_micro_batch), "--fresh-steps", str(args.fresh_steps)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        line = [x for x in proc.stdout.splitlines() if x.startswith("FRESH ")]
+        if not line:
+            raise SystemExit(f"child ({mode}) failed:\n{proc.stderr[-3000:]}")
+        out[mode] = json.loads(line[0][len("FRESH "):])
+        print(f"  fresh process, optimizer cuts {mode}: steps " + " ".join(f"{t:.2f}" for t in out[mode]["steps"]),
+              flush=True)
+    skip = min(2, args.fresh_steps - 1)
+    med = {m: statistics.median(v["steps"][skip:]) for m, v in out.items()}
+    print(f"\nfresh processes, {args.large_micro_batch} tokens per micro-batch, heap kept from the start; "
+          f"median of training steps {skip + 1}-{args.fresh_steps}:\n")
+    print("| configuration | train step s | vs without | page faults (last step) |")
+    print("|---|---|---|---|")
+    for mode, label in (("off", "without the CPU optimizer cuts"),
+                        ("on", "with them (fused AdamW, no 1-rank collectives)")):
+        print(f"| {label} | {med[mode]:.2f} | {med['off'] / med[mode]:.2f}x | {out[mode]['faults']} |")
+
+
+def fresh_child(args) -> None:
+    import json
+
+    from megarl.compat import heap
+    heap.keep()                                    # as the training worker does, at start
+    import megarl.compat.megatron_cpu as megatron_cpu
+    if args.child_optimizer_cuts == "off":
+        megatron_cpu.patch_single_rank_grad_sync = lambda: None
+    import torch
+    import torch.distributed as dist
+
+    from megarl.compat import setup_cpu
+    setup_cpu()
+    from megarl.engine import ModelOptions, OptimOptions, PolicyEngine
+    from megarl.engine.offload import _torch_optimizers
+    from megarl.parallel import Topology, build_process_groups
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    engine = PolicyEngine(ModelOptions(path=args.model, dtype=args.dtype), build_process_groups(Topology(world_size=1)),
+                          OptimOptions(optimizer="adam", lr=1e-7))
+    if args.child_optimizer_cuts == "off":
+        for opt in _torch_optimizers(engine.optimizer):
+            for group in opt.param_groups:
+                group["fused"] = False
+    steps, faults = [], 0
+    for _ in range(args.fresh_steps):
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t0 = time.perf_counter()
+        engine.train_step(batch(args.response, args.large_micro_batch), loss_fn)
+        steps.append(time.perf_counter() - t0)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+    print("FRESH " + json.dumps({"steps": steps, "faults": faults}), flush=True)
     dist.destroy_process_group()
 
 
