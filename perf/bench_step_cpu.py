@@ -86,6 +86,24 @@ def timed(fn, repeats: int) -> tuple[float, int]:
     return statistics.median(times), faults
 
 
+def one_rank_engine(args):
+    """SmolLM2 (``args.model`` at ``args.dtype``) on one gloo rank with all cores and Adam; call
+    after :func:`megarl.compat.setup_cpu`."""
+    import torch
+    import torch.distributed as dist
+
+    from megarl.engine import ModelOptions, OptimOptions, PolicyEngine
+    from megarl.parallel import Topology, build_process_groups
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    return PolicyEngine(ModelOptions(path=args.model, dtype=args.dtype), build_process_groups(Topology(world_size=1)),
+                        OptimOptions(optimizer="adam", lr=1e-7))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="fixture:smollm2")
@@ -110,17 +128,9 @@ def main(argv=None):
 
     setup_cpu()
     from megarl.compat import te_cpu
-    from megarl.engine import ModelOptions, OptimOptions, PolicyEngine
-    from megarl.parallel import Topology, build_process_groups
     from megarl.precision import cpu_line
 
-    torch.set_num_threads(os.cpu_count() or 1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    engine = PolicyEngine(ModelOptions(path=args.model, dtype=args.dtype), build_process_groups(Topology(world_size=1)),
-                          OptimOptions(optimizer="adam", lr=1e-7))
+    engine = one_rank_engine(args)
     selection = engine._select_logits
 
     def run(label: str, tokens: int) -> dict:
@@ -212,22 +222,13 @@ def fresh_child(args) -> None:
     import megarl.compat.megatron_cpu as megatron_cpu
     if args.child_optimizer_cuts == "off":
         megatron_cpu.patch_single_rank_grad_sync = lambda: None
-    import torch
     import torch.distributed as dist
 
     from megarl.compat import setup_cpu
     setup_cpu()
-    from megarl.engine import ModelOptions, OptimOptions, PolicyEngine
     from megarl.engine.offload import _torch_optimizers
-    from megarl.parallel import Topology, build_process_groups
 
-    torch.set_num_threads(os.cpu_count() or 1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    engine = PolicyEngine(ModelOptions(path=args.model, dtype=args.dtype), build_process_groups(Topology(world_size=1)),
-                          OptimOptions(optimizer="adam", lr=1e-7))
+    engine = one_rank_engine(args)
     if args.child_optimizer_cuts == "off":
         for opt in _torch_optimizers(engine.optimizer):
             for group in opt.param_groups:
