@@ -334,6 +334,10 @@ class Fleet:
                 look_at_pause()   # also between messages: receive runs the caller's on_done
             now = time.monotonic()
             for k in [k for k in streams if now - heard[k] > timeout]:
+                # a message already waiting: the controller was the one not listening (e.g. it was
+                # restarting another engine, which can take longer than the timeout), not the engine
+                if ray.wait([streams[k]], num_returns=1, timeout=0)[0]:
+                    continue
                 failed(k, EngineHung(f"{self.name(k)} reported no progress for {now - heard[k]:.0f} s during "
                                      f"generate (rollout.engine_timeout_s={timeout:g}): it is hung"))
         return stats, restarts, pausing
