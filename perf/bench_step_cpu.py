@@ -86,6 +86,20 @@ def timed(fn, repeats: int) -> tuple[float, int]:
     return statistics.median(times), faults
 
 
+def without_optimizer_cuts(engine) -> None:
+    """Step ``engine`` (and every engine in the process) as megatron-core does unpatched: torch's
+    per-tensor AdamW loop, and the one-rank collectives patch P11 skips (its ``_megarl_orig``)."""
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup as G
+
+    from megarl.engine.offload import _torch_optimizers
+
+    for opt in _torch_optimizers(engine.optimizer):
+        for group in opt.param_groups:
+            group["fused"] = False
+    G.start_grad_sync = getattr(G.start_grad_sync, "_megarl_orig", G.start_grad_sync)
+    G.start_param_sync = getattr(G.start_param_sync, "_megarl_orig", G.start_param_sync)
+
+
 def one_rank_engine(args):
     """SmolLM2 (``args.model`` at ``args.dtype``) on one gloo rank with all cores and Adam; call
     after :func:`megarl.compat.setup_cpu`."""
@@ -141,21 +155,8 @@ def main(argv=None):
               f"{faults} page faults", flush=True)
         return row
 
-    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup as G
-
-    from megarl.engine.offload import _torch_optimizers
-
-    patched_sync = (G.start_grad_sync, G.start_param_sync)
-
-    def optimizer_cuts(on: bool):
-        for opt in _torch_optimizers(engine.optimizer):
-            for group in opt.param_groups:
-                group["fused"] = on
-        G.start_grad_sync, G.start_param_sync = patched_sync if on else \
-            (patched_sync[0]._megarl_orig, patched_sync[1]._megarl_orig)
-
     rows = []
-    optimizer_cuts(False)
+    without_optimizer_cuts(engine)
     engine._select_logits, te_cpu.FUSED_INFERENCE_ATTENTION = False, False
     rows.append(run("before", args.micro_batch))
     engine._select_logits = selection
@@ -219,20 +220,13 @@ def fresh_child(args) -> None:
 
     from megarl.compat import heap
     heap.keep()                                    # as the training worker does, at start
-    import megarl.compat.megatron_cpu as megatron_cpu
-    if args.child_optimizer_cuts == "off":
-        megatron_cpu.patch_single_rank_grad_sync = lambda: None
     import torch.distributed as dist
 
     from megarl.compat import setup_cpu
     setup_cpu()
-    from megarl.engine.offload import _torch_optimizers
-
     engine = one_rank_engine(args)
-    if args.child_optimizer_cuts == "off":
-        for opt in _torch_optimizers(engine.optimizer):
-            for group in opt.param_groups:
-                group["fused"] = False
+    if args.child_optimizer_cuts == "off":   # before any step: no cut's temporaries exist yet
+        without_optimizer_cuts(engine)
     steps, faults = [], 0
     for _ in range(args.fresh_steps):
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
