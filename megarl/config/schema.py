@@ -509,8 +509,10 @@ class TrainerConfig:
     experts of rollout routing replay, Lm x K x 2 bytes a token) is put into Ray's object store
     by the vLLM engine that produced it (and by the training ranks for the routing they record);
     the controller holds references and each rank fetches its own samples' (megarl/data/store.py).
-    controller: the arrays travel inside the samples through the controller (the previous
-    design; perf/bench_dataplane.py's baseline)."""
+    The old-log-prob and reference passes' per-token log-probs and the rollout correction's
+    weights stay in the store too (put by the ranks' DP leaders, which return per-sample
+    read-outs: megarl/trainer/readout.py). controller: these arrays travel inside the samples
+    through the controller (the previous design; perf/bench_dataplane.py's baseline)."""
     mode: Literal["on_policy", "one_step_off", "async"] = "on_policy"
     """on_policy: every step generates with the current weights, then trains. one_step_off: step
     k+1's samples are generated while step k trains (with the weights before step k's update),

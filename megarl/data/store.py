@@ -11,6 +11,12 @@ and travel as :class:`Stored` handles:
     old log-prob pass (r2): the ranks put the routing they recorded; the controller passes the
     handles on to the update.
 
+The forward passes before an update (old and reference log-probs, the rollout correction's
+weights and kept tokens) are put by the training ranks' DP leaders, one object per micro-batch
+(:func:`put_rows`), and travel as a :class:`Rows` per sample; the update's micro-batches regroup
+the samples, so each carries a :class:`Column` of rows that its ranks assemble
+(:func:`fetch_columns`, one ``ray.get`` of the distinct objects).
+
 How a handle reaches the controller matters. The engines answer through Ray streaming
 generators, and an object reference nested in a streamed item can lose its reference count: the
 owner frees the object while the controller still holds the handle, and the rank's fetch fails
@@ -57,7 +63,10 @@ class Stored:
         """``array`` (numpy or torch) into the object store, owned by the calling process."""
         import ray
 
-        a = array.numpy() if isinstance(array, torch.Tensor) else np.asarray(array)
+        if isinstance(array, torch.Tensor) and array.dtype == torch.bfloat16:   # numpy has no bfloat16: its bits
+            a = array.detach().cpu().contiguous().view(torch.int16).numpy()
+            return cls(ray.put(a), a.shape, "bfloat16", a.nbytes)
+        a = array.detach().cpu().numpy() if isinstance(array, torch.Tensor) else np.asarray(array)
         return cls(ray.put(a), a.shape, str(a.dtype), a.nbytes)
 
     def __reduce__(self):   # __slots__ without __dict__: pickle by the constructor's arguments
@@ -145,13 +154,81 @@ def fetch(items: list) -> list:
         arrays = ray.get([items[i].ref for i in where])
     except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError) as err:
         raise RoutingLost(
-            f"a sample's routed experts are no longer in Ray's object store ({type(err).__name__}): the process that "
-            "produced them (a rollout engine, or a training rank for recorded routing) has died since; the step cannot "
-            "replay their routing. Resume from the last checkpoint, or run with trainer.data_plane=controller to keep "
-            "routing on the controller") from err
+            f"a sample's stored payload is no longer in Ray's object store ({type(err).__name__}): the process that "
+            "produced it (a rollout engine for routed experts; a training rank for recorded routing or a forward "
+            "pass's log-probs) has died since; the step cannot use it. Resume from the last checkpoint, or run with "
+            "trainer.data_plane=controller to keep these payloads on the controller") from err
     for i, a in zip(where, arrays):
-        out[i] = torch.from_numpy(np.array(a))   # object-store arrays are read-only: a private copy
+        out[i] = _tensor(a, items[i].dtype)
     return out
+
+
+def _tensor(array, dtype: str) -> torch.Tensor:
+    t = torch.from_numpy(np.array(array))   # object-store arrays are read-only: a private copy
+    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
+
+class Rows:
+    """A sample's part of a packed per-token tensor in the object store: rows ``start:stop`` of a
+    :class:`Stored` (one object per micro-batch of a forward pass, every sample of it a
+    :class:`Rows`; the update's micro-batches regroup the samples, see :class:`Column`)."""
+
+    __slots__ = ("stored", "start", "stop")
+
+    def __init__(self, stored: Stored, start: int, stop: int):
+        self.stored, self.start, self.stop = stored, int(start), int(stop)
+
+    def __reduce__(self):
+        return Rows, (self.stored, self.start, self.stop)
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __repr__(self) -> str:
+        return f"Rows({self.start}:{self.stop} of {self.stored!r})"
+
+
+class Column:
+    """One packed ``extras`` entry of a micro-batch that the rank assembles (:func:`fetch_columns`):
+    its samples' :class:`Rows`, concatenated, and with ``and_mask`` (a bool ``[R]``) ANDed in
+    (the loss mask of a corrected ``mask_T``)."""
+
+    __slots__ = ("rows", "and_mask")
+
+    def __init__(self, rows: list, and_mask: torch.Tensor | None = None):
+        self.rows, self.and_mask = list(rows), and_mask
+
+    def __reduce__(self):
+        return Column, (self.rows, self.and_mask)
+
+
+def put_rows(packed: torch.Tensor, sizes: list[int]) -> list[Rows]:
+    """``packed`` (``[sum(sizes)]``, any dtype) into the object store as one object, owned by the
+    calling process; one :class:`Rows` per part of ``sizes``."""
+    stored, out, start = Stored.put(packed), [], 0
+    for n in sizes:
+        out.append(Rows(stored, start, start + n))
+        start += n
+    return out
+
+
+def fetch_rows(rows: list) -> list[torch.Tensor]:
+    """Each :class:`Rows` as a tensor (one ``ray.get`` for the distinct objects; a tensor passes)."""
+    objects = {id(r.stored): r.stored for r in rows if isinstance(r, Rows)}
+    got = dict(zip(objects, fetch(list(objects.values()))))
+    return [got[id(r.stored)][r.start:r.stop] if isinstance(r, Rows) else r for r in rows]
+
+
+def fetch_columns(micro_batches: list) -> None:
+    """Resolve every :class:`Column` of the micro-batches' ``extras`` in place (one ``ray.get``)."""
+    columns = [(mb.extras, k) for mb in micro_batches for k, v in mb.extras.items() if isinstance(v, Column)]
+    if not columns:
+        return
+    got = iter(fetch_rows([r for extras, k in columns for r in extras[k].rows]))
+    for extras, k in columns:
+        col = extras[k]
+        t = torch.cat([next(got) for _ in col.rows])
+        extras[k] = t & col.and_mask if col.and_mask is not None else t
 
 
 def fetch_routing(micro_batches: list) -> None:
@@ -170,4 +247,5 @@ def stored_bytes(items: list) -> int:
     return sum(x.nbytes for x in items if isinstance(x, Stored))
 
 
-__all__ = ["Stored", "Pending", "Outbox", "claim", "RoutingLost", "put_all", "fetch", "fetch_routing", "stored_bytes"]
+__all__ = ["Stored", "Pending", "Outbox", "claim", "RoutingLost", "put_all", "fetch", "fetch_routing", "stored_bytes",
+           "Rows", "Column", "put_rows", "fetch_rows", "fetch_columns"]

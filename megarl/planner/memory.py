@@ -152,14 +152,22 @@ class DataPlane:
     chose, ``moe_layers x top-k`` int16 per prompt and response token: through Ray's object store
     from the engines to the ranks (``trainer.data_plane: object_store``), or through the
     controller too (``controller``). Out to the ranks also the loss mask and advantage per
-    response token (1 + 4 B). Each training rank receives its data-parallel share (every rank of
-    a model-parallel group the same share)."""
+    response token (1 + 4 B). The forward passes before the update (``passes``): an old-log-prob
+    pass gives log-probs and entropies (4 + 4 B a response token), the reference model log-probs
+    (4 B); the update reads the old and reference log-probs and the rollout correction's weights
+    (4 B each). With ``object_store`` they go from the ranks that computed them to the ranks of
+    the update, and the controller gets per-sample read-outs (:data:`READOUT_BYTES` a sample);
+    with ``controller`` they come to it and go out again. Each training rank receives its
+    data-parallel share (every rank of a model-parallel group the same share)."""
 
     controller_in: int
     controller_out: int
     routing: int
     """The routing replay's bytes per step (0 without it); in ``controller_in`` and
     ``controller_out`` only when they pass through the controller."""
+    passes: int
+    """The forward passes' bytes per step the update's ranks read (old and reference log-probs,
+    correction weights; 0 without the passes); through the controller only with ``controller``."""
     per_rank: int
     per_node: int
 
@@ -168,15 +176,29 @@ class DataPlane:
         return self.controller_in + self.controller_out
 
 
+READOUT_BYTES = 128
+"""What the controller gets of a forward pass per sample with ``trainer.data_plane: object_store``
+(megarl/trainer/readout.py: about a dozen float64 sums, maxima and counts, and a handle)."""
+
+
 def data_plane_bytes(*, samples: int, mean_prompt: float, mean_response: float, moe_layers: int, topk: int,
-                     routing: bool, dp: int, ranks_per_node: int, routing_via_store: bool = True) -> DataPlane:
+                     routing: bool, dp: int, ranks_per_node: int, routing_via_store: bool = True,
+                     old_pass: bool = False, reference: bool = False, correction: bool = False) -> DataPlane:
     """The step's :class:`DataPlane` (means per sample, sizes in bytes); ``routing_via_store``:
-    ``trainer.data_plane`` is ``object_store`` (the routing bypasses the controller)."""
+    ``trainer.data_plane`` is ``object_store`` (the routing and the forward passes' outputs
+    bypass the controller); ``old_pass`` (:func:`megarl.trainer.algorithm.needs_old_logprob_pass`),
+    ``reference`` (a reference model) and ``correction`` (a rollout correction's weights, with
+    the old pass): the forward passes before the update."""
     tokens = mean_prompt + mean_response
     route = samples * tokens * moe_layers * topk * 2 if routing else 0
     base_in = samples * (4 * tokens + (4 + 4) * mean_response)
     base_out = base_in + samples * (1 + 4) * mean_response
-    through = 0 if routing_via_store else route
-    per_rank = int(base_out + route) // max(1, dp)
-    return DataPlane(controller_in=int(base_in + through), controller_out=int(base_out + through), routing=int(route),
-                     per_rank=per_rank, per_node=per_rank * ranks_per_node)
+    pass_in = samples * mean_response * ((4 + 4) * old_pass + 4 * reference)
+    passes = samples * mean_response * (4 * old_pass + 4 * reference + 4 * (correction and old_pass))
+    if routing_via_store:
+        through_in, through_out = (samples * READOUT_BYTES if old_pass or reference else 0), 0
+    else:
+        through_in, through_out = route + pass_in, route + passes
+    per_rank = int(base_out + route + passes) // max(1, dp)
+    return DataPlane(controller_in=int(base_in + through_in), controller_out=int(base_out + through_out),
+                     routing=int(route), passes=int(passes), per_rank=per_rank, per_node=per_rank * ranks_per_node)

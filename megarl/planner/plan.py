@@ -122,6 +122,7 @@ def make_plan(cfg, recipe: str = "") -> Plan:
     from megarl.planner.hardware import get_gpu
     from megarl.planner.ranks import count_rank, stage_kinds
     from megarl.planner.roofline import StepInputs, estimate_step
+    from megarl.trainer.algorithm import needs_old_logprob_pass as old_logprob_pass
     from transformers import AutoConfig
 
     hf = read_hf_config(cfg.model.path)
@@ -227,7 +228,8 @@ def make_plan(cfg, recipe: str = "") -> Plan:
     moe_layers = sum(dims.is_moe_layer(i) for i in range(dims.num_layers))
     flow = dict(samples=samples, mean_prompt=mean_prompt, mean_response=mean_response, moe_layers=moe_layers,
                 topk=dims.num_experts_per_tok, dp=topology.dp, ranks_per_node=min(gpn, topology.world_size),
-                routing_via_store=t.data_plane == "object_store")
+                routing_via_store=t.data_plane == "object_store", old_pass=old_logprob_pass(cfg),
+                reference=cfg.algorithm.kl_coef > 0, correction=cfg.algorithm.rollout_correction != "none")
     replay = cfg.algorithm.router_replay == "r3" or r.return_routing
     plan.data_plane = mem.data_plane_bytes(routing=replay and moe_layers > 0, **flow)
     if moe_layers and not replay:
@@ -281,9 +283,14 @@ def _data_plane_lines(plan: Plan, cfg) -> list[str]:
     store = cfg.trainer.data_plane == "object_store"
     where = ("through Ray's object store, engines to ranks" if store
              else "through the controller, trainer.data_plane=controller")
-    lines = [f"  data plane per step: the controller receives {gb(d.controller_in)} from the engines and sends "
-             f"{gb(d.controller_out)} to the training ranks (ids, log-probs, versions, advantages, masks)"
+    lines = [f"  data plane per step: the controller receives {gb(d.controller_in)} from the engines"
+             + (" (and the forward passes' read-outs from the ranks)" if d.passes and store else
+                " and the ranks' forward passes" if d.passes else "")
+             + f" and sends {gb(d.controller_out)} to the training ranks (ids, log-probs, versions, advantages, masks)"
              + (f"; routing replay {gb(d.routing)} ({where})" if d.routing else "")
+             + (f"; old/reference log-probs and correction weights {gb(d.passes)} "
+                f"({'through the object store, rank to rank' if store else 'through the controller'})"
+                if d.passes else "")
              + f"; a training rank receives {gb(d.per_rank)}, a node {gb(d.per_node)}"]
     if plan.data_plane_replay is not None:
         e = plan.data_plane_replay

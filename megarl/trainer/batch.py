@@ -149,17 +149,26 @@ def split_tokens(values_T: torch.Tensor, cu_seqlens_N1: torch.Tensor) -> list[to
 
 def micro_batches_for(rollout: Rollout, plan, dp_rank: int, per_sample: dict[str, list[torch.Tensor]],
                       routing: list | None = None):
-    """The engine's ``SequenceBatch`` list of one DP rank; ``per_sample`` values are [R_i] tensors;
-    ``routing``: per sample ``[P + R, Lm, K]`` (``SequenceBatch.routing``), or None."""
-    from megarl.data.store import Stored
+    """The engine's ``SequenceBatch`` list of one DP rank; ``per_sample`` values are [R_i] tensors,
+    or a forward pass's outputs in the object store (:class:`megarl.data.store.Rows`: the micro-batch
+    carries a :class:`~megarl.data.store.Column` the rank assembles); ``routing``: per sample
+    ``[P + R, Lm, K]`` (``SequenceBatch.routing``), or None."""
+    from megarl.data.store import Column, Rows, Stored
     from megarl.engine import SequenceBatch
 
     out = []
     for indices in plan.micro_batches[dp_rank]:
         ids = [torch.tensor(rollout.prompt_ids[i] + rollout.response_ids[i], dtype=torch.long) for i in indices]
-        extras = {k: torch.cat([v[i] for i in indices]) for k, v in per_sample.items()}
         loss_mask = torch.cat([rollout.loss_mask_T(i) for i in indices])   # tool-result tokens: no loss
-        extras["mask_T"] = extras["mask_T"] & loss_mask if "mask_T" in extras else loss_mask
+        extras = {}
+        for k, v in per_sample.items():
+            if isinstance(v[indices[0]], Rows):
+                extras[k] = Column([v[i] for i in indices], loss_mask if k == "mask_T" else None)
+            else:
+                extras[k] = torch.cat([v[i] for i in indices])
+                if k == "mask_T":
+                    extras[k] = extras[k] & loss_mask
+        extras.setdefault("mask_T", loss_mask)
         # a Stored handle (trainer.data_plane=object_store) is fetched by the rank (megarl/data/store.py)
         mb_routing = [routing[i] if isinstance(routing[i], Stored) else torch.as_tensor(routing[i]) for i in indices] \
             if routing is not None else None

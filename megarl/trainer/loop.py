@@ -167,9 +167,15 @@ class ForwardPasses:
     plan: object
     """The step's micro-batch plan (:meth:`WorkerGroup.plan`)."""
     old_lp: Optional[list] = None
+    """Per sample: a tensor, or with ``trainer.data_plane: object_store`` where it is
+    (:class:`megarl.data.store.Rows`), as ``ref_lp``."""
     entropy: Optional[list] = None
     ref_lp: Optional[list] = None
     values: Optional[list] = None
+    old_kept: Optional[dict] = None
+    """With the object store: what the old pass's ranks computed from the tokens they keep
+    (per sample: ``readouts``, the rollout correction's ``is_weights_T`` and ``mask_T``, and a
+    routing comparison's sums ``routing``)."""
     routing_out: dict = field(default_factory=dict)
     """The routing the old log-prob pass recorded (MoE routing actions)."""
 
@@ -193,6 +199,8 @@ class StepRunner:
         self.adv_fn, self.adv_opts, _ = resolve(cfg.algorithm)
         self.old_pass = needs_old_logprob_pass(cfg)
         self.correct_in_forward = not self.old_pass and correction_in_forward(cfg.algorithm)
+        self.keep_on_ranks = cfg.trainer.data_plane == "object_store"
+        """The forward passes' per-token outputs stay on the ranks and in the object store (issue 36)."""
         self.window_start = time.monotonic()
         """Where the next step's timeline window starts (where the last one ended)."""
 
@@ -236,21 +244,49 @@ class StepRunner:
     def forward_passes(self, step: int, rollout: Rollout, timer, m: dict) -> ForwardPasses:
         """The old log-prob pass (when the step needs one), the reference pass and the critic's
         values, before the update."""
-        group, routing = self.group, self.routing
+        group = self.group
         if self.old_pass or group.has_reference or group.has_critic:
             self.phase(step, "logprobs", reward=m["reward/mean"])
         with timer("logprobs"):   # ~0 s (the plan only) when no pass runs: the phase is always reported
             out = ForwardPasses(plan=group.plan(rollout))
             if self.old_pass:
-                out.old_lp, out.entropy = group.logprobs(rollout, out.plan, reference=False,
-                                                         **routing.old_pass(rollout))
-                out.routing_out = group.routing_out
+                self.old_logprobs(step, rollout, out)
             if group.has_reference:
-                out.ref_lp = group.logprobs(rollout, out.plan, reference=True, **routing.reference_pass(rollout))[0]
+                self.reference_logprobs(rollout, out)
             if group.has_critic:
                 out.values = group.values(rollout, out.plan)
         m["actor/old_logprob_pass"] = int(self.old_pass)
         return out
+
+    def old_logprobs(self, step: int, rollout: Rollout, out: ForwardPasses) -> None:
+        """The policy's log-probs before the update, into ``out``. With the object store the
+        tokens stay on the ranks (``out.old_lp``: handles) and their read-outs come back
+        (``out.old_kept``); else the tokens and entropies come to the controller."""
+        from megarl.trainer.readout import forward_readout_inputs
+
+        if self.keep_on_ranks:
+            out.old_kept = self.group.logprobs(rollout, out.plan, reference=False, keep={"version": step - 1},
+                                               per_sample=forward_readout_inputs(rollout, step - 1, False),
+                                               **self.routing.old_pass(rollout))[0]
+            out.old_lp = out.old_kept.pop("old_logprobs_T")
+        else:
+            out.old_lp, out.entropy = self.group.logprobs(rollout, out.plan, reference=False,
+                                                          **self.routing.old_pass(rollout))
+        out.routing_out = self.group.routing_out
+
+    def reference_logprobs(self, rollout: Rollout, out: ForwardPasses) -> None:
+        """The reference model's log-probs, into ``out.ref_lp``. With the object store they stay on
+        the ranks, which add each sample's k1 sum (old - reference) to the old pass's read-outs."""
+        if not self.keep_on_ranks:
+            out.ref_lp = self.group.logprobs(rollout, out.plan, reference=True,
+                                             **self.routing.reference_pass(rollout))[0]
+            return
+        ref = self.group.logprobs(rollout, out.plan, reference=True, keep={"kl": self.old_pass},
+                                  per_sample={"old_logprobs_T": out.old_lp} if self.old_pass else None,
+                                  **self.routing.reference_pass(rollout))[0]
+        out.ref_lp = ref["ref_logprobs_T"]
+        for readout, kl in zip(out.old_kept["readouts"] if self.old_pass else (), ref.get("kl", ())):
+            readout["kl"] = kl
 
     def read_logprobs(self, step: int, rollout: Rollout, readouts: list[dict], m: dict) -> None:
         """What the policy's log-probs before the update feed, from the step's per-sample
@@ -278,10 +314,19 @@ class StepRunner:
         get vLLM's log-probs (float64, NaN where none), the tokens' versions when some are older
         than the policy trained, and with token-level tis the tokens it weighs (``mask_T``)."""
         from megarl.algorithms.offpolicy import correct_rollout
+        from megarl.data.store import fetch_rows
         from megarl.trainer.readout import controller_readouts, forward_readout_inputs
 
         cfg, per_sample, kl_rewards = self.cfg, {}, None
-        if self.old_pass:
+        if self.old_pass and passes.old_kept is not None:   # computed on the ranks, the tokens in the object store
+            lp, ref_lp = passes.old_lp, passes.ref_lp
+            if ref_lp is not None and cfg.algorithm.kl_mode == "reward":   # per-token rewards: fetched here
+                kl_rewards = [-self.kl_ctl.value * (a - b) for a, b in zip(fetch_rows(lp), fetch_rows(ref_lp))]
+            self.read_logprobs(step, rollout, passes.old_kept["readouts"], m)   # with the rollout_corr/* sums
+            m.update(self.routing.metrics_from_sums(passes.routing_out, passes.old_kept.get("routing", [])))
+            per_sample.update(old_logprobs_T=lp, **{k: passes.old_kept[k] for k in ("is_weights_T", "mask_T")
+                                                    if k in passes.old_kept})
+        elif self.old_pass:
             lp, ref_lp = passes.old_lp, passes.ref_lp
             if ref_lp is not None and cfg.algorithm.kl_mode == "reward":   # -beta * k1 as a per-token reward
                 kl_rewards = [-self.kl_ctl.value * (a - b) for a, b in zip(lp, ref_lp)]

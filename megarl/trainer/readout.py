@@ -15,9 +15,14 @@ Where it is computed follows where the tokens are:
   version than the one trained, ``ref_logprobs_T`` with a reference model), and only those return
   to the controller: a few numbers a sample, where the per-token log-probs and entropies were
   8 bytes a token (issue 36: the controller handles metadata, not tensors);
-- with the pass, the controller holds the tokens anyway (the update's ``old_logprobs_T``, the
-  corrections' weights and the KL rewards are computed there) and computes the same read-outs
-  from them with the same function.
+- with the pass and ``trainer.data_plane: object_store``, its DP leaders do the same on the
+  pass's log-probs (:func:`old_pass_outputs`: read-outs, and the rollout correction's weights and
+  kept tokens, per sequence) and put the tokens into Ray's object store; the reference pass adds
+  each sample's k1 sum (:func:`reference_pass_outputs`). The controller holds handles, which the
+  update's ranks fetch; only a KL reward fetches tokens to it (a routing comparison's misses
+  become per-sample sums there too: :func:`megarl.trainer.routing.routing_sums`);
+- with ``trainer.data_plane: controller`` the pass's tokens come to the controller, which
+  computes the same read-outs with the same function (:func:`controller_readouts`).
 
 Sums are float64 whatever the log-probs' dtype; a mean is the step's sum over its count.
 """
@@ -34,7 +39,8 @@ from megarl.trainer.modes import version_runs
 def sample_readout(lp_R: torch.Tensor, rollout_R: torch.Tensor, *, loss_mask_R: torch.Tensor | None = None,
                    versions_R: torch.Tensor | None = None, version: int | None = None,
                    entropy_R: torch.Tensor | None = None, ref_R: torch.Tensor | None = None,
-                   mismatch: bool = False, weights_R: torch.Tensor | None = None) -> dict:
+                   mismatch: bool = False, weights_R: torch.Tensor | None = None,
+                   keep_R: torch.Tensor | None = None) -> dict:
     """One sample's read-out. ``lp_R``: the trainer's log-probs of its response tokens;
     ``rollout_R``: vLLM's (float64, NaN where none: tokens the agent loop inserted);
     ``loss_mask_R``: the tokens that carry loss (default all); ``versions_R``: each token's policy
@@ -42,7 +48,8 @@ def sample_readout(lp_R: torch.Tensor, rollout_R: torch.Tensor, *, loss_mask_R: 
     ``versions_R`` every token is of it); ``entropy_R``, ``ref_R``: the policy's entropy and the
     reference model's log-probs, when there are; ``mismatch``: also the sums of
     :func:`megarl.algorithms.offpolicy.mismatch_sums` over the tokens with a vLLM log-prob
-    (``weights_R``: token-level tis's weights, which keep them all).
+    (``weights_R``: the rollout correction's weights; ``keep_R``: the tokens it keeps, default all
+    of them when there are weights: token-level tis).
 
     Keys: ``tokens``; ``alarm``: [sum, count, max] of |vLLM - trainer| over the tokens with a
     vLLM log-prob of the trained version; ``sampled`` (loss-carrying tokens with a vLLM log-prob),
@@ -70,26 +77,79 @@ def sample_readout(lp_R: torch.Tensor, rollout_R: torch.Tensor, *, loss_mask_R: 
     if ref_R is not None:
         out["kl"] = float((lp_R.detach() - ref_R.to(lp_R.dtype)).double().sum())   # k1, in the log-probs' dtype
     if mismatch:
-        out["mismatch"] = mismatch_sums(lp, torch.where(has, rollout, lp), has,
-                                        has if weights_R is not None else None, weights_R)
+        keep = keep_R if keep_R is not None else has if weights_R is not None else None
+        out["mismatch"] = mismatch_sums(lp, torch.where(has, rollout, lp), has, keep, weights_R)
     return out
 
 
 def micro_batch_readouts(lp_R: torch.Tensor, entropy_R: torch.Tensor | None, batch, version: int | None,
-                         weights_R: torch.Tensor | None = None) -> list[dict]:
+                         weights_R: torch.Tensor | None = None, keep_R: torch.Tensor | None = None) -> list[dict]:
     """The read-outs of a training micro-batch's samples (the update's own forward: ``lp_R``,
     ``entropy_R`` packed in ``batch.cu_seqlens_N1``'s layout) from its extras
     (:func:`megarl.trainer.batch.micro_batches_for`): ``rollout_logprobs_T``, ``mask_T`` (the loss
     mask, with tis also the tokens with a vLLM log-prob), ``versions_T`` and ``ref_logprobs_T``
-    when present; ``weights_R``: in-forward tis's weights."""
+    when present; ``weights_R``: the rollout correction's weights (in-forward tis's, or an old
+    pass's), ``keep_R`` the tokens it keeps."""
     ex, cu = batch.extras, batch.cu_seqlens_N1
     sizes = (cu[1:] - cu[:-1]).tolist()
     split = lambda t: torch.split(t.cpu(), sizes) if t is not None else [None] * len(sizes)   # noqa: E731
     columns = zip(split(lp_R), split(ex["rollout_logprobs_T"]), split(ex["mask_T"]), split(ex.get("versions_T")),
-                  split(entropy_R), split(ex.get("ref_logprobs_T")), split(weights_R))
+                  split(entropy_R), split(ex.get("ref_logprobs_T")), split(weights_R), split(keep_R))
     return [sample_readout(lp, rollout, loss_mask_R=mask, versions_R=versions, version=version, entropy_R=entropy,
-                           ref_R=ref, mismatch=True, weights_R=weights)
-            for lp, rollout, mask, versions, entropy, ref, weights in columns]
+                           ref_R=ref, mismatch=True, weights_R=weights, keep_R=keep)
+            for lp, rollout, mask, versions, entropy, ref, weights, keep in columns]
+
+
+def old_pass_outputs(lp_R: torch.Tensor, entropy_R: torch.Tensor | None, batch, version: int | None,
+                     cfg_algorithm, miss_R: torch.Tensor | None = None) -> dict:
+    """What a DP leader gives of an old-log-prob pass's micro-batch with ``trainer.data_plane:
+    object_store``: the log-probs into the object store (``old_logprobs_T``: one object, a
+    :class:`~megarl.data.store.Rows` per sample) and, per sample, the read-outs (the alarm, the
+    sample log, ``actor/entropy``, and the mismatch sums of ``rollout_corr/*``). With a
+    ``rollout_correction`` its weights and kept tokens are computed here, per sequence as on the
+    controller (:func:`megarl.algorithms.offpolicy.correction_tensors`), and stored too
+    (``is_weights_T`` in the log-probs' dtype, ``mask_T``). The micro-batch's extras: vLLM's
+    ``rollout_logprobs_T``, the loss mask ``mask_T``, ``versions_T`` when some token is of another
+    version than ``version``. ``miss_R``: the MoE layers per token whose routing differed from
+    vLLM's (a routing comparison): each sample's ``routing`` sums
+    (:func:`megarl.trainer.routing.routing_sums`) instead of the tokens."""
+    from megarl.algorithms.offpolicy import correction_tensors
+    from megarl.data.store import put_rows
+    from megarl.trainer.routing import routing_sums
+
+    cu = batch.cu_seqlens_N1
+    sizes = (cu[1:] - cu[:-1]).tolist()
+    lp = lp_R.detach().cpu()
+    *_, weights_T, keep_T = correction_tensors(lp, batch.extras["rollout_logprobs_T"], cu, cfg_algorithm)
+    out = {"old_logprobs_T": put_rows(lp, sizes),
+           "readouts": micro_batch_readouts(lp, entropy_R, batch, version, weights_T, keep_T)}
+    if weights_T is not None:
+        out.update(is_weights_T=put_rows(weights_T.to(lp.dtype), sizes), mask_T=put_rows(keep_T, sizes))
+    if miss_R is not None:
+        ex = batch.extras
+        versions = torch.split(ex["versions_T"], sizes) if "versions_T" in ex else [None] * len(sizes)
+        out["routing"] = [routing_sums(vllm, x, miss.cpu(), v, version) for vllm, x, miss, v in
+                          zip(torch.split(ex["rollout_logprobs_T"], sizes), torch.split(lp, sizes),
+                              torch.split(miss_R, sizes), versions)]
+    return out
+
+
+def reference_pass_outputs(ref_R: torch.Tensor, batch, with_kl: bool) -> dict:
+    """What a DP leader gives of a reference pass's micro-batch with ``trainer.data_plane:
+    object_store``: the log-probs into the object store (``ref_logprobs_T``) and, after an old pass
+    (``with_kl``: its log-probs in the extras' ``old_logprobs_T``), each sample's k1 sum ``kl``
+    of :func:`sample_readout`."""
+    from megarl.data.store import put_rows
+
+    cu = batch.cu_seqlens_N1
+    sizes = (cu[1:] - cu[:-1]).tolist()
+    ref = ref_R.detach().cpu()
+    out = {"ref_logprobs_T": put_rows(ref, sizes)}
+    if with_kl:
+        old = batch.extras["old_logprobs_T"]
+        out["kl"] = [float((lp - r.to(lp.dtype)).double().sum())
+                     for lp, r in zip(torch.split(old, sizes), torch.split(ref, sizes))]
+    return out
 
 
 def controller_readouts(rollout, lp: list, entropy: list | None, ref_lp: list | None,
@@ -139,4 +199,5 @@ def readout_metrics(readouts: list[dict]) -> dict:
     return out
 
 
-__all__ = ["sample_readout", "micro_batch_readouts", "controller_readouts", "forward_readout_inputs", "readout_metrics"]
+__all__ = ["sample_readout", "micro_batch_readouts", "controller_readouts", "forward_readout_inputs", "readout_metrics",
+           "old_pass_outputs", "reference_pass_outputs"]

@@ -41,6 +41,24 @@ import torch
 from megarl.trainer.batch import Rollout
 
 
+def routing_sums(vllm_R: torch.Tensor, lp_R: torch.Tensor, miss_R: torch.Tensor,
+                 versions_R: torch.Tensor | None = None, version: int | None = None) -> dict:
+    """One sample's part of the routing/* metrics: ``tokens`` and ``disagree`` (response tokens,
+    and those with at least one MoE layer routed differently: ``miss_R`` > 0), and [sum, count] of
+    |vLLM - trainer| over the agreeing (``agree``) and disagreeing (``disagree_diff``) tokens, of
+    the trained ``version`` only when ``versions_R`` is given (NaN where vLLM has no log-prob
+    propagates, as a mean over them would)."""
+    diff = (vllm_R.double() - lp_R.detach().double()).abs()
+    bad = miss_R > 0
+    out = {"tokens": bad.numel(), "disagree": int(bad.sum())}
+    if version is not None and versions_R is not None:
+        keep = versions_R == version
+        diff, bad = diff[keep], bad[keep]
+    out["agree"] = [float(diff[~bad].sum()), int((~bad).sum())]
+    out["disagree_diff"] = [float(diff[bad].sum()), int(bad.sum())]
+    return out
+
+
 class StepRouting:
     """The routing of one run's steps (see the module docstring)."""
 
@@ -79,27 +97,31 @@ class StepRouting:
         return None
 
     def metrics(self, rollout: Rollout, train_lp: list, routing_out: dict, version: int | None) -> dict:
-        """routing/* of the old log-prob pass (empty without vLLM routing to compare)."""
-        report, misses = routing_out.get("report") or {}, routing_out.get("misses")
-        if misses is None or "routing_agree" not in report:
+        """routing/* of the old log-prob pass (empty without vLLM routing to compare), from the
+        per-token log-probs and ``routing_out["misses"]`` on the controller
+        (``trainer.data_plane: controller``)."""
+        misses = routing_out.get("misses")
+        if misses is None:
+            return {}
+        versions = rollout.token_versions if version is not None and rollout.token_versions else None
+        return self.metrics_from_sums(routing_out, [
+            routing_sums(torch.tensor(vllm_lp, dtype=torch.float64), lp, miss,
+                         torch.tensor(versions[i], dtype=torch.long) if versions else None, version)
+            for i, (vllm_lp, lp, miss) in enumerate(zip(rollout.sample_logprobs, train_lp, misses))])
+
+    @staticmethod
+    def metrics_from_sums(routing_out: dict, sums: list[dict]) -> dict:
+        """routing/* from the pass's report and per-sample :func:`routing_sums` (the ranks' with
+        ``trainer.data_plane: object_store``, in sample order: the same numbers either way)."""
+        report = routing_out.get("report") or {}
+        if "routing_agree" not in report:
             return {}
         out = {"routing/agree": report["routing_agree"]}
         out.update({f"routing/agree_layer{i}": a for i, a in enumerate(report["routing_agree_per_layer"])})
-        agree_diff, disagree_diff, n_tokens, n_disagree = [], [], 0, 0
-        for i, (vllm_lp, lp, miss) in enumerate(zip(rollout.sample_logprobs, train_lp, misses)):
-            diff = (torch.tensor(vllm_lp, dtype=torch.float64) - lp.double()).abs()
-            bad = miss > 0
-            n_tokens += bad.numel()
-            n_disagree += int(bad.sum())
-            if version is not None and rollout.token_versions:
-                keep = torch.tensor(rollout.token_versions[i], dtype=torch.long) == version
-                diff, bad = diff[keep], bad[keep]
-            agree_diff.append(diff[~bad])
-            disagree_diff.append(diff[bad])
-        mean = lambda xs: float(torch.cat(xs).mean()) if sum(x.numel() for x in xs) else math.nan   # noqa: E731
-        out.update({"routing/disagree_tokens": n_disagree / max(n_tokens, 1),
-                    "routing/logprob_diff_agree_mean": mean(agree_diff),
-                    "routing/logprob_diff_disagree_mean": mean(disagree_diff)})
+        mean = lambda k: (sum(s[k][0] for s in sums) / n if (n := sum(s[k][1] for s in sums)) else math.nan)  # noqa: E731
+        out.update({"routing/disagree_tokens": sum(s["disagree"] for s in sums) / max(sum(s["tokens"] for s in sums), 1),
+                    "routing/logprob_diff_agree_mean": mean("agree"),
+                    "routing/logprob_diff_disagree_mean": mean("disagree_diff")})
         return out
 
     def write(self, step: int, tokens_per_expert, routing_out: dict) -> None:

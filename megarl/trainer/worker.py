@@ -180,21 +180,36 @@ class HybridWorker:
 
     # ------------------------------------------------------------------ training (collective)
     def logprobs(self, micro_batches, reference: bool = False, with_entropy: bool = False,
-                 routing: str | None = None, record_routing: bool = False):
+                 routing: str | None = None, record_routing: bool = False, keep: dict | None = None):
         """DP leaders: ``([(log-probs, entropy, routing misses, recorded routing)] per micro-batch,
-        the routing report)`` (:meth:`megarl.engine.policy.PolicyEngine.forward_logprobs`); else None."""
-        from megarl.data.store import fetch_routing, put_all
+        the routing report)`` (:meth:`megarl.engine.policy.PolicyEngine.forward_logprobs`); else None.
+
+        ``keep`` (``trainer.data_plane: object_store``): the per-token outputs stay off the
+        controller. In place of the log-probs and entropy, a dict per micro-batch: the old pass's
+        (``keep["version"]``: the policy version it reads the alarm of)
+        :func:`megarl.trainer.readout.old_pass_outputs`, the reference pass's
+        (``keep["kl"]``: the micro-batches carry the old pass's log-probs)
+        :func:`megarl.trainer.readout.reference_pass_outputs`."""
+        from megarl.data.store import fetch_columns, fetch_routing, put_all
+        from megarl.trainer.readout import old_pass_outputs, reference_pass_outputs
 
         engine = self.ref if reference else self.policy
         fetch_routing(micro_batches)   # trainer.data_plane=object_store: this rank's samples' routing
+        fetch_columns(micro_batches)   # and the outputs of an earlier pass it reads
         outs = engine.forward_logprobs(micro_batches, with_entropy=with_entropy, routing=routing,
                                        record_routing=record_routing)
         if not self.info()["dp_leader"]:
             return None
         # recorded routing stays in the object store (owned here) unless the data plane is the controller
-        keep = (lambda x: x) if self.cfg.trainer.data_plane == "controller" else (
+        stay = (lambda x: x) if self.cfg.trainer.data_plane == "controller" else (
             lambda x: put_all(x) if x is not None else None)
-        return [(o.logprobs_R, o.entropy_R, o.routing_miss_R, keep(o.routing)) for o in outs], engine.routing_report
+        if keep is None:
+            return [(o.logprobs_R, o.entropy_R, o.routing_miss_R, stay(o.routing)) for o in outs], engine.routing_report
+        kept = [reference_pass_outputs(o.logprobs_R, b, keep["kl"]) if reference
+                else old_pass_outputs(o.logprobs_R, o.entropy_R, b, keep["version"], self.cfg.algorithm,
+                                      o.routing_miss_R)
+                for o, b in zip(outs, micro_batches)]   # the routing misses: in the old pass's sums
+        return [(k, None, None, stay(o.routing)) for k, o in zip(kept, outs)], engine.routing_report
 
     def reward_scores(self, micro_batches):
         """The reward model's score of each sequence, per micro-batch ``[N]`` (DP leaders; else
@@ -243,11 +258,12 @@ class HybridWorker:
         entropy in ``outputs``: per micro-batch, its samples' read-outs
         (:func:`megarl.trainer.readout.micro_batch_readouts`; ``version``: the policy version
         being trained, the alarm's), not the tokens."""
-        from megarl.data.store import fetch_routing
+        from megarl.data.store import fetch_columns, fetch_routing
         from megarl.trainer.algorithm import correction_in_forward, forward_tis_weights, make_loss_fn
         from megarl.trainer.readout import micro_batch_readouts
 
         fetch_routing(micro_batches)   # the routing replayed in the MoE layers, from the object store
+        fetch_columns(micro_batches)   # and the forward passes' outputs (old / reference log-probs, weights)
         loss_fn = make_loss_fn(self.cfg.algorithm, self.cfg.rollout.max_response_tokens, kl_coef,
                                own_old_logprobs=own_old_logprobs)
         self.num_train_calls += 1

@@ -250,32 +250,43 @@ class WorkerGroup:
     def _per_rank(self, rollout, plan, per_sample, routing=None) -> list:
         return [micro_batches_for(rollout, plan, i["dp_rank"], per_sample, routing) for i in self.info]
 
-    def _forward(self, method: str, rollout: Rollout, plan, *args, routing=None) -> dict:
-        """A forward-only worker method on every rank's micro-batches: the DP leaders' outputs
-        (one per micro-batch) by DP rank."""
-        outs = self._fan_out(method, [(b, *args) for b in self._per_rank(rollout, plan, {}, routing)])
+    def _forward(self, method: str, rollout: Rollout, plan, *args, routing=None, per_sample=None) -> dict:
+        """A forward-only worker method on every rank's micro-batches (``per_sample``: their
+        extras): the DP leaders' outputs (one per micro-batch) by DP rank."""
+        outs = self._fan_out(method, [(b, *args) for b in self._per_rank(rollout, plan, per_sample or {}, routing)])
         return {i["dp_rank"]: o for i, o in zip(self.info, outs) if o is not None}
 
     def logprobs(self, rollout: Rollout, plan, reference: bool, routing: list | None = None,
-                 routing_action: str | None = None, record_routing: bool = False):
+                 routing_action: str | None = None, record_routing: bool = False, per_sample: dict | None = None,
+                 keep: dict | None = None):
         """Per sample, the response tokens' log-probs and (policy) entropy. MoE routing
         (:mod:`megarl.engine.replay`): ``routing`` per sample ``[P + R, Lm, K]`` is compared with
         (``routing_action`` ``compare``) or replayed in (``replay``) the model's own;
         ``record_routing`` returns the model's own. What comes back of it is in
         :attr:`routing_out`: ``misses`` (per sample ``[R]``: MoE layers whose own routing differed),
-        ``recorded`` (per sample ``[P + R, Lm, K]``) and ``report`` (agreement)."""
+        ``recorded`` (per sample ``[P + R, Lm, K]``) and ``report`` (agreement).
+
+        ``keep`` (``trainer.data_plane: object_store``, :meth:`megarl.trainer.worker.HybridWorker.logprobs`):
+        the tokens stay in the object store and the first item returned is a dict of per-sample
+        lists instead (``old_logprobs_T`` / ``ref_logprobs_T``, ``is_weights_T`` and ``mask_T``
+        as :class:`megarl.data.store.Rows`; ``readouts``, ``kl``, and ``routing``: the routing
+        comparison's per-sample sums, in place of ``routing_out["misses"]``), the second None;
+        ``per_sample`` are the micro-batches' extras the ranks read (vLLM's log-probs, versions,
+        the old pass's log-probs)."""
         with_entropy = not reference
         by_rank = self._forward("logprobs", rollout, plan, reference, with_entropy, routing_action, record_routing,
-                                routing=routing if routing_action else None)
+                                keep, routing=routing if routing_action else None, per_sample=per_sample)
         report = next(iter(by_rank.values()))[1]
         outs = {r: o for r, (o, _) in by_rank.items()}
         column = lambda k: scatter_back(rollout, plan, {r: [x[k] for x in o] for r, o in outs.items()})  # noqa: E731
-        logprobs = column(0)
-        entropy = column(1) if with_entropy else None
-        self.routing_out = {"misses": column(2) if routing_action else None, "report": report,
+        self.routing_out = {"misses": column(2) if routing_action and keep is None else None, "report": report,
                             "recorded": scatter_sequences(rollout, plan, {r: [x[3] for x in o] for r, o in outs.items()})
                             if record_routing else None}
-        return logprobs, entropy
+        if keep is not None:
+            names = next(iter(outs.values()))[0][0].keys()
+            return {k: scatter_sequences(rollout, plan, {r: [x[0][k] for x in o] for r, o in outs.items()})
+                    for k in names}, None
+        return column(0), column(1) if with_entropy else None
 
     def values(self, rollout: Rollout, plan) -> list[torch.Tensor]:
         """The critic's value of every response token, per sample."""

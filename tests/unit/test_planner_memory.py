@@ -198,3 +198,24 @@ def test_data_plane_bytes_by_hand():
     plain = mem.data_plane_bytes(samples=512, mean_prompt=128, mean_response=700, moe_layers=58, topk=8,
                                  routing=False, dp=16, ranks_per_node=8)
     assert plain.routing == 0 and plain.controller_in == d.controller_in
+
+
+def test_data_plane_bytes_of_the_forward_passes():
+    """An old-log-prob pass, a reference model and a rollout correction (issue 36): with the
+    object store their per-token outputs go rank to rank and the controller gets per-sample
+    read-outs; with the controller plane they come in (log-probs + entropies, reference
+    log-probs: 12 B a response token) and go out (old, reference, weights: 12 B)."""
+    kw = dict(samples=512, mean_prompt=128, mean_response=700, moe_layers=58, topk=8, routing=False, dp=16,
+              ranks_per_node=8, old_pass=True, reference=True, correction=True)
+    plain = mem.data_plane_bytes(**{**kw, "old_pass": False, "reference": False, "correction": False})
+    store = mem.data_plane_bytes(**kw)
+    inline = mem.data_plane_bytes(**kw, routing_via_store=False)
+    assert plain.passes == 0 and store.passes == inline.passes == 512 * 700 * 12
+    assert store.controller_in == plain.controller_in + 512 * mem.READOUT_BYTES
+    assert store.controller_out == plain.controller_out
+    assert inline.controller_in == plain.controller_in + 512 * 700 * 12
+    assert inline.controller_out == plain.controller_out + 512 * 700 * 12
+    assert store.per_rank == inline.per_rank == (plain.controller_out + store.passes) // 16
+    # the reference pass alone (one update a step): its log-probs, 4 B a token
+    ref = mem.data_plane_bytes(**{**kw, "old_pass": False, "correction": True}, routing_via_store=False)
+    assert ref.passes == 512 * 700 * 4 and ref.controller_in == plain.controller_in + 512 * 700 * 4

@@ -1,0 +1,37 @@
+"""One recipe twice on ONE set of workers and engines, once per ``trainer.data_plane``, from the
+same weights (tests/e2e/test_dataplane_e2e.py runs it as a subprocess).
+
+``python plane_parity.py RECIPE OUT_DIR``: builds one WorkerGroup, saves its starting weights and
+optimizer state (a raw worker checkpoint in ``OUT_DIR/start``), runs
+``megarl.trainer.loop.train`` with ``trainer.data_plane=object_store`` in ``OUT_DIR/object_store``,
+loads the start back (the engines get its weights), then runs it with ``controller`` in
+``OUT_DIR/controller``; prints ``done PLANE`` after each and exits 0 when both ran.
+"""
+import sys
+from pathlib import Path
+
+from megarl.config import load_config
+from megarl.trainer.loop import train
+from megarl.trainer.workers import WorkerGroup
+
+PLANES = ("object_store", "controller")
+
+
+def main(recipe: str, out: str) -> None:
+    configs = [load_config(recipe, [f"trainer.data_plane={plane}", f"trainer.run_dir={Path(out) / plane}"])
+               for plane in PLANES]
+    (Path(out) / "logs").mkdir(parents=True, exist_ok=True)
+    start = Path(out) / "start"
+    with WorkerGroup(configs[0], Path(out) / "logs") as group:
+        start.mkdir()
+        group._all("save_checkpoint", str(start))   # both runs start from these weights and this optimizer state
+        for plane, cfg in zip(PLANES, configs):
+            if plane != PLANES[0]:
+                group.load_checkpoint(start)
+                group.reuse_for(cfg)
+            train(cfg, group=group)
+            print(f"done {plane}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

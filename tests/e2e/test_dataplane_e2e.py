@@ -1,0 +1,61 @@
+"""Issue 36: the forward passes' per-token outputs stay on the training ranks and in Ray's object
+store (``trainer.data_plane: object_store``) and the run is the same as with every tensor through
+the controller (``controller``, the previous design).
+
+One launch (tests/e2e/plane_parity.py): one WorkerGroup of 2 training ranks (DP 2) and 2 vLLM
+engines (rollout.dp 2), the tied tiny llama, 2 steps of GRPO with everything that reads the old
+log-prob pass: 2 mini-batches (so the pass runs), a reference model with KL as a per-token reward
+(its log-probs stay on the ranks too; the k1 ``actor/kl`` read-out sums old - ref there; the
+per-token rewards are the one consumer that fetches both passes' log-probs to the controller), and
+IcePop's rollout correction (weights and kept tokens computed on the ranks, per sequence as the
+controller did).
+Run once per data plane from the same weights and optimizer state.
+
+Checked: every metric of both steps is equal, the weights' checksums exactly; the mismatch
+metrics ``rollout_corr/*`` are now sums per sample added up on the controller instead of one sum
+over the step (float64, other order): equal to 1e-12 relative.
+"""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from e2e_common import HERE, metrics, ray_tmpdir, recipe, write_recipe
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+ALGORITHM = """  name: grpo
+  mini_batches: 2
+  kl_coef: 0.01
+  kl_mode: reward
+  rollout_correction: icepop
+  correction_low: 0.5
+  correction_high: 2.0"""
+# what does not depend on timing (wall seconds, engine business) or on the number of syncs
+SAME = ("step", "actor/", "reward/", "response_length/", "offpolicy/", "rollout/logprob_diff", "rollout/num_samples",
+        "rollout/distinct_frac", "sync/verified_params", "sync/bytes")
+
+
+def test_forward_outputs_through_the_object_store_change_no_number(tmp_path):
+    text = recipe(ALGORITHM, steps=2, rollout_extra="  dp: 2", trainer_extra="  min_lr: 2.0e-3")
+    text = "topology:\n  world_size: 2\n" + text
+    recipe_file = write_recipe(tmp_path, "parity", text)
+    env = dict(os.environ, PYTHONPATH=f"{HERE}:{os.environ.get('PYTHONPATH', '')}", RAY_TMPDIR=ray_tmpdir())
+    proc = subprocess.run([sys.executable, str(HERE / "plane_parity.py"), str(recipe_file), str(tmp_path / "runs")],
+                          env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    runs = tmp_path / "runs"
+    new, old = metrics(runs / "object_store"), metrics(runs / "controller")
+    assert [r["step"] for r in new] == [r["step"] for r in old] == [1, 2]
+    for a, b in zip(new, old):
+        assert a["actor/old_logprob_pass"] == 1 and a["actor/optimizer_steps"] == 2
+        assert a["actor/kl"] != 0 and "rollout_corr/weight_mean" in a, sorted(a)
+        exact = {k: a[k] for k in a if k.startswith(SAME)}
+        assert len(exact) > 30 and exact == {k: b.get(k) for k in exact}, \
+            {k: (a[k], b.get(k)) for k in exact if a[k] != b.get(k)}
+        close = [k for k in a if k.startswith("rollout_corr/")]
+        assert len(close) == 6 and all(math.isclose(a[k], b[k], rel_tol=1e-12, abs_tol=1e-15) for k in close), \
+            {k: (a[k], b[k]) for k in close}
+    # the sample log (per-sample gaps from the ranks' read-outs) and the samples themselves
+    for name in ("samples.jsonl", "generations.jsonl"):
+        assert (runs / "object_store" / name).read_text() == (runs / "controller" / name).read_text(), name
