@@ -23,7 +23,7 @@ How each is measured (from the run's own ``metrics.jsonl``; no extra timing in t
   attention) over step seconds x GPUs x the GPU's bf16 dense peak
   (:data:`megarl.planner.hardware.GPUS`): generation is one forward per token (prefill and
   decode), log-probs one forward per pass that ran (the old-log-prob pass only when
-  :func:`megarl.trainer.algorithm.needs_old_logprob_pass`; the reference pass when
+  :func:`megarl.config.passes.needs_old_logprob_pass`; the reference pass when
   ``algorithm.kl_coef`` > 0), training 3 forwards x ``algorithm.ppo_epochs``.
   Sequence lengths are taken as the step's mean (the metrics hold no per-sample lengths), which
   understates the attention term slightly. ``mfu_train`` is the train phase alone (verl's
@@ -97,7 +97,7 @@ def step_flops(dims, cfg, samples: float, mean_len: float) -> tuple[float, float
     length = max(1, round(mean_len))
     fwd = samples * length * flops_per_token(dims, length, training=False)
     train = samples * length * flops_per_token(dims, length, training=True) * cfg.algorithm.ppo_epochs
-    from megarl.trainer.algorithm import needs_old_logprob_pass
+    from megarl.config.passes import needs_old_logprob_pass
 
     logprob_passes = int(needs_old_logprob_pass(cfg)) + (cfg.algorithm.kl_coef > 0)
     return fwd * (1 + logprob_passes) + train, train

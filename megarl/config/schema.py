@@ -342,7 +342,7 @@ class AlgorithmConfig:
     null: tis (token level) when model.dtype is (or auto chooses) bfloat16, whose vLLM and Megatron
     kernels disagree by more than fp32's (docs/precision.md), none in float32. Token-level tis
     with one update per step costs no extra forward pass: the update's forward computes its
-    weights (megarl.trainer.algorithm.correction_in_forward). megarl/algorithms/offpolicy.py."""
+    weights (megarl.config.passes.correction_in_forward). megarl/algorithms/offpolicy.py."""
     correction_level: Literal["token", "sequence"] = "token"
     """tis and mask: the ratio of each token, or of each whole sequence (the product of its token
     ratios); icepop is token-level."""

@@ -58,7 +58,8 @@ class SequenceBatch:
     """
 
     input_ids: list
-    """Per sequence, a 1-D int64 tensor of prompt + response token ids."""
+    """Per sequence, a 1-D integer tensor of prompt + response token ids (int64, or int32 from the
+    RL controller: half the bytes on the way to the ranks; packing makes them int64)."""
     prompt_lengths: list
     """Per sequence, the number of prompt tokens (>= 1); the rest is the response."""
     extras: dict = field(default_factory=dict)

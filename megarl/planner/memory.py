@@ -186,7 +186,7 @@ def data_plane_bytes(*, samples: int, mean_prompt: float, mean_response: float, 
                      old_pass: bool = False, reference: bool = False, correction: bool = False) -> DataPlane:
     """The step's :class:`DataPlane` (means per sample, sizes in bytes); ``routing_via_store``:
     ``trainer.data_plane`` is ``object_store`` (the routing and the forward passes' outputs
-    bypass the controller); ``old_pass`` (:func:`megarl.trainer.algorithm.needs_old_logprob_pass`),
+    bypass the controller); ``old_pass`` (:func:`megarl.config.passes.needs_old_logprob_pass`),
     ``reference`` (a reference model) and ``correction`` (a rollout correction's weights, with
     the old pass): the forward passes before the update."""
     tokens = mean_prompt + mean_response

@@ -122,7 +122,7 @@ def make_plan(cfg, recipe: str = "") -> Plan:
     from megarl.planner.hardware import get_gpu
     from megarl.planner.ranks import count_rank, stage_kinds
     from megarl.planner.roofline import StepInputs, estimate_step
-    from megarl.trainer.algorithm import needs_old_logprob_pass as old_logprob_pass
+    from megarl.config.passes import needs_old_logprob_pass as old_logprob_pass
     from transformers import AutoConfig
 
     hf = read_hf_config(cfg.model.path)

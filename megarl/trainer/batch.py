@@ -158,7 +158,8 @@ def micro_batches_for(rollout: Rollout, plan, dp_rank: int, per_sample: dict[str
 
     out = []
     for indices in plan.micro_batches[dp_rank]:
-        ids = [torch.tensor(rollout.prompt_ids[i] + rollout.response_ids[i], dtype=torch.long) for i in indices]
+        # int32 on the wire (4 B a token through the controller, not 8; vocabularies < 2**31): packed as int64
+        ids = [torch.tensor(rollout.prompt_ids[i] + rollout.response_ids[i], dtype=torch.int32) for i in indices]
         loss_mask = torch.cat([rollout.loss_mask_T(i) for i in indices])   # tool-result tokens: no loss
         extras = {}
         for k, v in per_sample.items():

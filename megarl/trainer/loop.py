@@ -5,7 +5,7 @@
                -> (eval) -> (checkpoint)
 
 With one update per step the old log-prob pass is skipped (``actor/old_logprob_pass`` 0;
-:func:`megarl.trainer.algorithm.needs_old_logprob_pass` says when): the update takes its own
+:func:`megarl.config.passes.needs_old_logprob_pass` says when): the update takes its own
 forward's log-probs as the old ones (ratio 1), and what reads them (the rollout-vs-train alarm,
 entropy, KL and mismatch metrics, the sample log) reads that forward's after the update. The
 alarm then stops a step after its update, still before its weight sync and checkpoint.
@@ -190,7 +190,8 @@ class StepRunner:
 
     def __init__(self, cfg: MegaRLConfig, *, group, rollouts, source, stop, log, timeline, generations, sample_log,
                  routing, rewards, reward_model, kl_ctl, after_sync: Optional[Callable] = None):
-        from megarl.trainer.algorithm import correction_in_forward, needs_old_logprob_pass, resolve
+        from megarl.config.passes import correction_in_forward, needs_old_logprob_pass
+        from megarl.trainer.algorithm import resolve
 
         self.cfg, self.group, self.rollouts, self.source, self.stop = cfg, group, rollouts, source, stop
         self.log, self.timeline, self.generations, self.sample_log = log, timeline, generations, sample_log

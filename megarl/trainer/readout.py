@@ -8,7 +8,7 @@ log (``samples.jsonl``) -- need sums, maxima and counts per sample, never the to
 
 Where it is computed follows where the tokens are:
 
-- no old-log-prob pass (one update a step: :func:`megarl.trainer.algorithm.needs_old_logprob_pass`):
+- no old-log-prob pass (one update a step: :func:`megarl.config.passes.needs_old_logprob_pass`):
   the update's own forward gives the log-probs, on the training ranks. Each DP leader computes
   its samples' read-outs there (:func:`micro_batch_readouts`, from the micro-batch's extras:
   vLLM's ``rollout_logprobs_T``, the loss mask, ``versions_T`` when some token is of another
@@ -172,7 +172,7 @@ def forward_readout_inputs(rollout, version: int, tis_in_forward: bool) -> dict:
     (:func:`micro_batch_readouts`), per sample: vLLM's log-probs ``rollout_logprobs_T`` (float64,
     NaN where none), ``versions_T`` (int32) only when some token is of another version than
     ``version`` (on-policy: nothing to send), and with token-level tis in the forward
-    (:func:`megarl.trainer.algorithm.correction_in_forward`) ``mask_T``, the tokens it weighs."""
+    (:func:`megarl.config.passes.correction_in_forward`) ``mask_T``, the tokens it weighs."""
     rollout_lp = [torch.tensor(lp, dtype=torch.float64) for lp in rollout.sample_logprobs]
     out = {"rollout_logprobs_T": rollout_lp}
     if tis_in_forward:

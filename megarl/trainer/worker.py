@@ -253,13 +253,14 @@ class HybridWorker:
     def train(self, micro_batches, kl_coef: float, replay_routing: bool = False,
               own_old_logprobs: bool = False, version: int | None = None) -> dict:
         """One policy update. ``own_old_logprobs``: the micro-batches carry no ``old_logprobs_T``;
-        the loss takes the training forward's own (:func:`megarl.trainer.algorithm.needs_old_logprob_pass`)
+        the loss takes the training forward's own (:func:`megarl.config.passes.needs_old_logprob_pass`)
         and the DP leaders return what the controller reads of that forward's log-probs and
         entropy in ``outputs``: per micro-batch, its samples' read-outs
         (:func:`megarl.trainer.readout.micro_batch_readouts`; ``version``: the policy version
         being trained, the alarm's), not the tokens."""
         from megarl.data.store import fetch_columns, fetch_routing
-        from megarl.trainer.algorithm import correction_in_forward, forward_tis_weights, make_loss_fn
+        from megarl.config.passes import correction_in_forward
+        from megarl.trainer.algorithm import forward_tis_weights, make_loss_fn
         from megarl.trainer.readout import micro_batch_readouts
 
         fetch_routing(micro_batches)   # the routing replayed in the MoE layers, from the object store

@@ -298,7 +298,7 @@ class WorkerGroup:
         in the MoE layers (:mod:`megarl.engine.replay`). Returns ``(metrics, readouts)``.
 
         ``own_old_logprobs`` (one update per step, no ``old_logprobs_T`` in ``per_sample``; see
-        :func:`megarl.trainer.algorithm.needs_old_logprob_pass`): the loss takes the training
+        :func:`megarl.config.passes.needs_old_logprob_pass`): the loss takes the training
         forward's own log-probs as the old ones, and ``readouts`` is, per sample, what the
         controller reads of them (:mod:`megarl.trainer.readout`; ``version``: the policy version
         being trained), computed by the DP leaders from ``per_sample``'s ``rollout_logprobs_T``

@@ -81,7 +81,7 @@ def test_step_equals_tp1(result, key):
 @pytest.mark.parametrize("key", ["qwen2|tp1", "qwen2|tp2", "qwen2|pp2"] + [f"{m}|{layout}" for m, layout in ROUTING_CASES])
 def test_the_training_forward_returns_the_old_pass_log_probs(result, key):
     """A step that updates once takes its old log-probs from its own forward
-    (megarl.trainer.algorithm.needs_old_logprob_pass): train_step(return_logprobs=True) returns them
+    (megarl.config.passes.needs_old_logprob_pass): train_step(return_logprobs=True) returns them
     on every last-stage rank, equal to the old log-prob pass's (train vs eval mode, no dropout)."""
     assert result[f"{key}|train_forward_vs_old_lp"] <= TRAIN_FORWARD_TOL, result[f"{key}|train_forward_vs_old_lp"]
     assert result[f"{key}|train_forward_ranks"] == (1 if "pp2" in key else 2)

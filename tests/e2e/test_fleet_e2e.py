@@ -27,7 +27,7 @@ A failing run cleans up after itself, run (d): its syncs add noise to the engine
 from a policy that is not the trained one, and the alarm (trainer.logprob_diff_threshold=1e-3; a
 noise-free step differs by ~1e-6 in fp32) stops the loop at step 2 after generation and the update
 (a GRPO step updates once: the update's own forward gives the log-probs the alarm compares,
-megarl.trainer.algorithm.needs_old_logprob_pass; it still stops before the weight sync and the
+megarl.config.passes.needs_old_logprob_pass; it still stops before the weight sync and the
 checkpoint), while the reward workers and the vLLM engine are all running. (d) runs first, on a Ray of its own; the loop
 runs in this process, so a process it leaves behind would still be a child of the test (atexit
 handlers, which stop a local Ray when the interpreter exits, have not run yet). Asserted: the alarm

@@ -60,7 +60,7 @@ def test_mfu_on_a_gpu_type(run_dir):
     fwd = 32 * length * flops_per_token(dims, length, training=False)
     train = 32 * length * flops_per_token(dims, length, training=True)
     # generation + the reference pass + training: one update per step, so no old-log-prob pass
-    # (megarl.trainer.algorithm.needs_old_logprob_pass)
+    # (megarl.config.passes.needs_old_logprob_pass)
     total = fwd * (1 + 1) + train
     assert row["gpus"] == 2                        # colocated: the training devices hold the engines
     assert row["mfu"] == pytest.approx(total / (7.0 * 2 * 989e12))

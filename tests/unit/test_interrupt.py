@@ -186,7 +186,9 @@ def fake_run(tmp_path, monkeypatch):
         monkeypatch.setattr(FakeGroup, "SIGNALS", signals)
         cfg = load_config(None, [f"trainer.run_dir={tmp_path / 'run'}", "trainer.steps=4", "checkpoint.save_every=3",
                                  "algorithm.kl_coef=0.1", "algorithm.kl_target=0.01", "logging.tensorboard=false",
-                                 "logging.stdout=false", "logging.progress=false", *overrides])
+                                 "logging.stdout=false", "logging.progress=false",
+                                 # the fake group returns the passes' tokens (no object store here)
+                                 "trainer.data_plane=controller", *overrides])
         before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
         stopped = None
         try:
@@ -255,7 +257,7 @@ def test_a_second_signal_stops_at_once_without_waiting_for_busy_actors(fake_run)
 def test_one_update_per_step_takes_the_old_log_probs_from_the_update_and_alarms_after_it(fake_run, monkeypatch,
                                                                                           tmp_path):
     """The fixture's adaptive KL keeps the old log-prob pass; a fixed coefficient does not need it
-    (megarl.trainer.algorithm.needs_old_logprob_pass): the update then gets no old_logprobs_T, and
+    (megarl.config.passes.needs_old_logprob_pass): the update then gets no old_logprobs_T, and
     the entropy and the rollout-vs-train alarm read its own forward's, so the alarm stops a step
     after its update (its metrics are written) and before its checkpoint."""
     from megarl.trainer.loop import WeightSyncAlarm

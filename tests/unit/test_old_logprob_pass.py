@@ -1,5 +1,5 @@
 """The old-log-prob pass is skipped when a step updates the policy once
-(:func:`megarl.trainer.algorithm.needs_old_logprob_pass`): which configs keep it, and the policy
+(:func:`megarl.config.passes.needs_old_logprob_pass`): which configs keep it, and the policy
 loss that takes the training forward's own log-probs as the old ones (``make_loss_fn(...,
 own_old_logprobs=True)``): ratio exactly 1, and exactly the loss and gradient of passing those
 log-probs as ``old_logprobs_T``. The loop's side (who reads the forward's log-probs, the alarm
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from megarl.config import load_config
-from megarl.trainer.algorithm import make_loss_fn, needs_old_logprob_pass
+from megarl.config.passes import needs_old_logprob_pass
+from megarl.trainer.algorithm import make_loss_fn
 
 
 @pytest.mark.parametrize("overrides", [
@@ -114,7 +115,7 @@ def test_tis_from_the_updates_forward_is_the_driver_path_exactly(lp_dtype, agg):
     and ``mask_T``, passed with those log-probs as ``old_logprobs_T``). Sample 0's second token
     has no vLLM log-prob (a tool result: NaN), two weights exceed the cap."""
     from megarl.algorithms.offpolicy import correct_rollout
-    from megarl.trainer.algorithm import correction_in_forward
+    from megarl.config.passes import correction_in_forward
 
     cfg = load_config(None, ["algorithm.rollout_correction=tis", "algorithm.correction_cap=1.5",
                              f"algorithm.loss_agg_mode={agg}"]).algorithm

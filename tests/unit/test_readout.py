@@ -12,7 +12,8 @@ import torch
 
 from megarl.algorithms.offpolicy import correct_rollout
 from megarl.config.loader import load_config
-from megarl.trainer.algorithm import correction_in_forward, forward_tis_weights
+from megarl.config.passes import correction_in_forward
+from megarl.trainer.algorithm import forward_tis_weights
 from megarl.trainer.batch import Rollout, micro_batches_for, scatter_sequences
 from megarl.trainer.readout import (controller_readouts, forward_readout_inputs, micro_batch_readouts,
                                     readout_metrics)

@@ -193,7 +193,7 @@ def layout_equality(path, layouts, world, out, tag, model_kw, routing=False, own
 def train_forward_vs_old_pass(mbs, outputs, out, key):
     """|training forward's own log-probs (train_step(return_logprobs=True), last stage) - the old
     log-prob pass's| over all ranks, the ranks that returned them, and whether the entropies are
-    finite: what a step that skips the old pass uses instead (megarl.trainer.algorithm.needs_old_logprob_pass)."""
+    finite: what a step that skips the old pass uses instead (megarl.config.passes.needs_old_logprob_pass)."""
     diff, has, finite = -1.0, 0, 1
     if outputs is not None:
         diff = max((o.logprobs_R - mb.extras["old_logprobs_T"]).abs().max().item() for o, mb in zip(outputs, mbs))
