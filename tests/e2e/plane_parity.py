@@ -5,7 +5,9 @@ same weights (tests/e2e/test_dataplane_e2e.py runs it as a subprocess).
 optimizer state (a raw worker checkpoint in ``OUT_DIR/start``), runs
 ``megarl.trainer.loop.train`` with ``trainer.data_plane=object_store`` in ``OUT_DIR/object_store``,
 loads the start back (the engines get its weights), then runs it with ``controller`` in
-``OUT_DIR/controller``; prints ``done PLANE`` after each and exits 0 when both ran.
+``OUT_DIR/controller``; prints ``done PLANE refs N1 N2 .. N`` after each (the object references
+the training ranks hold after each step's weight sync, then after the run) and exits 0 when
+both ran.
 """
 import sys
 from pathlib import Path
@@ -29,8 +31,10 @@ def main(recipe: str, out: str) -> None:
             if plane != PLANES[0]:
                 group.load_checkpoint(start)
                 group.reuse_for(cfg)
-            train(cfg, group=group)
-            print(f"done {plane}", flush=True)
+            refs = []   # per step, after its weight sync (the step's passes still held): the ranks' references
+            train(cfg, group=group, after_sync=lambda g, step: refs.append(sum(g._all("object_refs"))))
+            refs.append(sum(group._all("object_refs")))   # after the run: the last step's objects released
+            print(f"done {plane} refs {' '.join(map(str, refs))}", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ Run once per data plane from the same weights and optimizer state.
 
 Checked: every metric of both steps is equal, the weights' checksums exactly; the mismatch
 metrics ``rollout_corr/*`` are now sums per sample added up on the controller instead of one sum
-over the step (float64, other order): equal to 1e-12 relative.
+over the step (float64, other order): equal to 1e-12 relative. Lifetime: the ranks hold the same
+number of object references after each step's weight sync (24 here: each DP leader's objects of
+the passes, while the step holds them; 0 on the controller plane) and none after the run.
 """
 import math
 import os
@@ -44,6 +46,12 @@ def test_forward_outputs_through_the_object_store_change_no_number(tmp_path):
     proc = subprocess.run([sys.executable, str(HERE / "plane_parity.py"), str(recipe_file), str(tmp_path / "runs")],
                           env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    # the object references the training ranks hold after each step's weight sync, then after the run
+    refs = {line.split()[1]: [int(x) for x in line.split()[3:]] for line in proc.stdout.splitlines()
+            if line.startswith("done ")}
+    during, after = refs["object_store"][:-1], refs["object_store"][-1]
+    assert len(during) == 2 and during[0] > 0 and during == [during[0]] * 2 and after == 0, refs   # no growth
+    assert refs["controller"] == [0, 0, 0], refs
     runs = tmp_path / "runs"
     new, old = metrics(runs / "object_store"), metrics(runs / "controller")
     assert [r["step"] for r in new] == [r["step"] for r in old] == [1, 2]
