@@ -379,7 +379,9 @@ def test_async_mode_holds_at_most_its_buffer_and_frees_every_group(ray_local):
               bound, "versions:", sorted(versions), "samples resumed after a pause:", mixed,
               "groups dropped as stale:", m["async/dropped_stale_total"])
         owned_after = [o for o, _ in live]
-        assert max(owned_after) <= bound and max(owned_after[10:]) <= max(owned_after[:10]), live   # bounded, no growth
+        # bounded, and no growth: the last 10 steps stay within the first 10's most plus one sample's object that
+        # may be in transit at the moment of the count (CI of 0827470 counted 8 for 11 steps, then 9 for 9 steps)
+        assert max(owned_after) <= bound and max(owned_after[10:]) <= max(owned_after[:10]) + 1, live
         assert len(versions) > 5          # the run went on through the updates (not one version's samples)
         assert mixed > 0 and m["async/dropped_stale_total"] > 0   # partials were resumed, stale groups dropped
         src.close()
