@@ -319,18 +319,17 @@ class StepRunner:
         from megarl.trainer.readout import controller_readouts, forward_readout_inputs
 
         cfg, per_sample, kl_rewards = self.cfg, {}, None
-        if self.old_pass and passes.old_kept is not None:   # computed on the ranks, the tokens in the object store
+        if self.old_pass:
             lp, ref_lp = passes.old_lp, passes.ref_lp
-            if ref_lp is not None and cfg.algorithm.kl_mode == "reward":   # per-token rewards: fetched here
+            if ref_lp is not None and cfg.algorithm.kl_mode == "reward":   # -beta * k1 as a per-token reward
+                # the one consumer of the passes' tokens on the controller: handles are fetched, tensors pass
                 kl_rewards = [-self.kl_ctl.value * (a - b) for a, b in zip(fetch_rows(lp), fetch_rows(ref_lp))]
+        if self.old_pass and passes.old_kept is not None:   # computed on the ranks, the tokens in the object store
             self.read_logprobs(step, rollout, passes.old_kept["readouts"], m)   # with the rollout_corr/* sums
             m.update(self.routing.metrics_from_sums(passes.routing_out, passes.old_kept.get("routing", [])))
             per_sample.update(old_logprobs_T=lp, **{k: passes.old_kept[k] for k in ("is_weights_T", "mask_T")
                                                     if k in passes.old_kept})
         elif self.old_pass:
-            lp, ref_lp = passes.old_lp, passes.ref_lp
-            if ref_lp is not None and cfg.algorithm.kl_mode == "reward":   # -beta * k1 as a per-token reward
-                kl_rewards = [-self.kl_ctl.value * (a - b) for a, b in zip(lp, ref_lp)]
             self.read_logprobs(step, rollout, controller_readouts(rollout, lp, passes.entropy, ref_lp, step - 1), m)
             m.update(self.routing.metrics(rollout, lp, passes.routing_out, step - 1))
             corrected, m_corr = correct_rollout(lp, rollout.sample_logprobs, cfg.algorithm)

@@ -75,11 +75,16 @@ def sample_readout(lp_R: torch.Tensor, rollout_R: torch.Tensor, *, loss_mask_R: 
     if entropy_R is not None:
         out["entropy"] = float(entropy_R.detach().double().sum())
     if ref_R is not None:
-        out["kl"] = float((lp_R.detach() - ref_R.to(lp_R.dtype)).double().sum())   # k1, in the log-probs' dtype
+        out["kl"] = k1_sum(lp_R, ref_R)
     if mismatch:
         keep = keep_R if keep_R is not None else has if weights_R is not None else None
         out["mismatch"] = mismatch_sums(lp, torch.where(has, rollout, lp), has, keep, weights_R)
     return out
+
+
+def k1_sum(lp_R: torch.Tensor, ref_R: torch.Tensor) -> float:
+    """A sample's k1 KL sum, lp - ref over its tokens, the difference in the log-probs' dtype."""
+    return float((lp_R.detach() - ref_R.to(lp_R.dtype)).double().sum())
 
 
 def micro_batch_readouts(lp_R: torch.Tensor, entropy_R: torch.Tensor | None, batch, version: int | None,
@@ -90,8 +95,7 @@ def micro_batch_readouts(lp_R: torch.Tensor, entropy_R: torch.Tensor | None, bat
     mask, with tis also the tokens with a vLLM log-prob), ``versions_T`` and ``ref_logprobs_T``
     when present; ``weights_R``: the rollout correction's weights (in-forward tis's, or an old
     pass's), ``keep_R`` the tokens it keeps."""
-    ex, cu = batch.extras, batch.cu_seqlens_N1
-    sizes = (cu[1:] - cu[:-1]).tolist()
+    ex, sizes = batch.extras, batch.response_lengths
     split = lambda t: torch.split(t.cpu(), sizes) if t is not None else [None] * len(sizes)   # noqa: E731
     columns = zip(split(lp_R), split(ex["rollout_logprobs_T"]), split(ex["mask_T"]), split(ex.get("versions_T")),
                   split(entropy_R), split(ex.get("ref_logprobs_T")), split(weights_R), split(keep_R))
@@ -117,10 +121,10 @@ def old_pass_outputs(lp_R: torch.Tensor, entropy_R: torch.Tensor | None, batch, 
     from megarl.data.store import put_rows
     from megarl.trainer.routing import routing_sums
 
-    cu = batch.cu_seqlens_N1
-    sizes = (cu[1:] - cu[:-1]).tolist()
+    sizes = batch.response_lengths
     lp = lp_R.detach().cpu()
-    *_, weights_T, keep_T = correction_tensors(lp, batch.extras["rollout_logprobs_T"], cu, cfg_algorithm)
+    *_, weights_T, keep_T = correction_tensors(lp, batch.extras["rollout_logprobs_T"], batch.cu_seqlens_N1,
+                                               cfg_algorithm)
     out = {"old_logprobs_T": put_rows(lp, sizes),
            "readouts": micro_batch_readouts(lp, entropy_R, batch, version, weights_T, keep_T)}
     if weights_T is not None:
@@ -138,17 +142,15 @@ def reference_pass_outputs(ref_R: torch.Tensor, batch, with_kl: bool) -> dict:
     """What a DP leader gives of a reference pass's micro-batch with ``trainer.data_plane:
     object_store``: the log-probs into the object store (``ref_logprobs_T``) and, after an old pass
     (``with_kl``: its log-probs in the extras' ``old_logprobs_T``), each sample's k1 sum ``kl``
-    of :func:`sample_readout`."""
+    (:func:`k1_sum`, as :func:`sample_readout`'s)."""
     from megarl.data.store import put_rows
 
-    cu = batch.cu_seqlens_N1
-    sizes = (cu[1:] - cu[:-1]).tolist()
+    sizes = batch.response_lengths
     ref = ref_R.detach().cpu()
     out = {"ref_logprobs_T": put_rows(ref, sizes)}
     if with_kl:
         old = batch.extras["old_logprobs_T"]
-        out["kl"] = [float((lp - r.to(lp.dtype)).double().sum())
-                     for lp, r in zip(torch.split(old, sizes), torch.split(ref, sizes))]
+        out["kl"] = [k1_sum(lp, r) for lp, r in zip(torch.split(old, sizes), torch.split(ref, sizes))]
     return out
 
 
