@@ -95,6 +95,11 @@ class ModelConfig:
     """MoE router load-balancing loss coefficient (reported every step)."""
     moe_z_loss_coeff: float = 0.0
     """MoE router z-loss coefficient."""
+    moe_dispatcher: Literal["alltoall", "deepep", "hybridep"] = "alltoall"
+    """Expert-parallel token dispatcher of the Megatron policy: alltoall (megatron-core's NCCL
+    all-to-all; runs everywhere, CPU included), or megatron-core's flex dispatcher with the DeepEP
+    or HybridEP backend (a GPU and the deep_ep package). ``megarl plan`` prices training with the
+    published throughput measured with this dispatcher (megarl/planner/published.py)."""
 
     def validate(self):
         if not self.path:

@@ -24,7 +24,8 @@ the extra tokens are the last sequence's padding) and megatron exchanges no shap
 ``batch_p2p_comm=False`` on CPU (gloo swaps VPP messages otherwise);
 sequence parallelism only when ``topology.sp``; uneven first/last pipeline stages
 (``num_layers_in_first/last_pipeline_stage``) only when the topology sets them; MoE dispatcher
-``alltoall`` (mbridge default).
+``alltoall`` (mbridge default) unless ``model.moe_dispatcher`` names the flex dispatcher's backend
+(deepep / hybridep, GPU only).
 """
 from __future__ import annotations
 
@@ -69,6 +70,8 @@ class ModelOptions:
     """Router z-loss coefficient (0 = off)."""
     recompute: str = "none"
     """Activation recompute: none, selective or full."""
+    moe_dispatcher: str = "alltoall"
+    """MoE token dispatcher: alltoall, or deepep / hybridep (megatron-core's flex dispatcher; GPU)."""
     config_overrides: dict = field(default_factory=dict)
     """Extra TransformerConfig fields (win over everything else)."""
     value_head: bool = False
@@ -157,6 +160,11 @@ def _config_overrides(options: ModelOptions, topology: Topology) -> dict:
     )
     if options.moe_aux_loss_coeff > 0:
         extra["moe_router_load_balancing_type"] = "aux_loss"
+    if options.moe_dispatcher != "alltoall":
+        if not cuda_available():
+            raise ValueError(f"model.moe_dispatcher={options.moe_dispatcher!r} needs a GPU and the deep_ep package "
+                             "(megatron-core's flex dispatcher); use model.moe_dispatcher=alltoall on this machine")
+        extra.update(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=options.moe_dispatcher)
     if options.recompute != "none":
         extra["recompute_granularity"] = options.recompute
         if options.recompute == "full":

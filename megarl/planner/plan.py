@@ -220,7 +220,7 @@ def make_plan(cfg, recipe: str = "") -> Plan:
         sleep_level=r.sleep_level, gpus_per_node=gpn, rank_dense_params=worst.count.dense,
         rank_expert_params=worst.count.expert, expert_dp=topology.expert_dp, mode=t.mode,
         staleness=t.max_staleness, split=split,
-        optimizer_offload=t.optimizer_offload,
+        optimizer_offload=t.optimizer_offload, dispatcher=cfg.model.moe_dispatcher,
         optimizer_shard_params=worst.count.dense // (topology.dp * topology.cp)
         + worst.count.expert // max(1, topology.expert_dp)))
     if split:

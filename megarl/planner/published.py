@@ -61,7 +61,12 @@ HBM_EFFICIENCY = Measurement(
 @dataclass(frozen=True)
 class TrainingThroughput:
     """Published MoE training throughput of a model family on one GPU type (bf16, 4096-token
-    sequences, the source's routing)."""
+    sequences, the source's routing) with one class of expert-parallel token dispatcher:
+    ``flex`` (DeepEP / HybridEP, the tuned benchmarks) or ``alltoall`` (megatron-core's NCCL
+    all-to-all, what ``model.moe_dispatcher: alltoall`` runs and NeMo-RL's H100 GRPO recipes run:
+    their examples/configs/grpo_math_1B.yaml sets ``moe_token_dispatcher_type: alltoall``,
+    ``moe_enable_deepep: false``; only the GB200 DeepSeek-V3 and Qwen3-235B recipes switch to
+    ``flex`` / ``hybridep``)."""
 
     family: str
     gpu: str
@@ -69,11 +74,12 @@ class TrainingThroughput:
     forced_balance: bool
     setting: str
     source: str
+    dispatcher: str = "flex"
 
     def line(self) -> str:
         routing = "forced/fake-balanced routing" if self.forced_balance else "dropless routing"
-        return (f"training {self.family} on {self.gpu}: {self.tflops:g} TFLOPS/GPU at 4096 tokens, bf16, {routing} "
-                f"({self.setting}): {self.source}")
+        return (f"training {self.family} on {self.gpu}, {self.dispatcher} dispatcher: {self.tflops:g} TFLOPS/GPU at "
+                f"4096 tokens, bf16, {routing} ({self.setting}): {self.source}")
 
 
 TRAINING = [
@@ -94,10 +100,31 @@ TRAINING = [
     TrainingThroughput("qwen3_moe_30b", "h100", 277.0, True, "Qwen3 MoE 30B, 8 H100, EP8, TE + DeepEP",
                        "NVIDIA-NeMo/Automodel docs/performance-summary.md (commit 01926a5c): "
                        "'Qwen3 MoE 30B | 8 | 512 | ... | 21.773 | 277 | 12,040'; 'Fake balanced gate is enabled'"),
+    TrainingThroughput("qwen3_moe_235b", "h100", 200.0, True,
+                       "Qwen3-235B-A22B, 256 H100, megatron-core A2A dispatcher, TP2 EP8 PP32 VPP3, MBS 1, GBS 2048, "
+                       "recompute norm + act",
+                       "yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md (commit e8650517), 'Intra-node EP "
+                       "strategy': '235B | A2A | H100 | BF16 | 256 | 4096 | 2 | 1 | 8 | 32 | ... | 24.2 | 200'; the "
+                       "readme's runs add --moe-router-force-load-balancing", dispatcher="alltoall"),
+    TrainingThroughput("qwen3_moe_30b", "h100", 120.0, True,
+                       "Qwen3-30B-A3B, 32 H100 (4 nodes), megatron-core with the ModelZoo's run_30b.sh layout (TP1 PP1 "
+                       "EP8, MBS 1, 4096 tokens, --moe-router-force-load-balancing); the report does not name its "
+                       "dispatcher: counted as the untuned megatron-core stack, not the tuned DeepEP benchmark it asks "
+                       "about",
+                       "yanring/Megatron-MoE-ModelZoo issue #21 (2025-12-24): 'using the config provided in run_30b.sh "
+                       "... On a setup with 4x8 H100 GPUs, I am only achieving around 120 TFLOPS'; the same report as "
+                       "NVIDIA/Megatron-LM issue #2762 ('Low TFLOPS on Qwen3-30B-A3B (120 vs 277)')",
+                       dispatcher="alltoall"),
+    TrainingThroughput("qwen3_moe_30b", "gb200", 150.0, True,
+                       "Qwen3-30B-A3B on 8 B200 (one node; priced as the GB200 GPU), megatron-core All2All dispatcher, "
+                       "EP8 TP1 PP1, MBS 1, no recompute, --moe-router-force-load-balancing, grouped GEMM",
+                       "yanring/Megatron-MoE-ModelZoo issue #7 ('Qwen3-30B-A3B Low Throughput', 2025-08-18): "
+                       "'All2All as the dispatcher type' ... 'I'm getting throughput ~150 TFLOPs / GPU'",
+                       dispatcher="alltoall"),
 ]
-"""Qwen3-30B-A3B on GB200 has no bf16 row anywhere (Megatron-Bridge publishes MXFP8 only): the
-planner scales the H100 figure by the GB200/H100 ratio of the nearest family that has both
-(Qwen3-235B: 728 / 276) and says so."""
+"""A family, GPU and dispatcher without a row is derived in :func:`training_throughput`, in the
+open: Qwen3-30B-A3B on GB200 with the flex dispatcher has no bf16 row anywhere (Megatron-Bridge
+publishes MXFP8 only), DeepSeek-V3 has no all-to-all row on any GPU."""
 
 DROPLESS_SERIES = Measurement(
     "dropless_vs_forced", 237 / 295, "ratio",
@@ -179,31 +206,63 @@ def refit_bytes_per_s(over_network: bool) -> float:
     return REFIT_BYTES_PER_GPU[m.name] / m.value
 
 
-def training_throughput(family: str, gpu: str) -> tuple[float, str]:
-    """(TFLOPS per GPU, how it was obtained) for a model family on a GPU type: the published row;
-    for another Hopper GPU (H200, H20) the family's H100 row times the ratio of the datasheet bf16
-    peaks; for a Blackwell GPU without a row, the H100 row times the GB200/H100 ratio of a family
-    that has both (said in the text)."""
+DISPATCHERS = {"alltoall": "alltoall", "deepep": "flex", "hybridep": "flex", "flex": "flex"}
+"""``model.moe_dispatcher`` -> the dispatcher class of the published rows."""
+
+
+def training_throughput(family: str, gpu: str, dispatcher: str = "flex") -> tuple[float, bool, str]:
+    """(TFLOPS per GPU, whether the source forced balanced routing, how it was obtained) for a
+    model family on a GPU type with a dispatcher (``model.moe_dispatcher``: alltoall, deepep,
+    hybridep), in this order:
+
+    1. the published row of that family, GPU and dispatcher class;
+    2. another Hopper GPU (H200, H20): the family's H100 figure (by 1-3) times the ratio of the
+       datasheet bf16 peaks;
+    3. a Blackwell GPU: the family's H100 figure times the GB200/H100 ratio of a family that has
+       both with that dispatcher;
+    4. the other dispatcher class: the family's row on that GPU times the all-to-all / flex ratio
+       of a family that has both on that GPU.
+    The text says which."""
     from megarl.planner.hardware import GPUS
 
-    rows = {(t.family, t.gpu): t for t in TRAINING}
-    if (family, gpu) in rows:
-        return rows[family, gpu].tflops, rows[family, gpu].line()
+    kind = DISPATCHERS[dispatcher]
+    rows = {(t.family, t.gpu, t.dispatcher): t for t in TRAINING}
     fams = {t.family for t in TRAINING}
     if family not in fams:
         raise KeyError(f"no published MoE training throughput for model family {family!r} "
                        f"(known: {', '.join(sorted(fams))}); add one to megarl/planner/published.py")
-    base = rows[family, "h100"]
+    if (family, gpu, kind) in rows:
+        row = rows[family, gpu, kind]
+        return row.tflops, row.forced_balance, row.line()
     if gpu in ("h200", "h20"):
         ratio = GPUS[gpu].bf16_tflops / GPUS["h100"].bf16_tflops
-        return base.tflops * ratio, (f"training {family} on {gpu}: no published row; its H100 figure {base.tflops:g} x "
-                                     f"{ratio:.2f} (datasheet bf16 peak {GPUS[gpu].bf16_tflops:g} / 989)")
+        flex, forced, how = training_throughput(family, "h100", "flex")
+        if kind == "flex":
+            return flex * ratio, forced, (f"training {family} on {gpu}, flex dispatcher: no published row; its H100 "
+                                          f"figure {flex:.0f} x {ratio:.2f} (datasheet bf16 peak "
+                                          f"{GPUS[gpu].bf16_tflops:g} / 989), from: {how}")
+        a2a = training_throughput(family, "h100", "alltoall")[0]
+        extra = 1 / a2a - 1 / flex      # s per PFLOP (x1e3) the all-to-all stack adds on H100's NVLink
+        got = 1 / (1 / (flex * ratio) + extra)
+        return got, forced, (f"training {family} on {gpu}, alltoall dispatcher: no published row; 1 / (1 / "
+                             f"({flex:.0f} x {ratio:.2f}, the flex figure at the datasheet bf16 peak ratio) + (1/{a2a:.0f} "
+                             f"- 1/{flex:.0f}), the time per FLOP the all-to-all stack adds on H100, whose NVLink "
+                             f"this GPU shares) = {got:.0f}")
     kin = family.rsplit("_", 1)[0]   # qwen3_moe_30b -> a qwen3_moe family first
-    ref = next((f for f in sorted(fams, key=lambda f: (not f.startswith(kin), f))
-                if (f, gpu) in rows and (f, "h100") in rows), None)
-    if ref is None:
-        raise KeyError(f"no published MoE training throughput for {family!r} on {gpu!r}")
-    ratio = rows[ref, gpu].tflops / rows[ref, "h100"].tflops
-    return base.tflops * ratio, (f"training {family} on {gpu}: no published bf16 row; its H100 figure "
-                                 f"{base.tflops:g} x {ratio:.2f} ({ref}: {rows[ref, gpu].tflops:g} on {gpu} / "
-                                 f"{rows[ref, 'h100'].tflops:g} on h100)")
+    nearest = sorted(fams, key=lambda f: (not f.startswith(kin), f))
+    ref = next((f for f in nearest if (f, gpu, kind) in rows and (f, "h100", kind) in rows), None)
+    if gpu != "h100" and ref is not None:
+        base, forced, how = training_throughput(family, "h100", dispatcher)
+        ratio = rows[ref, gpu, kind].tflops / rows[ref, "h100", kind].tflops
+        return base * ratio, forced, (f"training {family} on {gpu}, {kind} dispatcher: no published bf16 row; its H100 "
+                                      f"figure {base:.0f} x {ratio:.2f} ({ref}: {rows[ref, gpu, kind].tflops:g} on {gpu} / "
+                                      f"{rows[ref, 'h100', kind].tflops:g} on h100), from: {how}")
+    other = "flex" if kind == "alltoall" else "alltoall"
+    ref = next((f for f in nearest if (f, gpu, kind) in rows and (f, gpu, other) in rows), None)
+    if ref is not None:
+        base, forced, how = training_throughput(family, gpu, other)
+        ratio = rows[ref, gpu, kind].tflops / rows[ref, gpu, other].tflops
+        return base * ratio, forced, (f"training {family} on {gpu}, {kind} dispatcher: no published row; its {other} "
+                                      f"figure {base:.0f} x {ratio:.2f} ({ref} on {gpu}: {rows[ref, gpu, kind].tflops:g} "
+                                      f"{kind} / {rows[ref, gpu, other].tflops:g} {other}), from: {how}")
+    raise KeyError(f"no published MoE training throughput for {family!r} on {gpu!r} with the {kind} dispatcher")

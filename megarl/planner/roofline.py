@@ -19,7 +19,7 @@ every value quoted with its source and pinned by a unit test) and the datasheet 
   memory = the engine's dense weights, the routed experts its tokens touch
   (``1 - (1 - k/E)^B`` of them for B tokens) and the KV cache of the sequences in flight, per
   GPU, at the published HBM efficiency; compute = their FLOPs at the published training
-  throughput; ``t_layer`` = the per-layer time a decode step takes beyond that read at batch 1
+  throughput with the flex dispatcher (vLLM's kernels, not megatron-core's); ``t_layer`` = the per-layer time a decode step takes beyond that read at batch 1
   (kernel launches, small GEMMs, sampling), derived from a published batch-1 measurement per GPU
   generation; collectives = two tensor-parallel all-reduces per layer, at the published
   all-reduce time within an NVLink domain, or, when the engine spans nodes, the published
@@ -27,7 +27,8 @@ every value quoted with its source and pinned by a unit test) and the datasheet 
   training throughput.
 * **Log-probs and training**: model FLOPs (:mod:`megarl.planner.flops`; full recompute adds a
   forward) at the published MoE training throughput of the model family on the GPU type
-  (4,096-token sequences), times the published dropless/forced-balance ratio where the source
+  (4,096-token sequences) measured with the recipe's token dispatcher (``model.moe_dispatcher``:
+  megatron-core's all-to-all runs at 0.4-0.7x of the DeepEP / HybridEP benchmarks), times the published dropless/forced-balance ratio where the source
   forced balanced routing (RL trains on the model's own routing), times the published trend of
   throughput with sequence length for the recipe's micro-batch length, times the pipeline
   bubble ``(M + pp - 1) / M`` (interleaved: ``(M + (pp - 1)/vpp) / M``) of the M micro-batches
@@ -222,6 +223,8 @@ class StepInputs:
     split: bool = False
     optimizer_offload: bool = False
     optimizer_shard_params: int = 0
+    dispatcher: str = "alltoall"
+    """model.moe_dispatcher: which published training throughput applies."""
 
 
 def estimate_step(x: StepInputs) -> StepEstimate:
@@ -233,7 +236,7 @@ def estimate_step(x: StepInputs) -> StepEstimate:
     seq = x.mean_prompt + x.mean_response
     est.tokens_per_step = x.samples * seq
     family = model_family(dims)
-    published_tflops, train_source = P.training_throughput(family, gpu.key)
+    published_tflops, forced, train_source = P.training_throughput(family, gpu.key, x.dispatcher)
     t_layer_how = layer_overhead_s(gpu.key)[1]
     est.assumptions += [
         f"peak {gpu.bf16_tflops:g} TFLOPS bf16 dense, HBM {gpu.hbm_tbps:g} TB/s, NVLink {gpu.nvlink_gbps:g} GB/s "
@@ -250,7 +253,6 @@ def estimate_step(x: StepInputs) -> StepEstimate:
     ]
 
     # training throughput at this recipe's shape
-    forced = all(r.forced_balance for r in P.TRAINING if r.family == family)
     routing = P.DROPLESS_SERIES.value if forced and dims.num_experts else 1.0
     trend = P.SEQUENCE_TREND.value ** math.log2(max(1.0, x.micro_batch_tokens) / 4096)
     tflops = published_tflops * routing * trend
@@ -258,11 +260,15 @@ def estimate_step(x: StepInputs) -> StepEstimate:
                            f"{routing:.2f} (dropless) x {trend:.2f} ({x.micro_batch_tokens:,.0f}-token micro-batches "
                            f"vs 4,096); MFU {tflops / gpu.bf16_tflops:.2f}")
     achieved = tflops * 1e12
+    # vLLM's kernels are not megatron-core's dispatcher: the engine computes at the flex figure
+    engine_tflops = (tflops if x.dispatcher != "alltoall" else
+                     P.training_throughput(family, gpu.key, "flex")[0] * routing * trend)
 
     # generation
     per_engine = x.samples / x.engines
     gen_gpus = x.engines * x.engine_tp
-    prefill_s = x.samples * x.mean_prompt * flops_per_token(dims, x.mean_prompt, False) / (gen_gpus * achieved)
+    prefill_s = (x.samples * x.mean_prompt * flops_per_token(dims, x.mean_prompt, False)
+                 / (gen_gpus * engine_tflops * 1e12))
     continuous = x.mode == "async"
     if continuous:
         # the fleet generates continuously into a buffer of (max_staleness + 1) steps of samples:
@@ -280,7 +286,7 @@ def estimate_step(x: StepInputs) -> StepEstimate:
     context = x.mean_prompt + x.mean_response / 2
     step, d = decode_step_s(dims=dims, gpu=gpu, engine_tp=x.engine_tp, in_flight=in_flight, context=context,
                             dense_params=x.dense_params, expert_params=x.expert_params,
-                            kv_bytes_token=x.kv_bytes_token, tflops=tflops)
+                            kv_bytes_token=x.kv_bytes_token, tflops=engine_tflops)
     nvlink = d["nvlink"]
     decode_s = steps * step * waves
     bound = "memory" if d["memory"] >= d["compute"] else "compute"

@@ -70,7 +70,7 @@ class HybridWorker:
         self.model_path = resolve_model_path(cfg.model.path)
         opts = ModelOptions(path=self.model_path, dtype=cfg.model.dtype, recompute=cfg.model.recompute,
                             moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
-                            moe_z_loss_coeff=cfg.model.moe_z_loss_coeff)
+                            moe_z_loss_coeff=cfg.model.moe_z_loss_coeff, moe_dispatcher=cfg.model.moe_dispatcher)
         tr = cfg.trainer
         optim = OptimOptions(optimizer=tr.optimizer, lr=tr.lr, min_lr=tr.min_lr, warmup_steps=tr.warmup_steps,
                              decay_steps=max(1, tr.steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches),

@@ -31,12 +31,16 @@ PINNED = {
     "host_to_device": (35.19, "NVIDIA/nvbandwidth issue #24"),
     "device_to_host": (52.77, "NVIDIA/nvbandwidth issue #24"),
 }
-TRAINING = {   # (family, gpu) -> (TFLOPS, source fragment)
-    ("deepseek_v3", "h100"): (250.0, "NVIDIA-NeMo/Automodel"),
-    ("deepseek_v3", "gb200"): (782.0, "Megatron-Bridge"),
-    ("qwen3_moe_235b", "h100"): (276.0, "Megatron-MoE-ModelZoo"),
-    ("qwen3_moe_235b", "gb200"): (728.0, "Megatron-Bridge"),
-    ("qwen3_moe_30b", "h100"): (277.0, "NVIDIA-NeMo/Automodel"),
+TRAINING = {   # (family, gpu, dispatcher class) -> (TFLOPS, forced balance, source fragment)
+    ("deepseek_v3", "h100", "flex"): (250.0, True, "NVIDIA-NeMo/Automodel"),
+    ("deepseek_v3", "gb200", "flex"): (782.0, True, "Megatron-Bridge"),
+    ("qwen3_moe_235b", "h100", "flex"): (276.0, True, "Megatron-MoE-ModelZoo"),
+    ("qwen3_moe_235b", "gb200", "flex"): (728.0, True, "Megatron-Bridge"),
+    ("qwen3_moe_30b", "h100", "flex"): (277.0, True, "NVIDIA-NeMo/Automodel"),
+    # megatron-core's all-to-all dispatcher
+    ("qwen3_moe_235b", "h100", "alltoall"): (200.0, True, "'235B | A2A | H100 | BF16 | 256 | 4096"),
+    ("qwen3_moe_30b", "h100", "alltoall"): (120.0, True, "Megatron-MoE-ModelZoo issue #21"),
+    ("qwen3_moe_30b", "gb200", "alltoall"): (150.0, True, "Megatron-MoE-ModelZoo issue #7"),
 }
 
 
@@ -47,10 +51,10 @@ def test_every_constant_is_pinned_to_its_source():
         assert got[name].value == pytest.approx(value, rel=1e-12), name
         assert source in got[name].source, name
         assert got[name].setting and got[name].unit
-    rows = {(t.family, t.gpu): t for t in P.TRAINING}
-    assert set(rows) == set(TRAINING)
-    for key, (tflops, source) in TRAINING.items():
-        assert rows[key].tflops == tflops and source in rows[key].source, key
+    rows = {(t.family, t.gpu, t.dispatcher): t for t in P.TRAINING}
+    assert set(rows) == set(TRAINING) and len(rows) == len(P.TRAINING)
+    for key, (tflops, forced, source) in TRAINING.items():
+        assert rows[key].tflops == tflops and rows[key].forced_balance == forced and source in rows[key].source, key
 
 
 def test_no_constant_comes_from_the_rows_it_is_compared_with():
@@ -84,6 +88,40 @@ def test_derived_quantities_by_hand():
     assert P.training_throughput("deepseek_v3", "h200")[0] == pytest.approx(250.0)
     with pytest.raises(KeyError, match="add one"):
         P.training_throughput("llama", "h100")
+
+
+def test_training_throughput_follows_the_dispatcher():
+    # a published row of the dispatcher class: deepep and hybridep are both megatron-core's flex dispatcher
+    assert P.training_throughput("qwen3_moe_235b", "h100", "alltoall")[:2] == (200.0, True)
+    assert P.training_throughput("qwen3_moe_235b", "gb200", "hybridep")[0] == 728.0
+    assert P.training_throughput("qwen3_moe_30b", "gb200", "alltoall")[0] == 150.0
+    # DeepSeek-V3 has no all-to-all row: its DeepEP figure x Qwen3-235B's A2A / DeepEP ratio on H100
+    assert P.training_throughput("deepseek_v3", "h100", "alltoall")[0] == pytest.approx(250 * 200 / 276)
+    # ... and on GB200 that x the GB200 / H100 ratio of the all-to-all family that has both (Qwen3-30B)
+    assert P.training_throughput("deepseek_v3", "gb200", "alltoall")[0] == pytest.approx(250 * 200 / 276 * 150 / 120)
+    # another Hopper GPU: flex at the peak ratio; all-to-all adds H100's extra time per FLOP (same NVLink)
+    peak = 148 / 989
+    assert P.training_throughput("qwen3_moe_30b", "h20", "deepep")[0] == pytest.approx(277 * peak)
+    a2a = P.training_throughput("qwen3_moe_30b", "h20", "alltoall")[0]
+    assert a2a == pytest.approx(1 / (1 / (277 * peak) + 1 / 120 - 1 / 277))
+    assert a2a < 277 * peak
+    assert P.training_throughput("qwen3_moe_30b", "h200", "alltoall")[0] == 120.0   # H200: H100's bf16 peak
+    # verl's measured RL update (Qwen3-30B-A3B on H20, DeepEP) stays a cross-check, printed beside the model
+    assert {m.name for m in P.RL_TRAINING_MFU} <= {m.name for m in P.ALL}
+
+
+def test_the_recipes_name_the_dispatcher_of_the_recipes_they_reproduce():
+    # NeMo-RL's GB200 on-policy DeepSeek-V3 and Qwen3-235B recipes switch to the flex dispatcher with HybridEP;
+    # every other compared recipe inherits grpo_math_1B.yaml's alltoall
+    from pathlib import Path
+
+    from megarl.config import load_config
+
+    repo = Path(__file__).resolve().parents[2]
+    flex = {"grpo_deepseek_v3_gb200x128.yaml", "grpo_qwen3_235b_gb200x64.yaml"}
+    for path in sorted((repo / "configs").glob("grpo_*_*x*.yaml")):
+        want = "hybridep" if path.name in flex else "alltoall"
+        assert load_config(str(path)).model.moe_dispatcher == want, path.name
 
 
 def test_decode_steps_rule():

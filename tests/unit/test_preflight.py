@@ -296,3 +296,26 @@ def test_alarm_threshold_follows_the_dtype(tmp_path):
     cfg = load_config(write_recipe(tmp_path, model={"dtype": "bfloat16"}, trainer={"logprob_diff_threshold": 0}))
     assert cfg.trainer.logprob_diff_threshold == 0   # an explicit value, 0 included, stays
     assert LOGPROB_DIFF_THRESHOLDS["float32"] < LOGPROB_DIFF_THRESHOLDS["bfloat16"]
+
+
+def test_flex_moe_dispatcher_needs_a_gpu(tmp_path, monkeypatch):
+    moe = {"model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 64}
+    model_dir(tmp_path, **moe)
+    sections = dict(model={"moe_dispatcher": "hybridep"})
+    assert error_of(tmp_path, **sections) == (
+        "invalid value for config key 'model.moe_dispatcher': got 'hybridep', expected alltoall on a machine without "
+        "a GPU (deepep and hybridep are megatron-core's flex dispatcher: CUDA and the deep_ep package)")
+    # `megarl plan` and `megarl config` do not build the model: a GB200 recipe is planned on a laptop
+    preflight(load_config(write_recipe(tmp_path, **sections)), "config")
+    # the engine refuses too (a worker that skipped preflight), and passes the backend on a GPU
+    from megarl.engine.build import ModelOptions, _config_overrides
+    from megarl.parallel.topology import Topology
+
+    with pytest.raises(ValueError, match="model.moe_dispatcher='deepep' needs a GPU"):
+        _config_overrides(ModelOptions(path="x", moe_dispatcher="deepep"), Topology(world_size=1))
+    assert "moe_token_dispatcher_type" not in _config_overrides(ModelOptions(path="x"), Topology(world_size=1))
+    import megarl.compat as compat
+
+    monkeypatch.setattr(compat, "cuda_available", lambda: True)
+    got = _config_overrides(ModelOptions(path="x", moe_dispatcher="hybridep"), Topology(world_size=1))
+    assert (got["moe_token_dispatcher_type"], got["moe_flex_dispatcher_backend"]) == ("flex", "hybridep")
