@@ -101,23 +101,33 @@ def decode_checks() -> list[tuple]:
     return out
 
 
+RL_UPDATES = [   # (label, RL_TRAINING_MFU name, family, GPU, dispatcher, micro-batch tokens, other published MFUs)
+    ("Qwen3-30B-A3B GRPO update, 32 H20, TP1 EP8, DeepEP, 10,240-token micro-batches", "rl_mfu_qwen3_30b_h20",
+     "qwen3_moe_30b", "h20", "deepep", 10240, " (0.37 at 16 GPUs, 0.40 at 8)"),
+    ("DeepSeek-V3 GRPO, 96 H20, TP8 PP12 EP8, DeepEP, 11,680-token micro-batches (the table does not say which "
+     "phase its MFU covers)", "rl_mfu_deepseek_v3_h20", "deepseek_v3", "h20", "deepep", 11680, ""),
+]
+"""verl's published MFU of GRPO training (docs/perf/dpsk.md; the dispatcher and the dynamic
+micro-batch budget, prompt + response cap, from its run scripts run_qwen3moe-30b_megatron_96gb.sh and
+run_deepseek671b_math_megatron_96gb.sh)."""
+
+
 def rl_training_check() -> list[str]:
-    """verl's published MFU of a GRPO update (Qwen3-30B-A3B, H20, DeepEP, 10,240-token dynamic
-    micro-batches: examples/grpo_trainer/run_qwen3moe-30b_megatron_96gb.sh) beside the
-    throughput the model gives that update."""
+    """verl's published MFU of RL training (:data:`RL_UPDATES`) beside what the model gives."""
     import math
 
     from megarl.planner import published as P
     from megarl.planner.hardware import get_gpu
 
-    m = next(x for x in P.RL_TRAINING_MFU if x.name == "rl_mfu_qwen3_30b_h20")
-    tflops, forced, how = P.training_throughput("qwen3_moe_30b", "h20", "deepep")
-    trend = P.SEQUENCE_TREND.value ** math.log2(10240 / 4096)
-    model = tflops * (P.DROPLESS_SERIES.value if forced else 1.0) * trend / get_gpu("h20").bf16_tflops
-    return ["| update | model MFU | published MFU | ratio | source |", "|---|---|---|---|---|",
-            f"| Qwen3-30B-A3B GRPO update, 32 H20, TP1 EP8, DeepEP, 10,240-token micro-batches | {model:.2f} | "
-            f"{m.value:g} (0.37 at 16 GPUs, 0.40 at 8) | {model / m.value:.2f} | {m.source}; model: {how} x "
-            f"dropless x sequence trend |"]
+    out = ["| update | model MFU | published MFU | ratio | source |", "|---|---|---|---|---|"]
+    for label, name, family, gpu, dispatcher, tokens, more in RL_UPDATES:
+        m = next(x for x in P.RL_TRAINING_MFU if x.name == name)
+        tflops, forced, how = P.training_throughput(family, gpu, dispatcher)
+        trend = P.SEQUENCE_TREND.value ** math.log2(tokens / 4096)
+        model = tflops * (P.DROPLESS_SERIES.value if forced else 1.0) * trend / get_gpu(gpu).bf16_tflops
+        out.append(f"| {label} | {model:.2f} | {m.value:g}{more} | {model / m.value:.2f} | {m.source}; model: {how} "
+                   f"x dropless x sequence trend |")
+    return out
 
 
 def main(argv=None) -> int:

@@ -216,7 +216,7 @@ def training_throughput(family: str, gpu: str, dispatcher: str = "flex") -> tupl
     hybridep), in this order:
 
     1. the published row of that family, GPU and dispatcher class;
-    2. another Hopper GPU (H200, H20): the family's H100 figure (by 1-3) times the ratio of the
+    2. another Hopper GPU (H200, H20): the family's H100 figure (by these rules) times the ratio of the
        datasheet bf16 peaks;
     3. a Blackwell GPU: the family's H100 figure times the GB200/H100 ratio of a family that has
        both with that dispatcher;
@@ -242,7 +242,7 @@ def training_throughput(family: str, gpu: str, dispatcher: str = "flex") -> tupl
                                           f"figure {flex:.0f} x {ratio:.2f} (datasheet bf16 peak "
                                           f"{GPUS[gpu].bf16_tflops:g} / 989), from: {how}")
         a2a = training_throughput(family, "h100", "alltoall")[0]
-        extra = 1 / a2a - 1 / flex      # s per PFLOP (x1e3) the all-to-all stack adds on H100's NVLink
+        extra = 1 / a2a - 1 / flex      # seconds per 1e12 FLOP the all-to-all stack adds on H100's NVLink
         got = 1 / (1 / (flex * ratio) + extra)
         return got, forced, (f"training {family} on {gpu}, alltoall dispatcher: no published row; 1 / (1 / "
                              f"({flex:.0f} x {ratio:.2f}, the flex figure at the datasheet bf16 peak ratio) + (1/{a2a:.0f} "

@@ -112,15 +112,16 @@ def test_training_throughput_follows_the_dispatcher():
 
 def test_the_recipes_name_the_dispatcher_of_the_recipes_they_reproduce():
     # NeMo-RL's GB200 on-policy DeepSeek-V3 and Qwen3-235B recipes switch to the flex dispatcher with HybridEP;
-    # every other compared recipe inherits grpo_math_1B.yaml's alltoall
+    # every other NeMo-RL recipe inherits grpo_math_1B.yaml's alltoall; verl's DeepSeek-V3 script runs DeepEP
     from pathlib import Path
 
     from megarl.config import load_config
 
     repo = Path(__file__).resolve().parents[2]
-    flex = {"grpo_deepseek_v3_gb200x128.yaml", "grpo_qwen3_235b_gb200x64.yaml"}
+    flex = {"grpo_deepseek_v3_gb200x128.yaml": "hybridep", "grpo_qwen3_235b_gb200x64.yaml": "hybridep",
+            "grpo_deepseek_v3_h20x96.yaml": "deepep"}
     for path in sorted((repo / "configs").glob("grpo_*_*x*.yaml")):
-        want = "hybridep" if path.name in flex else "alltoall"
+        want = flex.get(path.name, "alltoall")
         assert load_config(str(path)).model.moe_dispatcher == want, path.name
 
 
