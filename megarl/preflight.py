@@ -96,7 +96,13 @@ def preflight(cfg: MegaRLConfig, command: str = "train", backend: str | None = N
     _check_dataset(cfg.data.task)
     hf = _model_config(cfg.model.path, warnings)
     backend = None if command in ("sft", "rm") else backend or rollout_backend()   # no vLLM in sft / rm
-    dims = _check_model(cfg, hf, trains, backend, command) if hf is not None else None
+    dims = _check_model(cfg, hf, trains, backend) if hf is not None else None
+    if command in ("train", "sft", "rm") and cfg.model.moe_dispatcher != "alltoall":
+        from megarl.compat import cuda_available
+        if not cuda_available():
+            raise invalid_value("model.moe_dispatcher", cfg.model.moe_dispatcher,
+                                "alltoall on a machine without a GPU (deepep and hybridep are megatron-core's flex "
+                                "dispatcher: CUDA and the deep_ep package)")
     if command == "train":
         _check_reward_model(cfg, hf)
     if command != "config" and cfg.model.dtype == "bfloat16" and backend == "cpu" and not cpu_has_native_bf16():
@@ -231,8 +237,7 @@ def _model_config(path: str, warnings: list[str]) -> dict | None:
     return hf
 
 
-def _check_model(cfg: MegaRLConfig, hf: dict, trains: bool, backend: str | None,
-                 command: str = "train") -> ModelDims:
+def _check_model(cfg: MegaRLConfig, hf: dict, trains: bool, backend: str | None) -> ModelDims:
     from megarl.parallel.topology import TopologyError
 
     path = cfg.model.path
@@ -242,12 +247,6 @@ def _check_model(cfg: MegaRLConfig, hf: dict, trains: bool, backend: str | None,
         raise invalid_value(f"topology.{err.field}", err.value, f"{err.expected} (model {path})") from None
     except ValueError as err:   # an unknown model_type (the message lists the supported ones), missing sizes
         raise ConfigError("model.path", f"model.path: {path}: {err}") from None
-    if trains and cfg.model.moe_dispatcher != "alltoall" and command != "config":
-        from megarl.compat import cuda_available
-        if not cuda_available():
-            raise invalid_value("model.moe_dispatcher", cfg.model.moe_dispatcher,
-                                "alltoall on a machine without a GPU (deepep and hybridep are megatron-core's flex "
-                                "dispatcher: CUDA and the deep_ep package)")
     if backend is None:          # no vLLM here: nothing to compare with
         return dims
     if cfg.rollout.ep > 1 and backend == "cpu":

@@ -114,17 +114,15 @@ run_deepseek671b_math_megatron_96gb.sh)."""
 
 def rl_training_check() -> list[str]:
     """verl's published MFU of RL training (:data:`RL_UPDATES`) beside what the model gives."""
-    import math
-
     from megarl.planner import published as P
     from megarl.planner.hardware import get_gpu
+    from megarl.planner.roofline import shaped_tflops
 
     out = ["| update | model MFU | published MFU | ratio | source |", "|---|---|---|---|---|"]
     for label, name, family, gpu, dispatcher, tokens, more in RL_UPDATES:
         m = next(x for x in P.RL_TRAINING_MFU if x.name == name)
-        tflops, forced, how = P.training_throughput(family, gpu, dispatcher)
-        trend = P.SEQUENCE_TREND.value ** math.log2(tokens / 4096)
-        model = tflops * (P.DROPLESS_SERIES.value if forced else 1.0) * trend / get_gpu(gpu).bf16_tflops
+        tflops, *_, how = shaped_tflops(family, gpu, dispatcher, tokens)
+        model = tflops / get_gpu(gpu).bf16_tflops
         out.append(f"| {label} | {model:.2f} | {m.value:g}{more} | {model / m.value:.2f} | {m.source}; model: {how} "
                    f"x dropless x sequence trend |")
     return out

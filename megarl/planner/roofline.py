@@ -19,17 +19,17 @@ every value quoted with its source and pinned by a unit test) and the datasheet 
   memory = the engine's dense weights, the routed experts its tokens touch
   (``1 - (1 - k/E)^B`` of them for B tokens) and the KV cache of the sequences in flight, per
   GPU, at the published HBM efficiency; compute = their FLOPs at the published training
-  throughput with the flex dispatcher (vLLM's kernels, not megatron-core's); ``t_layer`` = the per-layer time a decode step takes beyond that read at batch 1
-  (kernel launches, small GEMMs, sampling), derived from a published batch-1 measurement per GPU
-  generation; collectives = two tensor-parallel all-reduces per layer, at the published
+  throughput with the flex dispatcher (vLLM's kernels, not megatron-core's); ``t_layer`` = the
+  per-layer time a decode step takes beyond that read at batch 1 (kernel launches, small GEMMs,
+  sampling), derived from a published batch-1 measurement per GPU generation; collectives = two tensor-parallel all-reduces per layer, at the published
   all-reduce time within an NVLink domain, or, when the engine spans nodes, the published
   network all-reduce latency plus the ring's bytes over the NIC. Prefill is compute at the
   training throughput.
 * **Log-probs and training**: model FLOPs (:mod:`megarl.planner.flops`; full recompute adds a
   forward) at the published MoE training throughput of the model family on the GPU type
   (4,096-token sequences) measured with the recipe's token dispatcher (``model.moe_dispatcher``:
-  megatron-core's all-to-all runs at 0.4-0.7x of the DeepEP / HybridEP benchmarks), times the published dropless/forced-balance ratio where the source
-  forced balanced routing (RL trains on the model's own routing), times the published trend of
+  megatron-core's all-to-all runs at 0.2-0.7x of the DeepEP / HybridEP benchmarks), times the
+  published dropless/forced-balance ratio where the source forced balanced routing (RL trains on the model's own routing), times the published trend of
   throughput with sequence length for the recipe's micro-batch length, times the pipeline
   bubble ``(M + pp - 1) / M`` (interleaved: ``(M + (pp - 1)/vpp) / M``) of the M micro-batches
   per data-parallel rank; plus, per optimizer step, the data-parallel gradient reduce-scatter
@@ -227,6 +227,18 @@ class StepInputs:
     """model.moe_dispatcher: which published training throughput applies."""
 
 
+def shaped_tflops(family: str, gpu: str, dispatcher: str, micro_batch_tokens: float,
+                  moe: bool = True) -> tuple[float, float, float, float, str]:
+    """Training throughput at a recipe's shape: the published figure
+    (:func:`megarl.planner.published.training_throughput`) x the published dropless/forced ratio
+    where its source forced balanced routing (MoE models) x the published sequence trend for the
+    micro-batch length. Returns (TFLOPS, published TFLOPS, routing factor, trend factor, source)."""
+    published, forced, how = P.training_throughput(family, gpu, dispatcher)
+    routing = P.DROPLESS_SERIES.value if forced and moe else 1.0
+    trend = P.SEQUENCE_TREND.value ** math.log2(max(1.0, micro_batch_tokens) / 4096)
+    return published * routing * trend, published, routing, trend, how
+
+
 def estimate_step(x: StepInputs) -> StepEstimate:
     """The step-time estimate (module docstring)."""
     from megarl.planner.flops import flops_per_token
@@ -236,7 +248,9 @@ def estimate_step(x: StepInputs) -> StepEstimate:
     seq = x.mean_prompt + x.mean_response
     est.tokens_per_step = x.samples * seq
     family = model_family(dims)
-    published_tflops, forced, train_source = P.training_throughput(family, gpu.key, x.dispatcher)
+    moe = bool(dims.num_experts)
+    tflops, published_tflops, routing, trend, train_source = shaped_tflops(family, gpu.key, x.dispatcher,
+                                                                           x.micro_batch_tokens, moe)
     t_layer_how = layer_overhead_s(gpu.key)[1]
     est.assumptions += [
         f"peak {gpu.bf16_tflops:g} TFLOPS bf16 dense, HBM {gpu.hbm_tbps:g} TB/s, NVLink {gpu.nvlink_gbps:g} GB/s "
@@ -252,17 +266,13 @@ def estimate_step(x: StepInputs) -> StepEstimate:
         f"derived: {network_allreduce_s()[1]}",
     ]
 
-    # training throughput at this recipe's shape
-    routing = P.DROPLESS_SERIES.value if forced and dims.num_experts else 1.0
-    trend = P.SEQUENCE_TREND.value ** math.log2(max(1.0, x.micro_batch_tokens) / 4096)
-    tflops = published_tflops * routing * trend
     est.assumptions.append(f"derived: training throughput {tflops:.0f} TFLOPS/GPU = {published_tflops:.0f} x "
                            f"{routing:.2f} (dropless) x {trend:.2f} ({x.micro_batch_tokens:,.0f}-token micro-batches "
                            f"vs 4,096); MFU {tflops / gpu.bf16_tflops:.2f}")
     achieved = tflops * 1e12
     # vLLM's kernels are not megatron-core's dispatcher: the engine computes at the flex figure
     engine_tflops = (tflops if x.dispatcher != "alltoall" else
-                     P.training_throughput(family, gpu.key, "flex")[0] * routing * trend)
+                     shaped_tflops(family, gpu.key, "flex", x.micro_batch_tokens, moe)[0])
 
     # generation
     per_engine = x.samples / x.engines
