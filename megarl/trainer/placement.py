@@ -24,10 +24,34 @@ from pathlib import Path
 log = logging.getLogger("megarl")
 
 
-def _free_port(host: str = "") -> int:
-    with socket.socket() as s:
+def _free_port(host: str = "", rng=None) -> int:
+    """A port that ``host`` can listen on now, below the kernel's ephemeral range when that range
+    leaves room (20000 up to it). A port from ``bind(("", 0))`` is an ephemeral one, and between
+    this check and rank 0's listen, any outgoing connection on the node (gloo's, Ray's gRPC) may
+    be given it: EADDRINUSE at process-group creation, seen in CI. Ports below the range are
+    handed out only to those who ask for them by number (Ray's workers use 10002-19999)."""
+    import random
+
+    rng = rng or random.Random()
+    low = _ephemeral_low()
+    for port in rng.sample(range(20000, low), min(64, max(0, low - 20000))):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:   # no room below the range, or all taken: any free port
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The first port of the kernel's ephemeral range (32768 where it cannot be read)."""
+    try:
+        return int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _rendezvous_address() -> tuple[str, int]:
