@@ -130,6 +130,8 @@ def payload_bytes(obj) -> int:
         return obj.numel() * obj.element_size()
     if isinstance(obj, np.ndarray):
         return obj.nbytes
+    if hasattr(obj, "payload"):   # megarl.data.wire's compact forms: the tensors they send
+        return payload_bytes(obj.payload)
     if isinstance(obj, SequenceBatch):
         return payload_bytes(obj.input_ids) + payload_bytes(obj.extras) + payload_bytes(obj.routing)
     if isinstance(obj, dict):

@@ -147,12 +147,15 @@ class DataPlane:
     """Bytes one step moves between the engines, the controller and the training ranks. Per token
     of a sample: token id (int32, prompt and response), the engine's sampling log-prob and the
     policy version of each response token (fp32, int32): these come back to the single controller
-    and go out again to the ranks (issue 36's open part). With routing replay
+    and go out again to the ranks (issue 36's open part), the ids and log-probs as they are (4 + 4 B
+    a response token: vLLM's log-probs are float32 numbers) and the rest as runs of equal values
+    (:mod:`megarl.data.wire`): an outcome reward's advantages are one run a sample (8 B), the loss
+    mask one (5 B), the versions none on-policy; per-token advantages (``token_advantages``: a
+    critic's GAE, a per-token KL reward) 4 B a response token. With routing replay
     (``algorithm.router_replay: r3`` / ``rollout.return_routing``) the experts every MoE layer
     chose, ``moe_layers x top-k`` int16 per prompt and response token: through Ray's object store
     from the engines to the ranks (``trainer.data_plane: object_store``), or through the
-    controller too (``controller``). Out to the ranks also the loss mask and advantage per
-    response token (1 + 4 B). The forward passes before the update (``passes``): an old-log-prob
+    controller too (``controller``). The forward passes before the update (``passes``): an old-log-prob
     pass gives log-probs and entropies (4 + 4 B a response token), the reference model log-probs
     (4 B); the update reads the old and reference log-probs and the rollout correction's weights
     (4 B each). With ``object_store`` they go from the ranks that computed them to the ranks of
@@ -183,16 +186,19 @@ READOUT_BYTES = 128
 
 def data_plane_bytes(*, samples: int, mean_prompt: float, mean_response: float, moe_layers: int, topk: int,
                      routing: bool, dp: int, ranks_per_node: int, routing_via_store: bool = True,
-                     old_pass: bool = False, reference: bool = False, correction: bool = False) -> DataPlane:
+                     old_pass: bool = False, reference: bool = False, correction: bool = False,
+                     token_advantages: bool = False) -> DataPlane:
     """The step's :class:`DataPlane` (means per sample, sizes in bytes); ``routing_via_store``:
     ``trainer.data_plane`` is ``object_store`` (the routing and the forward passes' outputs
     bypass the controller); ``old_pass`` (:func:`megarl.config.passes.needs_old_logprob_pass`),
     ``reference`` (a reference model) and ``correction`` (a rollout correction's weights, with
-    the old pass): the forward passes before the update."""
+    the old pass): the forward passes before the update; ``token_advantages``: advantages that
+    differ token by token (GAE, a KL reward), else one run a sample."""
     tokens = mean_prompt + mean_response
     route = samples * tokens * moe_layers * topk * 2 if routing else 0
     base_in = samples * (4 * tokens + (4 + 4) * mean_response)
-    base_out = base_in + samples * (1 + 4) * mean_response
+    advantages = 4 * mean_response if token_advantages else 4 + 4   # per token, or one run (value, length)
+    base_out = samples * (4 * tokens + 4 * mean_response + advantages + 1 + 4)   # ids, log-probs, adv, mask run
     pass_in = samples * mean_response * ((4 + 4) * old_pass + 4 * reference)
     passes = samples * mean_response * (4 * old_pass + 4 * reference + 4 * (correction and old_pass))
     if routing_via_store:

@@ -229,7 +229,9 @@ def make_plan(cfg, recipe: str = "") -> Plan:
     flow = dict(samples=samples, mean_prompt=mean_prompt, mean_response=mean_response, moe_layers=moe_layers,
                 topk=dims.num_experts_per_tok, dp=topology.dp, ranks_per_node=min(gpn, topology.world_size),
                 routing_via_store=t.data_plane == "object_store", old_pass=old_logprob_pass(cfg),
-                reference=cfg.algorithm.kl_coef > 0, correction=cfg.algorithm.rollout_correction != "none")
+                reference=cfg.algorithm.kl_coef > 0, correction=cfg.algorithm.rollout_correction != "none",
+                token_advantages=cfg.algorithm.advantage == "gae"
+                or (cfg.algorithm.kl_coef > 0 and cfg.algorithm.kl_mode == "reward"))
     replay = cfg.algorithm.router_replay == "r3" or r.return_routing
     plan.data_plane = mem.data_plane_bytes(routing=replay and moe_layers > 0, **flow)
     if moe_layers and not replay:

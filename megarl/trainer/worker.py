@@ -27,6 +27,20 @@ from megarl import faults
 from megarl.compat import heap
 
 
+def receive(micro_batches: list) -> None:
+    """What a rank does first with the micro-batches the controller sent (in place): the extras'
+    wire encoding undone (:func:`megarl.data.wire.decode_batches`), and what they carry by
+    reference fetched from Ray's object store: the samples' routing (replayed or compared in the
+    MoE layers) and the outputs of an earlier pass (old / reference log-probs, correction weights;
+    :func:`megarl.data.store.fetch_columns`)."""
+    from megarl.data.store import fetch_columns, fetch_routing
+    from megarl.data.wire import decode_batches
+
+    decode_batches(micro_batches)
+    fetch_routing(micro_batches)
+    fetch_columns(micro_batches)
+
+
 class HybridWorker:
     def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int,
                  log_file: str | None = None, stage: str = "rl"):
@@ -190,12 +204,11 @@ class HybridWorker:
         :func:`megarl.trainer.readout.old_pass_outputs`, the reference pass's
         (``keep["kl"]``: the micro-batches carry the old pass's log-probs)
         :func:`megarl.trainer.readout.reference_pass_outputs`."""
-        from megarl.data.store import fetch_columns, fetch_routing, put_all
+        from megarl.data.store import put_all
         from megarl.trainer.readout import old_pass_outputs, reference_pass_outputs
 
         engine = self.ref if reference else self.policy
-        fetch_routing(micro_batches)   # trainer.data_plane=object_store: this rank's samples' routing
-        fetch_columns(micro_batches)   # and the outputs of an earlier pass it reads
+        receive(micro_batches)
         outs = engine.forward_logprobs(micro_batches, with_entropy=with_entropy, routing=routing,
                                        record_routing=record_routing)
         if not self.info()["dp_leader"]:
@@ -240,12 +253,14 @@ class HybridWorker:
 
     def values(self, micro_batches):
         """The critic's values of the response tokens, per micro-batch (DP leaders; else None)."""
+        receive(micro_batches)
         outs = self.critic.forward_values(micro_batches)
         return outs if self.info()["dp_leader"] else None
 
     def train_critic(self, micro_batches) -> dict:
         from megarl.trainer.algorithm import make_value_loss_fn
 
+        receive(micro_batches)
         out = self.critic.train_step(micro_batches, make_value_loss_fn(self.cfg.algorithm,
                                                                        self.cfg.rollout.max_response_tokens))
         return out
@@ -258,13 +273,11 @@ class HybridWorker:
         entropy in ``outputs``: per micro-batch, its samples' read-outs
         (:func:`megarl.trainer.readout.micro_batch_readouts`; ``version``: the policy version
         being trained, the alarm's), not the tokens."""
-        from megarl.data.store import fetch_columns, fetch_routing
         from megarl.config.passes import correction_in_forward
         from megarl.trainer.algorithm import forward_tis_weights, make_loss_fn
         from megarl.trainer.readout import micro_batch_readouts
 
-        fetch_routing(micro_batches)   # the routing replayed in the MoE layers, from the object store
-        fetch_columns(micro_batches)   # and the forward passes' outputs (old / reference log-probs, weights)
+        receive(micro_batches)
         loss_fn = make_loss_fn(self.cfg.algorithm, self.cfg.rollout.max_response_tokens, kl_coef,
                                own_old_logprobs=own_old_logprobs)
         self.num_train_calls += 1

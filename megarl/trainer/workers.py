@@ -248,7 +248,11 @@ class WorkerGroup:
         return plan_batches(rollout.lengths(), self.cfg.topology.to_topology(), self.budget)
 
     def _per_rank(self, rollout, plan, per_sample, routing=None) -> list:
-        return [micro_batches_for(rollout, plan, i["dp_rank"], per_sample, routing) for i in self.info]
+        """Each rank's micro-batches, their extras compacted for the trip (:mod:`megarl.data.wire`:
+        lossless; the rank decodes them in :func:`megarl.trainer.worker.receive`)."""
+        from megarl.data.wire import encode_batches
+
+        return [encode_batches(micro_batches_for(rollout, plan, i["dp_rank"], per_sample, routing)) for i in self.info]
 
     def _forward(self, method: str, rollout: Rollout, plan, *args, routing=None, per_sample=None) -> dict:
         """A forward-only worker method on every rank's micro-batches (``per_sample``: their

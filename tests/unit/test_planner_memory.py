@@ -189,7 +189,12 @@ def test_data_plane_bytes_by_hand():
     assert d.routing == routing and routing / (512 * 828) == 928          # the 928 B/token
     # trainer.data_plane=object_store (default): the routing goes from the engines to the ranks
     assert d.controller_in == 512 * (4 * 828 + 8 * 700)
-    assert d.controller_out == d.controller_in + 512 * 5 * 700
+    # out: ids and log-probs per token (4 + 4 B: float32 numbers), an outcome advantage and the loss mask as one
+    # run of equal values a sample each (value + int32 length: 8 + 5 B; megarl.data.wire)
+    assert d.controller_out == 512 * (4 * 828 + 8 * 700 + 8 + 5)
+    gae = mem.data_plane_bytes(samples=512, mean_prompt=128, mean_response=700, moe_layers=58, topk=8, routing=True,
+                               dp=16, ranks_per_node=8, token_advantages=True)
+    assert gae.controller_out == d.controller_out + 512 * (4 * 700 - 8)
     assert d.per_rank == (d.controller_out + routing) // 16 and d.per_node == 8 * d.per_rank
     inline = mem.data_plane_bytes(samples=512, mean_prompt=128, mean_response=700, moe_layers=58, topk=8,
                                   routing=True, dp=16, ranks_per_node=8, routing_via_store=False)

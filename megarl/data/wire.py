@@ -1,0 +1,109 @@
+"""Lossless compaction of the per-token tensors the controller sends to the training ranks.
+
+What still goes from the controller to the ranks per response token (``SequenceBatch.extras``) is
+mostly redundant at RL shapes:
+
+- an outcome reward's advantages (GRPO, RLOO, DAPO...) and returns are one number per sample,
+  repeated over its response tokens; the loss mask is all true except for an agent's tool tokens;
+  off-policy modes' token versions change once per weight sync;
+- vLLM's log-probs are float32 numbers carried as float64 (Python floats).
+
+:func:`encode` sends a tensor as runs of equal values (:class:`Runs`: one value and one int32
+length per run) when that is at most half its bytes, else a float64 tensor whose values are all
+float32 numbers as float32 (:class:`Narrow`), else as it is. Both are checked bit for bit (a -0.0
+is not a 0.0, a NaN is a NaN), so the rank's :func:`decode` gives back the very tensor: the
+numerics cannot change. Per response token this takes the controller's bytes to the ranks from
+17 (ids 4, log-probs 8, advantages 4, mask 1) to about 8 (ids 4, log-probs 4) for an outcome
+reward (``perf/bench_dataplane.py`` measures it).
+
+The encoding happens where the micro-batches leave the controller
+(:meth:`megarl.trainer.workers.WorkerGroup`'s ``_per_rank``) and the decoding where a worker
+receives them (:func:`megarl.trainer.worker.receive`), so the micro-batch code on both sides sees
+plain tensors.
+"""
+from __future__ import annotations
+
+import torch
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class Runs:
+    """A 1-D tensor as runs of equal values: ``values[k]`` repeated ``lengths[k]`` times."""
+
+    __slots__ = ("values", "lengths")
+
+    def __init__(self, values: torch.Tensor, lengths: torch.Tensor):
+        self.values, self.lengths = values, lengths
+
+    def __reduce__(self):
+        return Runs, (self.values, self.lengths)
+
+    @property
+    def payload(self) -> tuple:
+        return self.values, self.lengths
+
+    def decode(self) -> torch.Tensor:
+        return torch.repeat_interleave(self.values, self.lengths.long())
+
+
+class Narrow:
+    """A float64 tensor whose every value is a float32 number, sent as float32."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: torch.Tensor):
+        self.values = values
+
+    def __reduce__(self):
+        return Narrow, (self.values,)
+
+    @property
+    def payload(self) -> tuple:
+        return (self.values,)
+
+    def decode(self) -> torch.Tensor:
+        return self.values.to(torch.float64)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_BITS[t.element_size()]) if t.dtype != torch.bool else t.view(torch.uint8)
+
+
+def encode(t):
+    """``t`` as :class:`Runs`, :class:`Narrow` or itself (anything but a 1-D tensor: itself),
+    whichever is smallest and decodes to ``t`` bit for bit."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() < 2 or t.element_size() not in _BITS:
+        return t
+    t = t.contiguous()
+    bits = _bits(t)
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), (bits[1:] != bits[:-1]).nonzero().squeeze(1) + 1])
+    if len(starts) * (t.element_size() + 4) * 2 <= t.numel() * t.element_size():
+        lengths = torch.diff(starts, append=torch.tensor([t.numel()])).to(torch.int32)
+        return Runs(t[starts].clone(), lengths)
+    if t.dtype == torch.float64:
+        narrow = t.to(torch.float32)
+        if torch.equal(_bits(narrow.to(torch.float64)), bits):
+            return Narrow(narrow)
+    return t
+
+
+def decode(x):
+    """The tensor that :func:`encode` gave ``x`` for (anything else: itself)."""
+    return x.decode() if isinstance(x, (Runs, Narrow)) else x
+
+
+def encode_batches(micro_batches: list) -> list:
+    """Every micro-batch's ``extras`` tensors :func:`encode`-d, in place; returns the list."""
+    for mb in micro_batches:
+        mb.extras = {k: encode(v) for k, v in mb.extras.items()}
+    return micro_batches
+
+
+def decode_batches(micro_batches: list) -> None:
+    """Undo :func:`encode_batches` in place."""
+    for mb in micro_batches:
+        mb.extras = {k: decode(v) for k, v in mb.extras.items()}
+
+
+__all__ = ["Runs", "Narrow", "encode", "decode", "encode_batches", "decode_batches"]
