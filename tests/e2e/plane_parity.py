@@ -8,6 +8,12 @@ loads the start back (the engines get its weights), then runs it with ``controll
 ``OUT_DIR/controller``; prints ``done PLANE refs N1 N2 .. N`` after each (the object references
 the training ranks hold after each step's weight sync, then after the run) and exits 0 when
 both ran.
+
+``--lifetime STEPS``: then, on the same workers, the object-store plane for STEPS steps in each of
+``trainer.mode`` on_policy and async (one prompt a step, no reference model: the old-log-prob pass
+and the correction's objects remain), printing ``life MODE ranks N1 .. N controller C1 .. C``: the
+references the ranks hold and those the controller holds after each step's weight sync, then
+after the run (issue 36: nothing grows across steps).
 """
 import sys
 from pathlib import Path
@@ -19,7 +25,14 @@ from megarl.trainer.workers import WorkerGroup
 PLANES = ("object_store", "controller")
 
 
-def main(recipe: str, out: str) -> None:
+def references() -> int:
+    """The object references this process holds or owns (Ray's reference table)."""
+    import ray
+
+    return len(ray._private.worker.global_worker.core_worker.get_all_reference_counts())
+
+
+def main(recipe: str, out: str, lifetime: int = 0) -> None:
     configs = [load_config(recipe, [f"trainer.data_plane={plane}", f"trainer.run_dir={Path(out) / plane}"])
                for plane in PLANES]
     (Path(out) / "logs").mkdir(parents=True, exist_ok=True)
@@ -35,7 +48,25 @@ def main(recipe: str, out: str) -> None:
             train(cfg, group=group, after_sync=lambda g, step: refs.append(sum(g._all("object_refs"))))
             refs.append(sum(group._all("object_refs")))   # after the run: the last step's objects released
             print(f"done {plane} refs {' '.join(map(str, refs))}", flush=True)
+        for mode in ("on_policy", "async") if lifetime else ():
+            cfg = load_config(recipe, ["trainer.data_plane=object_store", f"trainer.run_dir={Path(out) / mode}",
+                                       f"trainer.steps={lifetime}", f"trainer.mode={mode}", "data.prompts_per_step=1",
+                                       "algorithm.kl_coef=0.0"])
+            group.reuse_for(cfg)
+            ranks, controller = [], []
+
+            def count(g, step: int) -> None:
+                ranks.append(sum(g._all("object_refs")))
+                controller.append(references())
+
+            train(cfg, group=group, after_sync=count)
+            count(group, lifetime + 1)
+            print(f"life {mode} ranks {' '.join(map(str, ranks))} controller {' '.join(map(str, controller))}",
+                  flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    args = sys.argv[1:]
+    steps = int(args.pop(args.index("--lifetime") + 1)) if "--lifetime" in args else 0
+    args = [a for a in args if a != "--lifetime"]
+    main(args[0], args[1], steps)

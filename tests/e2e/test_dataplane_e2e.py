@@ -15,7 +15,10 @@ Checked: every metric of both steps is equal, the weights' checksums exactly; th
 metrics ``rollout_corr/*`` are now sums per sample added up on the controller instead of one sum
 over the step (float64, other order): equal to 1e-12 relative. Lifetime: the ranks hold the same
 number of object references after each step's weight sync (24 here: each DP leader's objects of
-the passes, while the step holds them; 0 on the controller plane) and none after the run.
+the passes, while the step holds them; 0 on the controller plane) and none after the run. Then,
+on the same workers, 20 steps of each of trainer.mode on_policy and async (object-store plane,
+the old pass and IcePop's objects on the ranks): neither the ranks' references nor the
+controller's grow over the 20 steps, and the ranks hold none after each run.
 """
 import math
 import os
@@ -38,13 +41,32 @@ SAME = ("step", "actor/", "reward/", "response_length/", "offpolicy/", "rollout/
         "rollout/distinct_frac", "sync/verified_params", "sync/bytes")
 
 
+LIFETIME = 20
+
+
+def check_lifetime(stdout: str) -> None:
+    """20 steps a mode: after each weight sync the ranks hold the step's objects and nothing older
+    (no more in the last 10 steps than in the first 10: the count follows the step's micro-batches),
+    none after the run; the controller's own references do not grow either."""
+    lines = {line.split()[1]: line.split() for line in stdout.splitlines() if line.startswith("life ")}
+    assert sorted(lines) == ["async", "on_policy"], stdout[-3000:]
+    for mode, words in lines.items():
+        at = words.index("controller")
+        ranks, controller = [int(x) for x in words[3:at]], [int(x) for x in words[at + 1:]]
+        assert len(ranks) == len(controller) == LIFETIME + 1, (mode, words)
+        during, after = ranks[:-1], ranks[-1]
+        print(f"{mode}: ranks' references per step {during}, after {after}; controller's {controller}")
+        assert min(during) > 0 and max(during[10:]) <= max(during[:10]) and after == 0, (mode, ranks)
+        assert max(controller[10:-1]) <= max(controller[:10]), (mode, controller)
+
+
 def test_forward_outputs_through_the_object_store_change_no_number(tmp_path):
     text = recipe(ALGORITHM, steps=2, rollout_extra="  dp: 2", trainer_extra="  min_lr: 2.0e-3")
     text = "topology:\n  world_size: 2\n" + text
     recipe_file = write_recipe(tmp_path, "parity", text)
     env = dict(os.environ, PYTHONPATH=f"{HERE}:{os.environ.get('PYTHONPATH', '')}", RAY_TMPDIR=ray_tmpdir())
-    proc = subprocess.run([sys.executable, str(HERE / "plane_parity.py"), str(recipe_file), str(tmp_path / "runs")],
-                          env=env, capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run([sys.executable, str(HERE / "plane_parity.py"), str(recipe_file), str(tmp_path / "runs"),
+                           "--lifetime", str(LIFETIME)], env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     # the object references the training ranks hold after each step's weight sync, then after the run
     refs = {line.split()[1]: [int(x) for x in line.split()[3:]] for line in proc.stdout.splitlines()
@@ -52,6 +74,7 @@ def test_forward_outputs_through_the_object_store_change_no_number(tmp_path):
     during, after = refs["object_store"][:-1], refs["object_store"][-1]
     assert len(during) == 2 and during[0] > 0 and during == [during[0]] * 2 and after == 0, refs   # no growth
     assert refs["controller"] == [0, 0, 0], refs
+    check_lifetime(proc.stdout)
     runs = tmp_path / "runs"
     new, old = metrics(runs / "object_store"), metrics(runs / "controller")
     assert [r["step"] for r in new] == [r["step"] for r in old] == [1, 2]
