@@ -72,6 +72,14 @@ class Stored:
     def __reduce__(self):   # __slots__ without __dict__: pickle by the constructor's arguments
         return Stored, (self.ref, self.shape, self.dtype, self.nbytes)
 
+    def numel(self) -> int:
+        """The array's element count (as a tensor's: a micro-batch checks its sequences' sizes on
+        the controller before the rank fetches them)."""
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def dim(self) -> int:
+        return len(self.shape)
+
     def __repr__(self) -> str:
         return f"Stored({self.dtype}{list(self.shape)}, {self.nbytes} B)"
 
@@ -121,19 +129,24 @@ class Outbox:
             return len(self._held)
 
 
-def claim(actor, samples, field: str = "routed_experts") -> None:
-    """Replace each sample's :class:`Pending` ``field`` by its :class:`Stored` handle, taken from
-    ``actor``'s :class:`Outbox` by one ordinary call (``actor.take_stored(keys)``) and waited for."""
+PAYLOADS = ("routed_experts", "stored_ids", "stored_logprobs")
+"""The sample fields an engine may put into the object store (:func:`claim` takes them all): the
+routing, and the sequence's token ids and vLLM's log-probs for the training ranks."""
+
+
+def claim(actor, samples, fields: tuple = PAYLOADS) -> None:
+    """Replace each sample's :class:`Pending` ``fields`` by their :class:`Stored` handles, taken
+    from ``actor``'s :class:`Outbox` by one ordinary call (``actor.take_stored(keys)``) and waited for."""
     import ray
 
-    pending = [s for s in samples if isinstance(s.get(field), Pending)]
+    pending = [(s, f) for s in samples for f in fields if isinstance(s.get(f), Pending)]
     if not pending:
         return
-    got = ray.get(actor.take_stored.remote([s[field].key for s in pending]))
-    for s, stored in zip(pending, got):
+    got = ray.get(actor.take_stored.remote([s[f].key for s, f in pending]))
+    for (s, f), stored in zip(pending, got):
         if stored is None:
-            raise RoutingLost(f"the producer no longer holds {s[field]!r} (claimed twice, or the actor restarted)")
-        s[field] = stored
+            raise RoutingLost(f"the producer no longer holds {s[f]!r} (claimed twice, or the actor restarted)")
+        s[f] = stored
 
 
 def put_all(arrays: list) -> list:
@@ -242,10 +255,21 @@ def fetch_routing(micro_batches: list) -> None:
             mb.routing = [next(got) for _ in mb.routing]
 
 
+def fetch_ids(micro_batches: list) -> None:
+    """Resolve the token ids the micro-batches carry by reference (an engine's
+    ``stored_ids``: int32 prompt + response) in place (one ``ray.get``)."""
+    flat = [ids for mb in micro_batches for ids in mb.input_ids]
+    if not any(isinstance(x, Stored) for x in flat):
+        return
+    got = iter(fetch(flat))
+    for mb in micro_batches:
+        mb.input_ids = [next(got) for _ in mb.input_ids]
+
+
 def stored_bytes(items: list) -> int:
     """Bytes of the :class:`Stored` handles in ``items`` (what stays off the controller)."""
     return sum(x.nbytes for x in items if isinstance(x, Stored))
 
 
-__all__ = ["Stored", "Pending", "Outbox", "claim", "RoutingLost", "put_all", "fetch", "fetch_routing", "stored_bytes",
-           "Rows", "Column", "put_rows", "fetch_rows", "fetch_columns"]
+__all__ = ["Stored", "Pending", "Outbox", "PAYLOADS", "claim", "RoutingLost", "put_all", "fetch", "fetch_routing",
+           "fetch_ids", "stored_bytes", "Rows", "Column", "put_rows", "fetch_rows", "fetch_columns"]

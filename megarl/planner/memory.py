@@ -173,6 +173,8 @@ class DataPlane:
     correction weights; 0 without the passes); through the controller only with ``controller``."""
     per_rank: int
     per_node: int
+    samples_via_store: bool = False
+    """The samples' ids and log-probs go from the engines to the ranks through the object store."""
 
     @property
     def controller(self) -> int:
@@ -184,27 +186,40 @@ READOUT_BYTES = 128
 (megarl/trainer/readout.py: about a dozen float64 sums, maxima and counts, and a handle)."""
 
 
+HANDLE_BYTES = 160
+"""A pickled object-store handle (:class:`megarl.data.store.Stored`: Ray's reference with its
+owner's address, shape, dtype, size), about."""
+
+
 def data_plane_bytes(*, samples: int, mean_prompt: float, mean_response: float, moe_layers: int, topk: int,
                      routing: bool, dp: int, ranks_per_node: int, routing_via_store: bool = True,
                      old_pass: bool = False, reference: bool = False, correction: bool = False,
-                     token_advantages: bool = False) -> DataPlane:
+                     token_advantages: bool = False, samples_via_store: bool = False) -> DataPlane:
     """The step's :class:`DataPlane` (means per sample, sizes in bytes); ``routing_via_store``:
     ``trainer.data_plane`` is ``object_store`` (the routing and the forward passes' outputs
     bypass the controller); ``old_pass`` (:func:`megarl.config.passes.needs_old_logprob_pass`),
     ``reference`` (a reference model) and ``correction`` (a rollout correction's weights, with
     the old pass): the forward passes before the update; ``token_advantages``: advantages that
-    differ token by token (GAE, a KL reward), else one run a sample."""
+    differ token by token (GAE, a KL reward), else one run a sample; ``samples_via_store``: the
+    engines put each sample's ids and log-probs (float64) into the object store and the ranks fetch
+    them (``object_store`` with the samples of ``Fleet.generate``: on_policy and one_step_off, not
+    async nor the agent loop), so the controller sends :data:`HANDLE_BYTES` twice a sample instead."""
     tokens = mean_prompt + mean_response
     route = samples * tokens * moe_layers * topk * 2 if routing else 0
     base_in = samples * (4 * tokens + (4 + 4) * mean_response)
     advantages = 4 * mean_response if token_advantages else 4 + 4   # per token, or one run (value, length)
-    base_out = samples * (4 * tokens + 4 * mean_response + advantages + 1 + 4)   # ids, log-probs, adv, mask run
+    small = advantages + 1 + 4                                      # and the loss mask's run
+    if samples_via_store:   # handles out; the ranks read ids (int32) and log-probs (float64) from the engines
+        base_out, to_ranks = samples * (2 * HANDLE_BYTES + small), samples * (4 * tokens + 8 * mean_response + small)
+    else:                   # ids and log-probs (float32 numbers) inline
+        base_out = to_ranks = samples * (4 * tokens + 4 * mean_response + small)
     pass_in = samples * mean_response * ((4 + 4) * old_pass + 4 * reference)
     passes = samples * mean_response * (4 * old_pass + 4 * reference + 4 * (correction and old_pass))
     if routing_via_store:
         through_in, through_out = (samples * READOUT_BYTES if old_pass or reference else 0), 0
     else:
         through_in, through_out = route + pass_in, route + passes
-    per_rank = int(base_out + route + passes) // max(1, dp)
+    per_rank = int(to_ranks + route + passes) // max(1, dp)
     return DataPlane(controller_in=int(base_in + through_in), controller_out=int(base_out + through_out),
-                     routing=int(route), passes=int(passes), per_rank=per_rank, per_node=per_rank * ranks_per_node)
+                     routing=int(route), passes=int(passes), per_rank=per_rank, per_node=per_rank * ranks_per_node,
+                     samples_via_store=samples_via_store)

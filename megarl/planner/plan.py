@@ -231,7 +231,8 @@ def make_plan(cfg, recipe: str = "") -> Plan:
                 routing_via_store=t.data_plane == "object_store", old_pass=old_logprob_pass(cfg),
                 reference=cfg.algorithm.kl_coef > 0, correction=cfg.algorithm.rollout_correction != "none",
                 token_advantages=cfg.algorithm.advantage == "gae"
-                or (cfg.algorithm.kl_coef > 0 and cfg.algorithm.kl_mode == "reward"))
+                or (cfg.algorithm.kl_coef > 0 and cfg.algorithm.kl_mode == "reward"),
+                samples_via_store=t.data_plane == "object_store" and t.mode != "async" and r.agent != "tools")
     replay = cfg.algorithm.router_replay == "r3" or r.return_routing
     plan.data_plane = mem.data_plane_bytes(routing=replay and moe_layers > 0, **flow)
     if moe_layers and not replay:
@@ -288,7 +289,9 @@ def _data_plane_lines(plan: Plan, cfg) -> list[str]:
     lines = [f"  data plane per step: the controller receives {gb(d.controller_in)} from the engines"
              + (" (and the forward passes' read-outs from the ranks)" if d.passes and store else
                 " and the ranks' forward passes" if d.passes else "")
-             + f" and sends {gb(d.controller_out)} to the training ranks (ids, log-probs, versions, advantages, masks)"
+             + f" and sends {gb(d.controller_out)} to the training ranks ("
+             + ("handles on the engines' ids and log-probs, " if d.samples_via_store else "ids, log-probs, versions, ")
+             + "advantages, masks)"
              + (f"; routing replay {gb(d.routing)} ({where})" if d.routing else "")
              + (f"; old/reference log-probs and correction weights {gb(d.passes)} "
                 f"({'through the object store, rank to rank' if store else 'through the controller'})"

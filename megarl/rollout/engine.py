@@ -44,6 +44,16 @@ with ``trainer.data_plane: object_store`` puts each sample's array into Ray's ob
 it in its :class:`megarl.data.store.Outbox` and streams the key; the controller claims the handle
 (:meth:`EngineActor.take_stored`; why not stream the reference: :mod:`megarl.data.store`): the
 routing goes from the engine's node to the training ranks without passing through the controller.
+
+The same plane puts what the training ranks read of each finished sample of
+:meth:`EngineActor.generate_stream`: its token ids (prompt + response, int32, ``stored_ids``) and
+vLLM's log-probs (float64, ``stored_logprobs``). The sample still carries both inline for the
+controller (rewards decode the text, the router and the metrics read lengths, the alarm's
+fallbacks read the log-probs), but the micro-batches carry the handles and each rank fetches its
+own samples' arrays. An engine that dies takes its objects with it: the fleet then drops the
+handles of the samples it delivered in that call (:meth:`megarl.trainer.fleet.Fleet._stream`),
+and those go to the ranks inline. :meth:`EngineActor.generate_requests` (async partial
+rollouts, the agent loop: samples the controller extends) does not put them.
 """
 from __future__ import annotations
 
@@ -60,7 +70,7 @@ from megarl.compat import heap
 
 CONTROL = "control"
 """The Ray concurrency group of :data:`CONTROL_METHODS` (one thread of its own)."""
-CONTROL_METHODS = ("pause", "resume", "submit", "close_stream", "take_stored")
+CONTROL_METHODS = ("pause", "resume", "submit", "close_stream", "take_stored", "object_refs")
 
 
 def captures_routing(cfg) -> bool:
@@ -402,7 +412,8 @@ class EngineActor:
         self._inbox_lock = threading.Lock()
         from megarl.data.store import Outbox
 
-        self.outbox = Outbox()   # routing put into the object store, until the controller claims it
+        self.outbox = Outbox()   # arrays put into the object store, until the controller claims them
+        self.stash = False       # set_data_plane
         self.llm = make_rollout_llm(cfg, str(resolve_model_path(cfg.model.path)), cores)
         self.set_data_plane(cfg.trainer.data_plane)
         heap.trim()   # the loader's freed copies: SmolLM2 fp32 2455 -> 2263 MiB PSS (megarl/compat/heap.py)
@@ -413,16 +424,37 @@ class EngineActor:
                                                             cfg.rollout.weight_noise_match))
 
     def set_data_plane(self, plane: str) -> None:
-        """``trainer.data_plane``: ``object_store`` puts each sample's routing into Ray's object
-        store (the sample carries its key, the controller claims the handle: :meth:`take_stored`),
-        ``controller`` returns the array inline."""
+        """``trainer.data_plane``: ``object_store`` puts each sample's routing, and each finished
+        sample's token ids and log-probs of :meth:`generate_stream`, into Ray's object store (the
+        sample carries their keys, the controller claims the handles: :meth:`take_stored`),
+        ``controller`` returns the arrays inline only."""
+        self.stash = plane == "object_store"
         if (reader := routing_reader(self.llm)) is not None:
             reader.outbox = self.outbox if plane == "object_store" else None
 
     def take_stored(self, keys: list) -> list:
-        """The :class:`megarl.data.store.Stored` handles of the routing streamed as ``keys``
+        """The :class:`megarl.data.store.Stored` handles of the arrays streamed as ``keys``
         (:func:`megarl.data.store.claim`); a control method: it runs while a stream does."""
         return self.outbox.take(keys)
+
+    def object_refs(self) -> int:
+        """The object references this process holds or owns (Ray's reference table): what it put
+        for the controller and is still referenced, or not yet claimed (a control method)."""
+        import ray
+
+        return len(ray._private.worker.global_worker.core_worker.get_all_reference_counts())
+
+    def _stash(self, pairs: list, prompt_ids: list) -> list:
+        """``pairs`` (``[(prompt index, samples)]``) with each sample's ``stored_ids`` (prompt +
+        response, int32) and ``stored_logprobs`` (float64) put into the object store, when the
+        plane is ``object_store``; see the module docstring."""
+        if self.stash:
+            for i, samples in pairs:
+                for sample in samples:
+                    ids = np.asarray(list(prompt_ids[i]) + list(sample["token_ids"]), np.int32)
+                    sample["stored_ids"] = self.outbox.put(ids)
+                    sample["stored_logprobs"] = self.outbox.put(np.asarray(sample["logprobs"], np.float64))
+        return pairs
 
     def info(self) -> dict:
         """pid and node of this actor (:func:`megarl.parallel.nodes.where`; its vLLM processes
@@ -474,14 +506,14 @@ class EngineActor:
             # one, the external id with a random suffix ("7-1a2b3c4d"); the routing is filed under it
             index = {rid.split("-", 1)[0]: (key, rid) for (_, _, key), rid in zip(units, ids)}
             engine = self.llm.llm_engine
-            tokens, done, last = 0, list(ready), t0
+            tokens, done, last = 0, self._stash(list(ready), prompt_ids), t0
             while engine.has_unfinished_requests():
                 routed = []
                 for out in engine.step():
                     if out.finished:
                         tokens += sum(len(o.token_ids) for o in out.outputs)
                         pairs, rows = finish(*index[out.request_id.split("-", 1)[0]], out)
-                        done += pairs
+                        done += self._stash(pairs, prompt_ids)
                         routed += rows
                 if reader is not None:
                     reader.attach(routed)

@@ -11,6 +11,10 @@ from typing import Any
 import torch
 
 
+STORED = ("stored_ids", "stored_logprobs")
+""":class:`Rollout`'s per-sample object-store handles (None: inline)."""
+
+
 @dataclass
 class Rollout:
     """One step's samples, prompt-major: the n samples of prompt i are rows i*n .. i*n+n-1.
@@ -47,6 +51,13 @@ class Rollout:
     """rollout.agent=tools: per response token, whether it carries loss (true: sampled by the
     model; false: inserted tool-result tokens, whose ``sample_logprobs`` are NaN); empty: every
     response token does."""
+    stored_ids: list = field(default_factory=list)
+    """``trainer.data_plane: object_store``: per sample, a handle on its token ids (prompt +
+    response, int32) in Ray's object store, put by the engine that sampled it
+    (:class:`megarl.data.store.Stored`; the micro-batches carry it and the ranks fetch it), or
+    None (the ids go inline); empty: none stored."""
+    stored_logprobs: list = field(default_factory=list)
+    """The same for vLLM's log-probs of the response tokens (float64)."""
 
     @classmethod
     def from_generations(cls, prompt_ids, answers, generations, extras=None) -> "Rollout":
@@ -73,6 +84,16 @@ class Rollout:
                         raise ValueError(f"a sample of prompt {i} has routed_experts for {routing.shape[0]} tokens, "
                                          f"expected {rows} (prompt + response)")
                     r.routed_experts.append(routing)
+                for name, size in (("stored_ids", len(prompt) + len(s["token_ids"])),
+                                   ("stored_logprobs", len(s["token_ids"]))):
+                    handle = s.get(name)
+                    if handle is not None and tuple(handle.shape) != (size,):
+                        raise ValueError(f"a sample of prompt {i} has {name} of shape {tuple(handle.shape)}, "
+                                         f"expected ({size},)")
+                    getattr(r, name).append(handle)
+        for name in STORED:   # none stored: empty, as every optional field
+            if all(h is None for h in getattr(r, name)):
+                getattr(r, name).clear()
         if r.loss_masks and len(r.loss_masks) != len(r.response_ids):
             raise ValueError(f"{len(r.loss_masks)} of {len(r.response_ids)} samples have a loss_mask; expected all "
                              "or none")
@@ -91,7 +112,13 @@ class Rollout:
 
     def concat(self, other: "Rollout") -> "Rollout":
         """This rollout's samples, then ``other``'s (both scored, or both not)."""
-        return Rollout(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(Rollout)})
+        def joined(name: str) -> list:
+            a, b = getattr(self, name), getattr(other, name)
+            if name in STORED and bool(a) != bool(b):   # one part has stored arrays: None for the other's samples
+                a, b = a or [None] * len(self), b or [None] * len(other)
+            return a + b
+
+        return Rollout(**{f.name: joined(f.name) for f in fields(Rollout)})
 
     def loss_mask_T(self, i: int) -> torch.Tensor:
         """Sample ``i``'s loss mask over its response tokens (all true without loss_masks)."""
@@ -157,13 +184,16 @@ def micro_batches_for(rollout: Rollout, plan, dp_rank: int, per_sample: dict[str
     from megarl.engine import SequenceBatch
 
     out = []
+    stored = rollout.stored_ids or [None] * len(rollout)
     for indices in plan.micro_batches[dp_rank]:
-        # int32 on the wire (4 B a token through the controller, not 8; vocabularies < 2**31): packed as int64
-        ids = [torch.tensor(rollout.prompt_ids[i] + rollout.response_ids[i], dtype=torch.int32) for i in indices]
+        # the engine's handle (the rank fetches the ids), or int32 on the wire (4 B a token through the controller,
+        # not 8; vocabularies < 2**31): packed as int64
+        ids = [stored[i] if stored[i] is not None else
+               torch.tensor(rollout.prompt_ids[i] + rollout.response_ids[i], dtype=torch.int32) for i in indices]
         loss_mask = torch.cat([rollout.loss_mask_T(i) for i in indices])   # tool-result tokens: no loss
         extras = {}
         for k, v in per_sample.items():
-            if isinstance(v[indices[0]], Rows):
+            if any(isinstance(v[i], Rows) for i in indices):   # the rank assembles it (tensors pass as they are)
                 extras[k] = Column([v[i] for i in indices], loss_mask if k == "mask_T" else None)
             else:
                 extras[k] = torch.cat([v[i] for i in indices])

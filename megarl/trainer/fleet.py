@@ -27,7 +27,10 @@ can resume from its last checkpoint (``megarl train --resume``).
 Routing in the object store (``trainer.data_plane: object_store``): a message's samples carry
 keys of what their engine put (:class:`megarl.data.store.Pending`); each message's handles are
 claimed from that engine as it arrives (:func:`megarl.data.store.claim`), before anyone sees the
-samples.
+samples; so are the token ids and log-probs it put for the training ranks (``stored_ids``,
+``stored_logprobs``). A restarted engine's objects are gone: the samples it had delivered in the
+call lose those two handles (they go to the ranks inline, from the controller's copy); their
+routing has no copy (a fetch then raises :class:`megarl.data.store.RoutingLost`).
 
 Metrics of the last call (:attr:`Fleet.metrics`): per engine generated tokens and busy seconds,
 ``rollout/busy_ratio``, the max/mean busy seconds across engines (1.0: no engine waits for
@@ -263,6 +266,7 @@ class Fleet:
         from megarl.trainer.workers import WorkerDied, _reason
 
         streams, heard, restarts, pausing = {}, {}, 0, False
+        delivered: dict = {}   # engine -> the samples it delivered in this call (their stored arrays are its)
         stats = {k: {"busy_s": 0.0, "tokens": 0} for k in range(len(self.engines))}
         carried = {k: dict(v) for k, v in stats.items()}   # what an engine's earlier (dead) streams reported
 
@@ -282,6 +286,9 @@ class Fleet:
             log.warning(f"{err} - restarting it ({restarts} of rollout.engine_restarts={limit} this call) and "
                         f"reissuing its {unfinished(k)}")
             carried[k] = dict(stats[k])
+            for sample in delivered.pop(k, ()):   # its objects die with it: these samples go to the ranks inline
+                sample.pop("stored_ids", None)
+                sample.pop("stored_logprobs", None)
             self.engines[k], self.infos[k] = self.restart(k)
             if pausing:   # it stops at once, its requests partial
                 self.engines[k].pause.remote()
@@ -316,7 +323,8 @@ class Fleet:
                     continue
                 try:
                     item = ray.get(next(g))
-                    claim(self.engines[k], samples_in(item))   # the routing's object-store handles
+                    claim(self.engines[k], samples_in(item))   # the object-store handles of its arrays
+                    delivered.setdefault(k, []).extend(samples_in(item))
                 except StopIteration:
                     del streams[k]
                     carried[k] = dict(stats[k])   # a later stream of this engine (a feed's) counts on

@@ -174,9 +174,16 @@ def forward_readout_inputs(rollout, version: int, tis_in_forward: bool) -> dict:
     (:func:`micro_batch_readouts`), per sample: vLLM's log-probs ``rollout_logprobs_T`` (float64,
     NaN where none), ``versions_T`` (int32) only when some token is of another version than
     ``version`` (on-policy: nothing to send), and with token-level tis in the forward
-    (:func:`megarl.config.passes.correction_in_forward`) ``mask_T``, the tokens it weighs."""
+    (:func:`megarl.config.passes.correction_in_forward`) ``mask_T``, the tokens it weighs. A
+    sample whose engine put its log-probs into the object store (``Rollout.stored_logprobs``)
+    sends the handle (:class:`megarl.data.store.Rows`: the rank fetches them)."""
+    from megarl.data.store import Rows
+
     rollout_lp = [torch.tensor(lp, dtype=torch.float64) for lp in rollout.sample_logprobs]
     out = {"rollout_logprobs_T": rollout_lp}
+    if rollout.stored_logprobs:
+        out["rollout_logprobs_T"] = [lp if h is None else Rows(h, 0, len(lp))
+                                     for lp, h in zip(rollout_lp, rollout.stored_logprobs)]
     if tis_in_forward:
         out["mask_T"] = [~lp.isnan() for lp in rollout_lp]
     if rollout.token_versions and any(v != version for vs in rollout.token_versions for v in vs):

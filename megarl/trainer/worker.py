@@ -30,13 +30,15 @@ from megarl.compat import heap
 def receive(micro_batches: list) -> None:
     """What a rank does first with the micro-batches the controller sent (in place): the extras'
     wire encoding undone (:func:`megarl.data.wire.decode_batches`), and what they carry by
-    reference fetched from Ray's object store: the samples' routing (replayed or compared in the
-    MoE layers) and the outputs of an earlier pass (old / reference log-probs, correction weights;
+    reference fetched from Ray's object store: the token ids the engines put, the samples' routing
+    (replayed or compared in the MoE layers), vLLM's log-probs the engines put and the outputs of
+    an earlier pass (old / reference log-probs, correction weights;
     :func:`megarl.data.store.fetch_columns`)."""
-    from megarl.data.store import fetch_columns, fetch_routing
+    from megarl.data.store import fetch_columns, fetch_ids, fetch_routing
     from megarl.data.wire import decode_batches
 
     decode_batches(micro_batches)
+    fetch_ids(micro_batches)
     fetch_routing(micro_batches)
     fetch_columns(micro_batches)
 

@@ -11,9 +11,9 @@ both ran.
 
 ``--lifetime STEPS``: then, on the same workers, the object-store plane for STEPS steps in each of
 ``trainer.mode`` on_policy and async (one prompt a step, no reference model: the old-log-prob pass
-and the correction's objects remain), printing ``life MODE ranks N1 .. N controller C1 .. C``: the
-references the ranks hold and those the controller holds after each step's weight sync, then
-after the run (issue 36: nothing grows across steps).
+and the correction's objects remain), printing ``life MODE ranks N1 .. N controller C1 .. C engines
+E1 .. E``: the references the ranks, the controller and the engines hold after each step's weight
+sync, then after the run (issue 36: nothing grows across steps).
 """
 import sys
 from pathlib import Path
@@ -53,16 +53,16 @@ def main(recipe: str, out: str, lifetime: int = 0) -> None:
                                        f"trainer.steps={lifetime}", f"trainer.mode={mode}", "data.prompts_per_step=1",
                                        "algorithm.kl_coef=0.0"])
             group.reuse_for(cfg)
-            ranks, controller = [], []
+            counts = {"ranks": [], "controller": [], "engines": []}
 
             def count(g, step: int) -> None:
-                ranks.append(sum(g._all("object_refs")))
-                controller.append(references())
+                counts["ranks"].append(sum(g._all("object_refs")))
+                counts["controller"].append(references())
+                counts["engines"].append(sum(g.fleet.call_all("object_refs")))
 
             train(cfg, group=group, after_sync=count)
             count(group, lifetime + 1)
-            print(f"life {mode} ranks {' '.join(map(str, ranks))} controller {' '.join(map(str, controller))}",
-                  flush=True)
+            print(f"life {mode} " + " ".join(f"{k} {' '.join(map(str, v))}" for k, v in counts.items()), flush=True)
 
 
 if __name__ == "__main__":

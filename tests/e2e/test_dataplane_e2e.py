@@ -47,17 +47,19 @@ LIFETIME = 20
 def check_lifetime(stdout: str) -> None:
     """20 steps a mode: after each weight sync the ranks hold the step's objects and nothing older
     (no more in the last 10 steps than in the first 10: the count follows the step's micro-batches),
-    none after the run; the controller's own references do not grow either."""
+    none after the run; the controller's and the engines' references do not grow either."""
     lines = {line.split()[1]: line.split() for line in stdout.splitlines() if line.startswith("life ")}
     assert sorted(lines) == ["async", "on_policy"], stdout[-3000:]
     for mode, words in lines.items():
-        at = words.index("controller")
-        ranks, controller = [int(x) for x in words[3:at]], [int(x) for x in words[at + 1:]]
-        assert len(ranks) == len(controller) == LIFETIME + 1, (mode, words)
-        during, after = ranks[:-1], ranks[-1]
-        print(f"{mode}: ranks' references per step {during}, after {after}; controller's {controller}")
-        assert min(during) > 0 and max(during[10:]) <= max(during[:10]) and after == 0, (mode, ranks)
+        at, et = words.index("controller"), words.index("engines")
+        ranks, controller, engines = ([int(x) for x in words[a + 1:b]]
+                                      for a, b in ((2, at), (at, et), (et, len(words))))
+        assert len(ranks) == len(controller) == len(engines) == LIFETIME + 1, (mode, words)
+        print(f"{mode}: references after each step's sync, then after the run: ranks {ranks}, controller "
+              f"{controller}, engines {engines}")
+        assert min(ranks[:-1]) > 0 and max(ranks[10:-1]) <= max(ranks[:10]) and ranks[-1] == 0, (mode, ranks)
         assert max(controller[10:-1]) <= max(controller[:10]), (mode, controller)
+        assert max(engines[10:-1]) <= max(engines[:10]), (mode, engines)
 
 
 def test_forward_outputs_through_the_object_store_change_no_number(tmp_path):

@@ -58,9 +58,12 @@ class FakeEngine:
             samples = [{"token_ids": [7] * p[0], "logprobs": [-1.0] * p[0], "clipped": False, "prompt": list(p),
                         "engine": self.index, "at": time.time(), "draft": None if drafts is None else drafts[j]}
                        for _ in range(1 if greedy else self.n)]
-            if self.mode == "routing":
-                import numpy as np
+            import numpy as np
 
+            for s in samples:   # what the ranks read, put as EngineActor._stash does (object_store plane)
+                s["stored_ids"] = self.outbox.put(np.asarray(list(p) + s["token_ids"], np.int32))
+                s["stored_logprobs"] = self.outbox.put(np.asarray(s["logprobs"], np.float64))
+            if self.mode == "routing":
                 for s in samples:
                     s["routed_experts"] = self.outbox.put(np.full((len(p) + p[0], 64, 8), p[1], np.int16))
             tokens += sum(len(s["token_ids"]) for s in samples)
@@ -251,7 +254,7 @@ def test_router_learns_response_lengths_and_balances_the_next_call(fleet_of):
 
 
 @pytest.mark.parametrize("mode", ["die", "hang"])
-def test_a_dead_or_hung_engine_is_restarted_and_its_unfinished_prompts_reissued(fleet_of, mode):
+def test_a_dead_or_hung_engine_is_restarted_and_its_unfinished_prompts_reissued(fleet_of, ray_local, mode):
     fleet = fleet_of((0.05, "ok"), (0.05, mode), restarts=1)
     healthy = fleet_of((0.05, "ok"), (0.05, "ok"))
     ids = prompts(2, 3, 4, 5)
@@ -264,6 +267,16 @@ def test_a_dead_or_hung_engine_is_restarted_and_its_unfinished_prompts_reissued(
     assert fleet.metrics["rollout/engine_restarts"] == 1
     # the dead stream's tokens count too: what engine 1 generated in all equals a healthy engine 1's
     assert fleet.metrics["rollout/engine1_tokens"] == healthy.metrics["rollout/engine1_tokens"]
+    # the ids and log-probs the engines put for the ranks: the replaced engine's objects died with it, so the
+    # fleet dropped the handles of the prompt it had delivered (those samples go inline); the rest fetch. A hung
+    # engine delivered its first prompt; one that exits right after yielding it may not have (the item dies with it)
+    inline = [i for i, samples in enumerate(out) if all("stored_ids" not in s for s in samples)]
+    assert len(inline) == (1 if mode == "hang" else len(inline)) <= 1
+    assert all(s["engine"] == 1 and "stored_logprobs" not in s for i in inline for s in out[i])
+    stored = [(i, s) for i, samples in enumerate(out) if i not in inline for s in samples]
+    assert len(stored) == 8 - 2 * len(inline) and all(s["stored_ids"].shape == (3 + len(s["token_ids"]),) for _, s in stored)
+    got = ray_local.get([s["stored_ids"].ref for _, s in stored])
+    assert [a.tolist() for a in got] == [ids[i] + s["token_ids"] for i, s in stored]
 
 
 def plasma_bytes() -> int:
@@ -315,7 +328,9 @@ def test_routing_travels_by_reference_and_is_freed_after_each_step(fleet_of, ray
         if step == 0:
             assert plasma_bytes() >= held // 2   # the objects are in shared memory while the step holds them
         owned = lambda: sum(ray_local.get([e.owned.remote() for e in fleet.engines]))  # noqa: E731
-        assert owned() == len(rollout)   # the engines own one object per sample while the step holds it
+        # while the step holds them the engines own three objects a sample: its routing, ids and log-probs
+        assert len(rollout.stored_ids) == len(rollout.stored_logprobs) == len(rollout)
+        assert owned() == 3 * len(rollout)
         del rollout, gens, per_rank
         deadline = time.monotonic() + 5   # reference releases are messages: wait for them briefly
         while owned() and time.monotonic() < deadline:

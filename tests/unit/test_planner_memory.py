@@ -189,12 +189,18 @@ def test_data_plane_bytes_by_hand():
     assert d.routing == routing and routing / (512 * 828) == 928          # the issue's 928 B/token
     # trainer.data_plane=object_store (default): the routing goes from the engines to the ranks
     assert d.controller_in == 512 * (4 * 828 + 8 * 700)
-    # out: ids and log-probs per token (4 + 4 B: float32 numbers), an outcome advantage and the loss mask as one
-    # run of equal values a sample each (value + int32 length: 8 + 5 B; megarl.data.wire)
-    assert d.controller_out == 512 * (4 * 828 + 8 * 700 + 8 + 5)
+    # out: ids of every token and log-probs of the response's (4 + 4 B: float32 numbers), an outcome advantage and
+    # the loss mask as one run of equal values a sample each (value + int32 length: 8 + 5 B; megarl.data.wire)
+    assert d.controller_out == 512 * (4 * 828 + 4 * 700 + 8 + 5)
     gae = mem.data_plane_bytes(samples=512, mean_prompt=128, mean_response=700, moe_layers=58, topk=8, routing=True,
                                dp=16, ranks_per_node=8, token_advantages=True)
     assert gae.controller_out == d.controller_out + 512 * (4 * 700 - 8)
+    # the engines' objects (on_policy, one_step_off): the controller sends two handles a sample, the ranks read
+    # the ids and the float64 log-probs from the engines' nodes
+    via = mem.data_plane_bytes(samples=512, mean_prompt=128, mean_response=700, moe_layers=58, topk=8, routing=True,
+                               dp=16, ranks_per_node=8, samples_via_store=True)
+    assert via.controller_out == 512 * (2 * mem.HANDLE_BYTES + 8 + 5) and via.controller_in == d.controller_in
+    assert via.per_rank == (512 * (4 * 828 + 8 * 700 + 8 + 5) + routing) // 16
     assert d.per_rank == (d.controller_out + routing) // 16 and d.per_node == 8 * d.per_rank
     inline = mem.data_plane_bytes(samples=512, mean_prompt=128, mean_response=700, moe_layers=58, topk=8,
                                   routing=True, dp=16, ranks_per_node=8, routing_via_store=False)

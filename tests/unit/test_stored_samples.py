@@ -1,0 +1,136 @@
+"""Issue 36: a rollout engine puts what the training ranks read of each finished sample (its token
+ids and vLLM's log-probs) into Ray's object store; the controller holds handles and the ranks
+fetch them. Here: the micro-batches carry the handles, a rank that fetches gets exactly the
+tensors the controller would have sent inline (ids as int32, log-probs as float64), samples
+without handles (an engine that died, another source) mix with stored ones, and a rollout keeps
+its handles aligned through select and concat. Ray's put/get are a dict here (the real store, 2
+ranks and 2 engines: tests/e2e/test_dataplane_e2e.py)."""
+import itertools
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from megarl.data import BatchBudget, plan_batches
+from megarl.data.store import Column, Outbox, Stored, claim, fetch_columns, fetch_ids
+from megarl.data.wire import decode_batches, encode_batches
+from megarl.parallel import Topology
+from megarl.trainer.batch import Rollout, micro_batches_for
+from megarl.trainer.readout import forward_readout_inputs
+
+
+@pytest.fixture
+def store(monkeypatch):
+    import ray
+
+    held, keys = {}, itertools.count()
+
+    def put(a):
+        key = next(keys)
+        held[key] = np.array(a)
+        held[key].setflags(write=False)
+        return key
+
+    monkeypatch.setattr(ray, "put", put)
+    # object-store keys come back as their arrays; anything else (an actor call's answer) as it is
+    monkeypatch.setattr(ray, "get", lambda refs: [held[r] if isinstance(r, int) else r for r in refs])
+    return held
+
+
+class Engine:
+    """What claim() calls of an engine actor: take_stored.remote(keys) (ray.get passes it through)."""
+
+    def __init__(self):
+        self.outbox = Outbox()
+        self.take_stored = self
+
+    def remote(self, keys):
+        return self.outbox.take(keys)
+
+
+def generations(engine: Engine, prompts, sizes, stash):
+    """Per prompt, its samples as EngineActor.generate_stream gives them (stash: its _stash)."""
+    g = torch.Generator().manual_seed(len(sizes))
+    out = []
+    for prompt, ns in zip(prompts, sizes):
+        samples = []
+        for n in ns:
+            s = {"token_ids": torch.randint(5, 90, (n,), generator=g).tolist(),
+                 "logprobs": (-torch.rand(n, generator=g, dtype=torch.float64)).tolist(), "clipped": False}
+            if stash:
+                s["stored_ids"] = engine.outbox.put(np.asarray(prompt + s["token_ids"], np.int32))
+                s["stored_logprobs"] = engine.outbox.put(np.asarray(s["logprobs"], np.float64))
+            samples.append(s)
+        out.append(samples)
+    claim(engine, [s for samples in out for s in samples])
+    return out
+
+
+def sent_and_fetched(rollout, plan, rank, per_sample):
+    """The rank's micro-batches as Ray delivers them (pickled) and as the rank reads them."""
+    mbs = pickle.loads(pickle.dumps(encode_batches(micro_batches_for(rollout, plan, rank, per_sample))))
+    decode_batches(mbs)
+    fetch_ids(mbs)
+    fetch_columns(mbs)
+    return mbs
+
+
+def test_ranks_fetch_exactly_what_the_controller_would_send(store):
+    prompts, sizes = [[1, 2, 3], [4, 5]], [[3, 5], [4, 2]]
+    engine = Engine()
+    stored = Rollout.from_generations(prompts, ["", ""], generations(engine, prompts, sizes, stash=True))
+    inline = Rollout.from_generations(prompts, ["", ""], generations(Engine(), prompts, sizes, stash=False))
+    assert len(engine.outbox) == 0 and all(isinstance(h, Stored) for h in stored.stored_ids + stored.stored_logprobs)
+    assert inline.stored_ids == inline.stored_logprobs == []
+    assert stored.response_ids == inline.response_ids and stored.sample_logprobs == inline.sample_logprobs
+    plan = plan_batches(stored.lengths(), Topology(world_size=2), BatchBudget(max_tokens_per_micro_batch=12))
+    for rank in range(2):
+        handles = micro_batches_for(stored, plan, rank, forward_readout_inputs(stored, 0, True))
+        for mb in handles:   # what leaves the controller: handles, no ids or log-probs
+            assert all(isinstance(x, Stored) for x in mb.input_ids)
+            assert isinstance(mb.extras["rollout_logprobs_T"], Column)
+        got = sent_and_fetched(stored, plan, rank, forward_readout_inputs(stored, 0, True))
+        want = micro_batches_for(inline, plan, rank, forward_readout_inputs(inline, 0, True))
+        assert len(got) == len(want) > 0
+        for a, b in zip(got, want):
+            assert [x.dtype for x in a.input_ids] == [torch.int32] * len(b.input_ids)
+            assert all(torch.equal(x, y) for x, y in zip(a.input_ids, b.input_ids))
+            assert a.prompt_lengths == b.prompt_lengths and a.response_lengths == b.response_lengths
+            assert a.extras.keys() == b.extras.keys()
+            for k in b.extras:
+                assert a.extras[k].dtype == b.extras[k].dtype and torch.equal(a.extras[k], b.extras[k]), k
+
+
+def test_samples_without_handles_mix_with_stored_ones(store):
+    """An engine restarted mid-call: the fleet drops the handles of what it had delivered
+    (megarl/trainer/fleet.py), so a micro-batch may hold both kinds."""
+    prompts, sizes = [[1, 2, 3], [4, 5]], [[3, 5], [4, 2]]
+    gens = generations(Engine(), prompts, sizes, stash=True)
+    for s in gens[0]:
+        s.pop("stored_ids")
+        s.pop("stored_logprobs")
+    r = Rollout.from_generations(prompts, ["", ""], gens)
+    assert [h is None for h in r.stored_ids] == [True, True, False, False]
+    plan = plan_batches(r.lengths(), Topology(world_size=1), BatchBudget(max_tokens_per_micro_batch=100))
+    (mb,) = sent_and_fetched(r, plan, 0, forward_readout_inputs(r, 0, False))
+    order = plan.micro_batches[0][0]
+    assert [x.tolist() for x in mb.input_ids] == [r.prompt_ids[i] + r.response_ids[i] for i in order]
+    assert mb.extras["rollout_logprobs_T"].tolist() == [x for i in order for x in r.sample_logprobs[i]]
+
+
+def test_handles_stay_aligned_through_select_and_concat(store):
+    prompts, sizes = [[1, 2, 3], [4, 5]], [[3, 5], [4, 2]]
+    stored = Rollout.from_generations(prompts, ["", ""], generations(Engine(), prompts, sizes, stash=True))
+    inline = Rollout.from_generations(prompts, ["", ""], generations(Engine(), prompts, sizes, stash=False))
+    both = stored.select([3, 0]).concat(inline.select([1]))
+    assert len(both.stored_ids) == len(both.stored_logprobs) == 3
+    assert both.stored_ids[:2] == [stored.stored_ids[3], stored.stored_ids[0]] and both.stored_ids[2] is None
+    assert inline.concat(inline).stored_ids == []
+
+
+def test_a_handle_of_the_wrong_size_is_refused(store):
+    gens = generations(Engine(), [[1, 2]], [[3]], stash=True)
+    gens[0][0]["token_ids"].append(7)   # the inline ids and the stored ones disagree
+    with pytest.raises(ValueError, match=r"stored_ids of shape \(5,\), expected \(6,\)"):
+        Rollout.from_generations([[1, 2]], [""], gens)
