@@ -5,11 +5,9 @@ controller computed from the same tokens (``correct_rollout``, ``controller_read
 update's micro-batches, which regroup the samples, get back exactly each sample's tensors
 (megarl/data/store.py: ``Rows``, ``Column``, ``fetch_columns``). Ray's put/get are replaced by a
 dict here (the real object store, 2 ranks and 2 engines: tests/e2e/test_dataplane_e2e.py)."""
-import itertools
 import math
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
@@ -19,24 +17,6 @@ from megarl.trainer.batch import Rollout, micro_batches_for
 from megarl.trainer.routing import StepRouting
 from megarl.trainer.readout import (controller_readouts, forward_readout_inputs, old_pass_outputs, readout_metrics,
                                     reference_pass_outputs)
-
-
-@pytest.fixture
-def store(monkeypatch):
-    """ray.put / ray.get on a dict; the arrays come back read-only, as from the object store."""
-    import ray
-
-    held, keys = {}, itertools.count()
-
-    def put(a):
-        key = next(keys)
-        held[key] = np.array(a)
-        held[key].setflags(write=False)
-        return key
-
-    monkeypatch.setattr(ray, "put", put)
-    monkeypatch.setattr(ray, "get", lambda refs: [held[r] for r in refs])
-    return held
 
 
 def algorithm(mode="icepop", level="token"):

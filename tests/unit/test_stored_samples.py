@@ -5,7 +5,6 @@ tensors the controller would have sent inline (ids as int32, log-probs as float6
 without handles (an engine that died, another source) mix with stored ones, and a rollout keeps
 its handles aligned through select and concat. Ray's put/get are a dict here (the real store, 2
 ranks and 2 engines: tests/e2e/test_dataplane_e2e.py)."""
-import itertools
 import pickle
 
 import numpy as np
@@ -18,24 +17,6 @@ from megarl.data.wire import decode_batches, encode_batches
 from megarl.parallel import Topology
 from megarl.trainer.batch import Rollout, micro_batches_for
 from megarl.trainer.readout import forward_readout_inputs
-
-
-@pytest.fixture
-def store(monkeypatch):
-    import ray
-
-    held, keys = {}, itertools.count()
-
-    def put(a):
-        key = next(keys)
-        held[key] = np.array(a)
-        held[key].setflags(write=False)
-        return key
-
-    monkeypatch.setattr(ray, "put", put)
-    # object-store keys come back as their arrays; anything else (an actor call's answer) as it is
-    monkeypatch.setattr(ray, "get", lambda refs: [held[r] if isinstance(r, int) else r for r in refs])
-    return held
 
 
 class Engine:
