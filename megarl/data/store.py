@@ -11,6 +11,12 @@ and travel as :class:`Stored` handles:
     old log-prob pass (r2): the ranks put the routing they recorded; the controller passes the
     handles on to the update.
 
+The engines put each finished sample's token ids (prompt + response, int32) and vLLM log-probs
+(float64) the same way (``stored_ids``, ``stored_logprobs``; :meth:`megarl.rollout.engine.EngineActor._stash`):
+the micro-batches carry the handles, the ranks resolve them (:func:`fetch_ids`, and the
+log-probs as :class:`Rows` of a :class:`Column`). The controller keeps its own copy of both (the
+rewards decode the text).
+
 The forward passes before an update (old and reference log-probs, the rollout correction's
 weights and kept tokens) are put by the training ranks' DP leaders, one object per micro-batch
 (:func:`put_rows`), and travel as a :class:`Rows` per sample; the update's micro-batches regroup
@@ -32,8 +38,10 @@ nodes Ray moves the bytes from the producing node. Lifetime is Ray's reference c
 object lives while a handle to it does (the step's :class:`~megarl.trainer.batch.Rollout`, an
 asynchronous source's queued groups), so a step's objects are freed once the step is done with
 them; nothing is kept across steps. An object's owner is the process that put it: a vLLM engine
-that dies takes the routing it produced with it, and a fetch then fails with
-:class:`RoutingLost`, naming what to do.
+that dies takes the routing, ids and log-probs it produced with it, and a fetch then fails with
+:class:`RoutingLost`, naming what to do (the fleet drops the ids' and log-probs' handles of an
+engine it restarts within a call, so only an engine that dies between its call and the update
+fails a step).
 
 ``trainer.data_plane: controller`` keeps the previous behaviour (arrays inline in the samples,
 through the controller): the baseline of ``perf/bench_dataplane.py``.
@@ -168,9 +176,10 @@ def fetch(items: list) -> list:
     except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError) as err:
         raise RoutingLost(
             f"a sample's stored payload is no longer in Ray's object store ({type(err).__name__}): the process that "
-            "produced it (a rollout engine for routed experts; a training rank for recorded routing or a forward "
-            "pass's log-probs) has died since; the step cannot use it. Resume from the last checkpoint, or run with "
-            "trainer.data_plane=controller to keep these payloads on the controller") from err
+            "produced it (a rollout engine for a sample's token ids, log-probs or routed experts; a training rank for "
+            "recorded routing or a forward pass's log-probs) has died since; the step cannot use it. Resume from the "
+            "last checkpoint, or run with trainer.data_plane=controller to keep these payloads on the controller") \
+            from err
     for i, a in zip(where, arrays):
         out[i] = _tensor(a, items[i].dtype)
     return out
