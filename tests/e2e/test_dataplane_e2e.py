@@ -1,6 +1,7 @@
 """Issue 36: the forward passes' per-token outputs stay on the training ranks and in Ray's object
-store (``trainer.data_plane: object_store``) and the run is the same as with every tensor through
-the controller (``controller``, the previous design).
+store, the samples' token ids and vLLM log-probs go from the engines' objects to the ranks
+(``trainer.data_plane: object_store``), and the run is the same as with every tensor through the
+controller (``controller``, the previous design).
 
 One launch (tests/e2e/plane_parity.py): one WorkerGroup of 2 training ranks (DP 2) and 2 vLLM
 engines (rollout.dp 2), the tied tiny llama, 2 steps of GRPO with everything that reads the old
