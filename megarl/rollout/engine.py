@@ -377,6 +377,15 @@ def sample(llm, rollout_cfg, prompt_ids: list[list[int]], seeds: list[int], gree
     return result
 
 
+def _in_ray_actor() -> bool:
+    """Whether this process runs a Ray actor (an :class:`EngineActor` of the fleet), not a script
+    that built one in its own process (tests/e2e/spec_exactness.py): only the former's puts are
+    claimed, and a ``ray.put`` in the latter would start a Ray of its own."""
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
 def engine_actor_class():
     """:class:`EngineActor` as a Ray actor class: its :data:`CONTROL_METHODS` in the concurrency
     group :data:`CONTROL`, everything else in the default group (one thread: vLLM is called from
@@ -427,10 +436,11 @@ class EngineActor:
         """``trainer.data_plane``: ``object_store`` puts each sample's routing, and each finished
         sample's token ids and log-probs of :meth:`generate_stream`, into Ray's object store (the
         sample carries their keys, the controller claims the handles: :meth:`take_stored`),
-        ``controller`` returns the arrays inline only."""
-        self.stash = plane == "object_store"
+        ``controller`` returns the arrays inline only (so does an engine outside a Ray actor)."""
+        # an EngineActor built in a script's own process has no controller to claim what it would put
+        self.stash = plane == "object_store" and _in_ray_actor()
         if (reader := routing_reader(self.llm)) is not None:
-            reader.outbox = self.outbox if plane == "object_store" else None
+            reader.outbox = self.outbox if self.stash else None
 
     def take_stored(self, keys: list) -> list:
         """The :class:`megarl.data.store.Stored` handles of the arrays streamed as ``keys``

@@ -61,6 +61,8 @@ def check_lifetime(stdout: str) -> None:
         assert min(ranks[:-1]) > 0 and max(ranks[10:-1]) <= max(ranks[:10]) and ranks[-1] == 0, (mode, ranks)
         assert max(controller[10:-1]) <= max(controller[:10]), (mode, controller)
         assert max(engines[10:-1]) <= max(engines[:10]), (mode, engines)
+        if mode == "on_policy":   # the step's samples' ids and log-probs are the engines' objects while it runs
+            assert min(engines[:-1]) > 0 and engines[-1] == 0, (mode, engines)
 
 
 def test_forward_outputs_through_the_object_store_change_no_number(tmp_path):
