@@ -253,26 +253,36 @@ def fetch_columns(micro_batches: list) -> None:
         extras[k] = t & col.and_mask if col.and_mask is not None else t
 
 
-def fetch_routing(micro_batches: list) -> None:
-    """Resolve the stored routing of every micro-batch in place (one ``ray.get``)."""
-    flat = [r for mb in micro_batches if mb.routing is not None for r in mb.routing]
-    if not any(isinstance(r, Stored) for r in flat):
+def _fetch_per_sequence(micro_batches: list, attr: str) -> None:
+    """Resolve every :class:`Stored` in each micro-batch's per-sequence list ``attr`` (a batch
+    whose list is None has none) in place, with one ``ray.get``."""
+    lists = [getattr(mb, attr) for mb in micro_batches]
+    flat = [x for xs in lists if xs is not None for x in xs]
+    if not any(isinstance(x, Stored) for x in flat):
         return
     got = iter(fetch(flat))
-    for mb in micro_batches:
-        if mb.routing is not None:
-            mb.routing = [next(got) for _ in mb.routing]
+    for mb, xs in zip(micro_batches, lists):
+        if xs is not None:
+            setattr(mb, attr, [next(got) for _ in xs])
+
+
+def fetch_routing(micro_batches: list) -> None:
+    """Resolve the stored routing of every micro-batch in place (one ``ray.get``)."""
+    _fetch_per_sequence(micro_batches, "routing")
 
 
 def fetch_ids(micro_batches: list) -> None:
     """Resolve the token ids the micro-batches carry by reference (an engine's
     ``stored_ids``: int32 prompt + response) in place (one ``ray.get``)."""
-    flat = [ids for mb in micro_batches for ids in mb.input_ids]
-    if not any(isinstance(x, Stored) for x in flat):
-        return
-    got = iter(fetch(flat))
-    for mb in micro_batches:
-        mb.input_ids = [next(got) for _ in mb.input_ids]
+    _fetch_per_sequence(micro_batches, "input_ids")
+
+
+def reference_count() -> int:
+    """The object references this process holds or owns (Ray's reference table): what it put and
+    is still referenced somewhere, and the handles it holds."""
+    import ray
+
+    return len(ray._private.worker.global_worker.core_worker.get_all_reference_counts())
 
 
 def stored_bytes(items: list) -> int:
@@ -281,4 +291,4 @@ def stored_bytes(items: list) -> int:
 
 
 __all__ = ["Stored", "Pending", "Outbox", "PAYLOADS", "claim", "RoutingLost", "put_all", "fetch", "fetch_routing",
-           "fetch_ids", "stored_bytes", "Rows", "Column", "put_rows", "fetch_rows", "fetch_columns"]
+           "fetch_ids", "reference_count", "stored_bytes", "Rows", "Column", "put_rows", "fetch_rows", "fetch_columns"]

@@ -450,9 +450,9 @@ class EngineActor:
     def object_refs(self) -> int:
         """The object references this process holds or owns (Ray's reference table): what it put
         for the controller and is still referenced, or not yet claimed (a control method)."""
-        import ray
+        from megarl.data.store import reference_count
 
-        return len(ray._private.worker.global_worker.core_worker.get_all_reference_counts())
+        return reference_count()
 
     def _stash(self, pairs: list, prompt_ids: list) -> list:
         """``pairs`` (``[(prompt index, samples)]``) with each sample's ``stored_ids`` (prompt +

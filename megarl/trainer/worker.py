@@ -433,9 +433,9 @@ class HybridWorker:
         """The object references this process holds or owns (Ray's reference table): what it put
         into the object store for the controller (a forward pass's log-probs, recorded routing)
         and has not seen released yet."""
-        import ray
+        from megarl.data.store import reference_count
 
-        return len(ray._private.worker.global_worker.core_worker.get_all_reference_counts())
+        return reference_count()
 
     def shutdown(self) -> None:
         """Nothing of its own to stop (the engines are actors of their own): a no-op kept so that

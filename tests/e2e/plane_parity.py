@@ -19,17 +19,11 @@ import sys
 from pathlib import Path
 
 from megarl.config import load_config
+from megarl.data.store import reference_count
 from megarl.trainer.loop import train
 from megarl.trainer.workers import WorkerGroup
 
 PLANES = ("object_store", "controller")
-
-
-def references() -> int:
-    """The object references this process holds or owns (Ray's reference table)."""
-    import ray
-
-    return len(ray._private.worker.global_worker.core_worker.get_all_reference_counts())
 
 
 def main(recipe: str, out: str, lifetime: int = 0) -> None:
@@ -57,7 +51,7 @@ def main(recipe: str, out: str, lifetime: int = 0) -> None:
 
             def count(g, step: int) -> None:
                 counts["ranks"].append(sum(g._all("object_refs")))
-                counts["controller"].append(references())
+                counts["controller"].append(reference_count())
                 counts["engines"].append(sum(g.fleet.call_all("object_refs")))
 
             train(cfg, group=group, after_sync=count)

@@ -43,9 +43,9 @@ class FakeEngine:
 
     def owned(self) -> int:
         """Objects this process owns that are still referenced somewhere (Ray's reference table)."""
-        import ray
+        from megarl.data.store import reference_count
 
-        return len(ray._private.worker.global_worker.core_worker.get_all_reference_counts())
+        return reference_count()
 
     def generate_stream(self, prompt_ids, seeds, greedy=False, flush_s=0.25, heartbeat_s=2.0, drafts=None):
         tokens = 0
