@@ -52,8 +52,11 @@ controller (rewards decode the text, the router and the metrics read lengths, th
 fallbacks read the log-probs), but the micro-batches carry the handles and each rank fetches its
 own samples' arrays. An engine that dies takes its objects with it: the fleet then drops the
 handles of the samples it delivered in that call (:meth:`megarl.trainer.fleet.Fleet._stream`),
-and those go to the ranks inline. :meth:`EngineActor.generate_requests` (async partial
-rollouts, the agent loop: samples the controller extends) does not put them.
+and those go to the ranks inline. :meth:`EngineActor.generate_requests` puts them for the
+requests that ask (``"store"``: the async producer's; the agent loop's turns, which the
+controller joins with tool output, do not); the fleet stamps every sample that carries handles
+with its engine's incarnation, and a sample whose engine was restarted since goes inline
+(:meth:`megarl.trainer.fleet.Fleet.drop_lost`).
 """
 from __future__ import annotations
 
@@ -461,10 +464,12 @@ class EngineActor:
         if self.stash:
             for i, samples in pairs:
                 for sample in samples:
-                    ids = np.asarray(list(prompt_ids[i]) + list(sample["token_ids"]), np.int32)
-                    sample["stored_ids"] = self.outbox.put(ids)
-                    sample["stored_logprobs"] = self.outbox.put(np.asarray(sample["logprobs"], np.float64))
+                    self._put_sample(prompt_ids[i], sample)
         return pairs
+
+    def _put_sample(self, prompt: list, sample: dict) -> None:
+        sample["stored_ids"] = self.outbox.put(np.asarray(list(prompt) + list(sample["token_ids"]), np.int32))
+        sample["stored_logprobs"] = self.outbox.put(np.asarray(sample["logprobs"], np.float64))
 
     def info(self) -> dict:
         """pid and node of this actor (:func:`megarl.parallel.nodes.where`; its vLLM processes
@@ -615,6 +620,11 @@ class EngineActor:
         :meth:`generate_stream`. Capturing routing, done and partial samples carry
         ``routed_experts`` (a partial's: what was computed before the abort).
 
+        A request with ``"store": True`` (the async producer's): on the ``object_store`` plane its
+        finished sample carries ``stored_ids`` (the request's prompt, which holds the sample's
+        earlier tokens, + what it generated here) and ``stored_logprobs`` (those of this call's
+        tokens) like :meth:`generate_stream`'s; a partial one carries neither.
+
         ``stream_id`` (an open stream): the call also takes the requests that :meth:`submit` adds
         under that id while it runs (between engine steps; it waits for them when it has nothing
         to run) and ends only after :meth:`close_stream` and its last request. This is how the
@@ -625,6 +635,7 @@ class EngineActor:
         delay = self.cfg.rollout.delay_per_token_s
         reader = routing_reader(self.llm)
         num_prompt: dict = {}
+        to_store: dict = {}   # vLLM request id -> its prompt, for a request whose finished sample is put
         internal = {}   # external id -> vLLM's internal id (add_request's answer), the routing's key
         t0 = time.perf_counter()
         tokens, done, last, idle_s = 0, [], t0, 0.0   # idle: an open stream waiting for submissions
@@ -641,6 +652,8 @@ class EngineActor:
             rids = [f"megarl-{len(num_prompt) + j}" for j in range(len(new))]
             for rid, q in zip(rids, new):
                 num_prompt[rid] = len(q["prompt_ids"])
+                if q.get("store") and self.stash:
+                    to_store[rid] = q["prompt_ids"]
                 pending[rid] = (q["id"], {"token_ids": [], "logprobs": [], "clipped": False})
             if self.paused.is_set():
                 return   # returned as partials (nothing generated)
@@ -687,6 +700,8 @@ class EngineActor:
                         if out.finished:
                             sample["clipped"] = o.finish_reason == "length"
                             done.append(pending.pop(out.request_id))
+                            if out.request_id in to_store:
+                                self._put_sample(to_store.pop(out.request_id), sample)
                             routed.append((internal[out.request_id], sample, num_prompt[out.request_id], o))
                     if reader is not None:
                         reader.attach(routed)

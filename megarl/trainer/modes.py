@@ -21,7 +21,10 @@ checkpoint of step v holds). Step k trains the policy of version k - 1 into vers
   rollouts); it syncs the new weights, and the producer resumes every unfinished sample with its
   generated prefix appended to the prompt and the remaining token budget. Each token records the
   version that generated it (:attr:`megarl.trainer.batch.Rollout.token_versions`), so a sample may
-  hold tokens of several versions.
+  hold tokens of several versions. On the ``object_store`` plane the engine that finishes a sample
+  puts its ids (the whole sample: the request's prompt holds its earlier tokens) and, for a sample
+  generated in one call, its log-probs for the ranks, as in the synchronous modes; the step drops
+  the handles of samples whose engine was restarted since (:meth:`Fleet.drop_lost`).
 
 Sample ids (:attr:`Rollout.sample_ids`) name a sample by where its prompt came from:
 ``s<step>.g<group>.<j>`` (sample j of group g of step k's prompts) in the synchronous modes,
@@ -262,11 +265,17 @@ class AsyncSource(OnPolicy):
                     have = len(s["token_ids"])
                     seed = ((self.cfg.trainer.seed * 1_000_003 + g.chunk * 1009 + g.index) * 64 + j) * 4099 + have
                     out.append({"id": (gid, j), "group": gid, "prompt_ids": g.prompt_ids + s["token_ids"],
-                                "max_tokens": r.max_response_tokens - have, "greedy": False, "seed": seed})
+                                "max_tokens": r.max_response_tokens - have, "greedy": False, "seed": seed,
+                                "store": True})
         return out
 
     def _extend(self, rid, sample: dict, done: bool) -> None:
         s = self.groups[rid[0]].samples[rid[1]]
+        if sample.get("stored_ids") is not None:
+            # the engine put prompt + every token (the request's prompt held the earlier ones) and the
+            # log-probs of this call's tokens: those are the whole sample's only if it had none before
+            s["stored_ids"], s["stored_by"] = sample["stored_ids"], sample["stored_by"]
+            s["stored_logprobs"] = sample["stored_logprobs"] if not s["token_ids"] else None
         s["token_ids"] += sample["token_ids"]
         s["logprobs"] += sample["logprobs"]
         s["versions"] += [self.version] * len(sample["token_ids"])
@@ -359,6 +368,8 @@ class AsyncSource(OnPolicy):
                 continue
             taken.append(g)
         self.counts["dropped_stale"] += dropped
+        # an engine restarted since it delivered a sample took that sample's stored arrays: inline instead
+        self.group.fleet.drop_lost([s for g in taken for s in g.samples])
         rollout = Rollout.from_generations([g.prompt_ids for g in taken], [g.record.answer for g in taken],
                                            [g.samples for g in taken],
                                            [{"data_source": g.record.data_source, **g.record.extra} for g in taken])

@@ -11,7 +11,8 @@ both ran.
 
 ``--lifetime STEPS``: then, on the same workers, the object-store plane for STEPS steps in each of
 ``trainer.mode`` on_policy and async (one prompt a step, no reference model: the old-log-prob pass
-and the correction's objects remain), printing ``life MODE ranks N1 .. N controller C1 .. C engines
+and the correction's objects remain; async with ``trainer.max_staleness`` 0: every step trains
+tokens of the version it updates, the groups generated before a sync are dropped), printing ``life MODE ranks N1 .. N controller C1 .. C engines
 E1 .. E``: the references the ranks, the controller and the engines hold after each step's weight
 sync, then after the run (issue 36: nothing grows across steps).
 """
@@ -45,7 +46,7 @@ def main(recipe: str, out: str, lifetime: int = 0) -> None:
         for mode in ("on_policy", "async") if lifetime else ():
             cfg = load_config(recipe, ["trainer.data_plane=object_store", f"trainer.run_dir={Path(out) / mode}",
                                        f"trainer.steps={lifetime}", f"trainer.mode={mode}", "data.prompts_per_step=1",
-                                       "algorithm.kl_coef=0.0"])
+                                       "algorithm.kl_coef=0.0", "trainer.max_staleness=0"])
             group.reuse_for(cfg)
             counts = {"ranks": [], "controller": [], "engines": []}
 

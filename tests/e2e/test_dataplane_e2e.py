@@ -19,7 +19,9 @@ number of object references after each step's weight sync (24 here: each DP lead
 the passes, while the step holds them; 0 on the controller plane) and none after the run. Then,
 on the same workers, 20 steps of each of trainer.mode on_policy and async (object-store plane,
 the old pass and IcePop's objects on the ranks): neither the ranks' references nor the
-controller's grow over the 20 steps, and the ranks hold none after each run.
+controller's grow over the 20 steps (async drops stale groups too), and the ranks hold none after
+each run. In async the ranks read the samples' ids and log-probs from the engines' objects too, and
+vLLM's log-probs agree with the ranks' to 1e-4 at every step.
 """
 import math
 import os
@@ -61,8 +63,8 @@ def check_lifetime(stdout: str) -> None:
         assert min(ranks[:-1]) > 0 and max(ranks[10:-1]) <= max(ranks[:10]) and ranks[-1] == 0, (mode, ranks)
         assert max(controller[10:-1]) <= max(controller[:10]), (mode, controller)
         assert max(engines[10:-1]) <= max(engines[:10]), (mode, engines)
-        if mode == "on_policy":   # the step's samples' ids and log-probs are the engines' objects while it runs
-            assert min(engines[:-1]) > 0 and engines[-1] == 0, (mode, engines)
+        # the samples' ids and log-probs are the engines' objects while a step runs (async: the buffered ones too)
+        assert min(engines[:-1]) > 0 and engines[-1] == 0, (mode, engines)
 
 
 def test_forward_outputs_through_the_object_store_change_no_number(tmp_path):
@@ -92,6 +94,15 @@ def test_forward_outputs_through_the_object_store_change_no_number(tmp_path):
         close = [k for k in a if k.startswith("rollout_corr/")]
         assert len(close) == 6 and all(math.isclose(a[k], b[k], rel_tol=1e-12, abs_tol=1e-15) for k in close), \
             {k: (a[k], b[k]) for k in close}
+    # async (max_staleness 0: each step's tokens are of the version it trains, stale groups dropped):
+    # the ranks read the ids and log-probs the engines put (the old pass runs on those ids); vLLM's
+    # log-probs agree with the ranks' to fp32 precision at every step (samples resumed after a sync:
+    # tests/unit/test_modes.py)
+    rows = metrics(runs / "async")
+    diffs = [r["rollout/logprob_diff_max"] for r in rows]
+    assert len(rows) == LIFETIME and all(d is not None and d < 1e-4 for d in diffs), diffs
+    print(f"async: {sum(r['async/dropped_stale'] for r in rows)} stale groups dropped over {LIFETIME} steps; "
+          f"vLLM vs ranks' log-probs, max per step up to {max(diffs):.1e}")
     # the sample log (per-sample gaps from the ranks' read-outs) and the samples themselves
     for name in ("samples.jsonl", "generations.jsonl"):
         assert (runs / "object_store" / name).read_text() == (runs / "controller" / name).read_text(), name

@@ -3,7 +3,8 @@
 The fleet here is a stand-in that emits one token per request every few milliseconds and honours
 the pause event like the real one (tests/e2e/test_modes_e2e.py runs the real fleet, engines
 and trainer): it checks the controller logic only - per-token versions across a pause, the
-staleness bound, the checkpoint state and its replay, errors crossing the thread. Keys:
+staleness bound, the checkpoint state and its replay, errors crossing the thread, the samples'
+object-store handles. Keys:
 trainer.mode=async, trainer.max_staleness (the bound), trainer.buffer_groups (groups generated
 ahead of training).
 """
@@ -11,21 +12,38 @@ import threading
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 
 from megarl.config.schema import MegaRLConfig
+from megarl.data.store import Stored, fetch
 from megarl.observability.timeline import Timeline
 from megarl.trainer.batch import Rollout
+from megarl.trainer.fleet import Fleet
 from megarl.trainer.modes import AsyncSource, version_gaps, version_runs
 from megarl.trainer.rollout import Rollouts
 
 
 class ScriptedFleet:
-    """``generate_requests`` as the real fleet's: a token per request per tick, partials on pause."""
+    """``generate_requests`` as the real fleet's: a token per request per tick, partials on pause.
+    ``store``: a finished sample of a ``"store"`` request carries handles on its ids (the request's
+    prompt + this call's tokens) and log-probs (this call's), stamped with the engine's incarnation,
+    as the object-store plane's engines and fleet give them (Ray's store: the ``store`` fixture)."""
 
-    def __init__(self, tick_s=0.01, fail=False):
+    drop_lost = Fleet.drop_lost
+
+    def __init__(self, tick_s=0.01, fail=False, store=False):
         self.tick_s, self.fail, self.active, self.calls, self.resumed = tick_s, fail, False, [], 0
-        self.engines, self.metrics = [object()], {}
+        self.engines, self.metrics, self.store, self.incarnations = [object()], {}, store, [0]
+
+    def finished(self, request, tokens):
+        sample = {"token_ids": tokens, "logprobs": [-0.5 - t / 100 for t in tokens], "clipped": True}
+        if self.store and request.get("store"):
+            sample["stored_ids"] = Stored.put(np.asarray(request["prompt_ids"] + tokens, np.int32))
+            sample["stored_logprobs"] = Stored.put(np.asarray(sample["logprobs"], np.float64))
+            sample["stored_by"] = (0, self.incarnations[0])
+        return sample
 
     def generate_requests(self, requests, pause=None, on_done=None):
         if self.fail:
@@ -34,17 +52,17 @@ class ScriptedFleet:
         self.calls.append([r["id"] for r in requests])
         have = {r["id"]: [] for r in requests}
         budget = {r["id"]: r["max_tokens"] for r in requests}
+        by_id = {r["id"]: r for r in requests}
         try:
             while have:
                 if pause is not None and pause.is_set():
-                    return {}, {rid: {"token_ids": t, "logprobs": [-0.5] * len(t), "clipped": False}
+                    return {}, {rid: {"token_ids": t, "logprobs": [-0.5 - x / 100 for x in t], "clipped": False}
                                 for rid, t in have.items()}
                 time.sleep(self.tick_s)
                 for rid in list(have):
-                    have[rid].append(7)
+                    have[rid].append(7 + len(by_id[rid]["prompt_ids"]) + len(have[rid]))   # position-dependent
                     if len(have[rid]) == budget[rid]:
-                        tokens = have.pop(rid)
-                        on_done([(rid, {"token_ids": tokens, "logprobs": [-0.5] * len(tokens), "clipped": True})])
+                        on_done([(rid, self.finished(by_id[rid], have.pop(rid)))])
             return {}, {}
         finally:
             self.active = False
@@ -180,6 +198,43 @@ def test_a_stop_request_while_waiting_for_samples_is_raised():
 def test_buffer_smaller_than_a_step_is_refused():
     with pytest.raises(Exception, match="trainer.buffer_groups"):
         source(ScriptedFleet(), buffer_groups=1)
+
+
+def wait_for(condition, timeout=10.0):
+    deadline = time.time() + timeout
+    while not condition() and time.time() < deadline:
+        time.sleep(0.01)
+    assert condition()
+
+
+def test_async_samples_carry_their_engines_handles_until_the_engine_restarts(store):
+    """Issue 36: the async producer's samples go to the ranks as the engines' objects. A sample
+    generated in one call: its ids and log-probs; one resumed after a sync: its ids (the last
+    engine put prompt + every token), its log-probs inline (they span calls); samples whose engine
+    was restarted after it delivered them: inline."""
+    fleet = ScriptedFleet(store=True)
+    src = source(fleet, max_staleness=1, buffer_groups=2)
+    try:
+        first, _ = src.batch(1, no_stop)
+        assert len(first.stored_ids) == len(first.stored_logprobs) == len(first) == 4
+        for i in range(len(first)):
+            ids, logprobs = fetch([first.stored_ids[i], first.stored_logprobs[i]])
+            assert ids.dtype == torch.int32 and ids.tolist() == first.prompt_ids[i] + first.response_ids[i]
+            assert logprobs.dtype == torch.float64 and logprobs.tolist() == first.sample_logprobs[i]
+        time.sleep(0.05)                       # the next chunk is being generated: the sync pauses it
+        src.after_update(1, dict)
+        second, _ = src.batch(2, no_stop)
+        assert all(len(set(v)) == 2 for v in second.token_versions)   # every sample spans both calls
+        assert second.stored_logprobs == [] and len(second.stored_ids) == 4
+        for i in range(len(second)):
+            assert fetch([second.stored_ids[i]])[0].tolist() == second.prompt_ids[i] + second.response_ids[i]
+        wait_for(lambda: len(src.ready) == 2)  # chunk 3, delivered by the engine before its restart
+        fleet.incarnations[0] += 1
+        third, _ = src.batch(3, no_stop)
+        assert third.stored_ids == [] and third.stored_logprobs == []
+        assert all(len(r) == 20 for r in third.response_ids)
+    finally:
+        src.close()
 
 
 def test_rollout_select_keeps_ids_and_versions_aligned():
