@@ -202,8 +202,9 @@ def data_plane_bytes(*, samples: int, mean_prompt: float, mean_response: float, 
     the old pass): the forward passes before the update; ``token_advantages``: advantages that
     differ token by token (GAE, a KL reward), else one run a sample; ``samples_via_store``: the
     engines put each sample's ids and log-probs (float64) into the object store and the ranks fetch
-    them (``object_store`` with the samples of ``Fleet.generate``: on_policy and one_step_off, not
-    async nor the agent loop), so the controller sends :data:`HANDLE_BYTES` twice a sample instead."""
+    them (``object_store``, every mode but the agent loop; an async sample resumed after a sync
+    still sends its log-probs inline, not counted), so the controller sends :data:`HANDLE_BYTES`
+    twice a sample instead."""
     tokens = mean_prompt + mean_response
     route = samples * tokens * moe_layers * topk * 2 if routing else 0
     base_in = samples * (4 * tokens + (4 + 4) * mean_response)

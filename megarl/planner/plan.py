@@ -232,7 +232,7 @@ def make_plan(cfg, recipe: str = "") -> Plan:
                 reference=cfg.algorithm.kl_coef > 0, correction=cfg.algorithm.rollout_correction != "none",
                 token_advantages=cfg.algorithm.advantage == "gae"
                 or (cfg.algorithm.kl_coef > 0 and cfg.algorithm.kl_mode == "reward"),
-                samples_via_store=t.data_plane == "object_store" and t.mode != "async" and r.agent != "tools")
+                samples_via_store=t.data_plane == "object_store" and r.agent != "tools")
     replay = cfg.algorithm.router_replay == "r3" or r.return_routing
     plan.data_plane = mem.data_plane_bytes(routing=replay and moe_layers > 0, **flow)
     if moe_layers and not replay:
