@@ -37,11 +37,12 @@ Within a node a fetch maps the shared-memory object (no copy through the control
 nodes Ray moves the bytes from the producing node. Lifetime is Ray's reference counting: an
 object lives while a handle to it does (the step's :class:`~megarl.trainer.batch.Rollout`, an
 asynchronous source's queued groups), so a step's objects are freed once the step is done with
-them; nothing is kept across steps. An object's owner is the process that put it: a vLLM engine
-that dies takes the routing, ids and log-probs it produced with it, and a fetch then fails with
-:class:`RoutingLost`, naming what to do (the fleet drops the ids' and log-probs' handles of an
-engine it restarts within a call, so only an engine that dies between its call and the update
-fails a step).
+them; nothing is kept across steps. An object's owner is the process that put it, and it dies
+with its owner: so an engine's :class:`Outbox` puts what it claimed through the engine's
+:class:`megarl.data.keeper.Keeper`, which outlives the engine's restarts (an engine restarted
+while its samples wait in an async buffer, or while a step trains on them, loses nothing). The
+training ranks own what they put (a rank that dies fails the step anyway). A fetch of an object
+whose owner died fails with :class:`RoutingLost`, naming what to do.
 
 ``trainer.data_plane: controller`` keeps the previous behaviour (arrays inline in the samples,
 through the controller): the baseline of ``perf/bench_dataplane.py``.
@@ -51,10 +52,21 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from megarl.data.keeper import reference_count
+
 
 class RoutingLost(RuntimeError):
-    """A stored payload could not be fetched: the process that owned it (a rollout engine, a
-    training rank) is gone."""
+    """A stored payload could not be fetched: the process that owned it (a rollout engine's
+    keeper, a training rank) is gone."""
+
+
+def _numpy(t: torch.Tensor) -> tuple[np.ndarray, str]:
+    """A tensor as the numpy array the object store holds, and its dtype's name (numpy has no
+    bfloat16: its bits, as int16, named ``bfloat16``)."""
+    if t.dtype == torch.bfloat16:
+        return t.detach().cpu().contiguous().view(torch.int16).numpy(), "bfloat16"
+    a = t.detach().cpu().numpy()
+    return a, str(a.dtype)
 
 
 class Stored:
@@ -71,11 +83,8 @@ class Stored:
         """``array`` (numpy or torch) into the object store, owned by the calling process."""
         import ray
 
-        if isinstance(array, torch.Tensor) and array.dtype == torch.bfloat16:   # numpy has no bfloat16: its bits
-            a = array.detach().cpu().contiguous().view(torch.int16).numpy()
-            return cls(ray.put(a), a.shape, "bfloat16", a.nbytes)
-        a = array.detach().cpu().numpy() if isinstance(array, torch.Tensor) else np.asarray(array)
-        return cls(ray.put(a), a.shape, str(a.dtype), a.nbytes)
+        a, dtype = _numpy(array) if isinstance(array, torch.Tensor) else (np.asarray(array), None)
+        return cls(ray.put(a), a.shape, dtype or str(a.dtype), a.nbytes)
 
     def __reduce__(self):   # __slots__ without __dict__: pickle by the constructor's arguments
         return Stored, (self.ref, self.shape, self.dtype, self.nbytes)
@@ -109,28 +118,46 @@ class Pending:
 
 
 class Outbox:
-    """A producer's objects between ``ray.put`` and the controller's :func:`claim`: it holds
-    each :class:`Stored` (so the object lives) until :meth:`take` hands it over. Thread-safe:
-    the producer puts from its generating thread, the claim takes from the control thread."""
+    """A producer's arrays until the controller's :func:`claim`: :meth:`put` keeps the array and
+    answers a :class:`Pending` key; :meth:`take` puts the claimed ones into the object store, in
+    one call to the producer's ``keeper`` (:class:`megarl.data.keeper.Keeper`, which then owns
+    them and outlives the producer's restarts) or, without one, by this process (which owns them),
+    and hands the :class:`Stored` handles over. Thread-safe: the producer puts from its generating
+    thread (no Ray call there), the claim takes from the control thread."""
 
-    def __init__(self):
+    def __init__(self, keeper=None):
         import threading
 
+        self.keeper = keeper
         self._held: dict = {}
         self._lock = threading.Lock()
         self._next = 0
 
     def put(self, array) -> Pending:
-        stored = Stored.put(array)
+        """Keep ``array`` (numpy or torch; not to be changed afterwards) for a claim."""
+        if isinstance(array, torch.Tensor):
+            a, dtype = _numpy(array)
+        else:
+            a = np.asarray(array)
+            dtype = str(a.dtype)
         with self._lock:
             self._next += 1
-            self._held[self._next] = stored
-            return Pending(self._next, stored.shape, stored.dtype, stored.nbytes)
+            self._held[self._next] = (a, dtype)
+            return Pending(self._next, a.shape, dtype, a.nbytes)
 
     def take(self, keys: list) -> list:
-        """The :class:`Stored` handles of ``keys``, no longer held here (a key not held: None)."""
+        """The :class:`Stored` handles of ``keys``, put now and no longer held here (a key not held:
+        None)."""
+        import ray
+
         with self._lock:
-            return [self._held.pop(k, None) for k in keys]
+            held = [self._held.pop(k, None) for k in keys]
+        arrays = [h[0] for h in held if h is not None]
+        if not arrays:
+            return [None] * len(keys)
+        refs = iter(ray.get(self.keeper.put.remote(arrays)) if self.keeper is not None else
+                    [ray.put(a) for a in arrays])
+        return [None if h is None else Stored(next(refs), h[0].shape, h[1], h[0].nbytes) for h in held]
 
     def __len__(self) -> int:
         with self._lock:
@@ -176,8 +203,9 @@ def fetch(items: list) -> list:
     except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError) as err:
         raise RoutingLost(
             f"a sample's stored payload is no longer in Ray's object store ({type(err).__name__}): the process that "
-            "produced it (a rollout engine for a sample's token ids, log-probs or routed experts; a training rank for "
-            "recorded routing or a forward pass's log-probs) has died since; the step cannot use it. Resume from the "
+            "owned it (a rollout engine's keeper for a sample's token ids, log-probs or routed experts, lost with its "
+            "node; a training rank for recorded routing or a forward pass's log-probs) has died since; the step cannot "
+            "use it. Resume from the "
             "last checkpoint, or run with trainer.data_plane=controller to keep these payloads on the controller") \
             from err
     for i, a in zip(where, arrays):
@@ -275,14 +303,6 @@ def fetch_ids(micro_batches: list) -> None:
     """Resolve the token ids the micro-batches carry by reference (an engine's
     ``stored_ids``: int32 prompt + response) in place (one ``ray.get``)."""
     _fetch_per_sequence(micro_batches, "input_ids")
-
-
-def reference_count() -> int:
-    """The object references this process holds or owns (Ray's reference table): what it put and
-    is still referenced somewhere, and the handles it holds."""
-    import ray
-
-    return len(ray._private.worker.global_worker.core_worker.get_all_reference_counts())
 
 
 def stored_bytes(items: list) -> int:

@@ -40,9 +40,10 @@ its prefill). A partial sample carries the routing of what was computed so far; 
 (:mod:`megarl.compat.vllm_cpu`, V4) and fetched from the workers after each engine step that
 finished requests (:class:`RoutingReader`); on GPU they come from vLLM's own
 ``CompletionOutput.routed_experts`` (``enable_return_routed_experts``), converted. An engine actor
-with ``trainer.data_plane: object_store`` puts each sample's array into Ray's object store, keeps
-it in its :class:`megarl.data.store.Outbox` and streams the key; the controller claims the handle
-(:meth:`EngineActor.take_stored`; why not stream the reference: :mod:`megarl.data.store`): the
+with ``trainer.data_plane: object_store`` keeps each sample's array in its
+:class:`megarl.data.store.Outbox` and streams a key; the controller claims the handle
+(:meth:`EngineActor.take_stored`: the claimed arrays are put into Ray's object store then; why
+not stream a reference: :mod:`megarl.data.store`): the
 routing goes from the engine's node to the training ranks without passing through the controller.
 
 The same plane puts what the training ranks read of each finished sample of
@@ -50,13 +51,10 @@ The same plane puts what the training ranks read of each finished sample of
 vLLM's log-probs (float64, ``stored_logprobs``). The sample still carries both inline for the
 controller (rewards decode the text, the router and the metrics read lengths, the alarm's
 fallbacks read the log-probs), but the micro-batches carry the handles and each rank fetches its
-own samples' arrays. An engine that dies takes its objects with it: the fleet then drops the
-handles of the samples it delivered in that call (:meth:`megarl.trainer.fleet.Fleet._stream`),
-and those go to the ranks inline. :meth:`EngineActor.generate_requests` puts them for the
-requests that ask (``"store"``: the async producer's; the agent loop's turns, which the
-controller joins with tool output, do not); the fleet stamps every sample that carries handles
-with its engine's incarnation, and a sample whose engine was restarted since goes inline
-(:meth:`megarl.trainer.fleet.Fleet.drop_lost`).
+own samples' arrays. :meth:`EngineActor.generate_requests` puts them for the requests that ask
+(``"store"``: the async producer's; the agent loop's turns, which the controller joins with tool
+output, do not). What an engine puts is owned by its :class:`megarl.data.keeper.Keeper`, not by
+the engine: a restarted engine's samples keep their routing, ids and log-probs.
 """
 from __future__ import annotations
 
@@ -405,10 +403,12 @@ class EngineActor:
     the module docstring)."""
 
     def __init__(self, cfg, index: int, cores: tuple[int, int] | None = None, gpu_ids: list | None = None,
-                 log_file: str | None = None):
+                 log_file: str | None = None, keeper=None):
         """``index``: the engine's number k; ``cores``: see :func:`make_rollout_llm`; ``gpu_ids``:
         colocated on GPU, the GPUs of the training devices it shares (Ray gives an actor without
-        GPUs of its own none); ``log_file``: as :class:`megarl.trainer.worker.HybridWorker`'s."""
+        GPUs of its own none); ``log_file``: as :class:`megarl.trainer.worker.HybridWorker`'s;
+        ``keeper``: the :class:`megarl.data.keeper.Keeper` actor that puts and owns what this
+        engine puts into the object store (None: this process owns it)."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the driver's (megarl/trainer/interrupt.py)
         if gpu_ids:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
@@ -424,7 +424,7 @@ class EngineActor:
         self._inbox_lock = threading.Lock()
         from megarl.data.store import Outbox
 
-        self.outbox = Outbox()   # arrays put into the object store, until the controller claims them
+        self.outbox = Outbox(keeper)   # arrays for the object store, until the controller claims them
         self.stash = False       # set_data_plane
         self.llm = make_rollout_llm(cfg, str(resolve_model_path(cfg.model.path)), cores)
         self.set_data_plane(cfg.trainer.data_plane)
@@ -451,11 +451,14 @@ class EngineActor:
         return self.outbox.take(keys)
 
     def object_refs(self) -> int:
-        """The object references this process holds or owns (Ray's reference table): what it put
-        for the controller and is still referenced, or not yet claimed (a control method)."""
+        """The object references that what this engine put keeps alive (a control method): its
+        keeper's (:class:`megarl.data.keeper.Keeper`), or without one this process's."""
+        import ray
+
         from megarl.data.store import reference_count
 
-        return reference_count()
+        keeper = self.outbox.keeper
+        return ray.get(keeper.object_refs.remote()) if keeper is not None else reference_count()
 
     def _stash(self, pairs: list, prompt_ids: list) -> list:
         """``pairs`` (``[(prompt index, samples)]``) with each sample's ``stored_ids`` (prompt +

@@ -28,12 +28,9 @@ Routing in the object store (``trainer.data_plane: object_store``): a message's 
 keys of what their engine put (:class:`megarl.data.store.Pending`); each message's handles are
 claimed from that engine as it arrives (:func:`megarl.data.store.claim`), before anyone sees the
 samples; so are the token ids and log-probs it put for the training ranks (``stored_ids``,
-``stored_logprobs``). A restarted engine's objects are gone: the samples it had delivered in the
-call lose those two handles (they go to the ranks inline, from the controller's copy); their
-routing has no copy (a fetch then raises :class:`megarl.data.store.RoutingLost`). Each sample
-with handles is stamped ``stored_by`` (engine, incarnation), so that samples kept across calls
-(the async producer's) are checked the same way before a step trains on them
-(:meth:`Fleet.drop_lost`).
+``stored_logprobs``). Those objects belong to the engine's keeper
+(:class:`megarl.data.keeper.Keeper`), not to the engine: the samples a restarted engine had
+delivered keep them.
 
 Metrics of the last call (:attr:`Fleet.metrics`): per engine generated tokens and busy seconds,
 ``rollout/busy_ratio``, the max/mean busy seconds across engines (1.0: no engine waits for
@@ -80,8 +77,6 @@ class Fleet:
         r = cfg.rollout
         self.router = LengthRouter(len(engines), default_response_tokens=r.max_response_tokens / 2, n=r.n)
         self.metrics: dict = {}
-        self.incarnations = [0] * len(engines)
-        """Per engine, how many times it was restarted (the ``stored_by`` stamp of its samples)."""
 
     def name(self, k: int) -> str:
         """``rollout engine K (pid P on NODE, vLLM TP ranks on training devices a..b)``."""
@@ -128,7 +123,6 @@ class Fleet:
         if missing:
             raise RuntimeError(f"the rollout fleet returned no samples for {len(missing)} prompt(s), e.g. prompt "
                                f"{missing[0]} (engine {next(k for k, p in local.items() if missing[0] in p)})")
-        self.drop_lost([s for samples in out for s in samples])
         self.metrics = dict(self._metrics(stats), **{"rollout/engine_restarts": restarts})
         for name in ("verify_s", "residual_s"):   # the engines verify at once: the slowest one's
             if spec_s:
@@ -245,26 +239,8 @@ class Fleet:
                     requests[i]["max_tokens"] == self.cfg.rollout.max_response_tokens and not requests[i]["greedy"]]
             if full and len(full) == len(groups[g]):
                 self.router.observe(g, [len(s["token_ids"]) for s in full])
-        self.drop_lost(list(done.values()))
         self.metrics = dict(self._metrics(stats), **{"rollout/engine_restarts": restarts})
         return done, partial
-
-    def drop_lost(self, samples: list) -> int:
-        """Drops ``stored_ids`` and ``stored_logprobs`` (those samples then go to the ranks inline,
-        from the controller's copy) of every sample whose engine was restarted since it delivered
-        them: a restarted engine's objects are gone. Returns how many samples lost them. The
-        caller holding samples across calls (the async producer's buffer) calls this before
-        training on them; an engine that dies after that fails the step's fetch
-        (:class:`megarl.data.store.RoutingLost`)."""
-        lost = 0
-        for sample in samples:
-            stamp = sample.get("stored_by")
-            if stamp is not None and self.incarnations[stamp[0]] != stamp[1]:
-                sample.pop("stored_ids", None)
-                sample.pop("stored_logprobs", None)
-                del sample["stored_by"]
-                lost += 1
-        return lost
 
     def resume_all(self) -> None:
         """:meth:`EngineActor.resume` on every engine (after a paused :meth:`generate_requests`
@@ -309,7 +285,6 @@ class Fleet:
             log.warning(f"{err} - restarting it ({restarts} of rollout.engine_restarts={limit} this call) and "
                         f"reissuing its {unfinished(k)}")
             carried[k] = dict(stats[k])
-            self.incarnations[k] += 1   # its objects die with it: what it delivered goes inline (drop_lost)
             self.engines[k], self.infos[k] = self.restart(k)
             if pausing:   # it stops at once, its requests partial
                 self.engines[k].pause.remote()
@@ -344,11 +319,7 @@ class Fleet:
                     continue
                 try:
                     item = ray.get(next(g))
-                    samples = samples_in(item)
-                    claim(self.engines[k], samples)   # the object-store handles of its arrays
-                    for sample in samples:
-                        if sample.get("stored_ids") is not None:
-                            sample["stored_by"] = (k, self.incarnations[k])
+                    claim(self.engines[k], samples_in(item))   # the object-store handles of its arrays
                 except StopIteration:
                     del streams[k]
                     carried[k] = dict(stats[k])   # a later stream of this engine (a feed's) counts on

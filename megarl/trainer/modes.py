@@ -23,8 +23,8 @@ checkpoint of step v holds). Step k trains the policy of version k - 1 into vers
   version that generated it (:attr:`megarl.trainer.batch.Rollout.token_versions`), so a sample may
   hold tokens of several versions. On the ``object_store`` plane the engine that finishes a sample
   puts its ids (the whole sample: the request's prompt holds its earlier tokens) and, for a sample
-  generated in one call, its log-probs for the ranks, as in the synchronous modes; the step drops
-  the handles of samples whose engine was restarted since (:meth:`Fleet.drop_lost`).
+  generated in one call, its log-probs for the ranks, as in the synchronous modes (owned by the
+  engine's keeper: a restart of the engine loses none of them).
 
 Sample ids (:attr:`Rollout.sample_ids`) name a sample by where its prompt came from:
 ``s<step>.g<group>.<j>`` (sample j of group g of step k's prompts) in the synchronous modes,
@@ -274,7 +274,7 @@ class AsyncSource(OnPolicy):
         if sample.get("stored_ids") is not None:
             # the engine put prompt + every token (the request's prompt held the earlier ones) and the
             # log-probs of this call's tokens: those are the whole sample's only if it had none before
-            s["stored_ids"], s["stored_by"] = sample["stored_ids"], sample["stored_by"]
+            s["stored_ids"] = sample["stored_ids"]
             s["stored_logprobs"] = sample["stored_logprobs"] if not s["token_ids"] else None
         s["token_ids"] += sample["token_ids"]
         s["logprobs"] += sample["logprobs"]
@@ -368,8 +368,6 @@ class AsyncSource(OnPolicy):
                 continue
             taken.append(g)
         self.counts["dropped_stale"] += dropped
-        # an engine restarted since it delivered a sample took that sample's stored arrays: inline instead
-        self.group.fleet.drop_lost([s for g in taken for s in g.samples])
         rollout = Rollout.from_generations([g.prompt_ids for g in taken], [g.record.answer for g in taken],
                                            [g.samples for g in taken],
                                            [{"data_source": g.record.data_source, **g.record.extra} for g in taken])

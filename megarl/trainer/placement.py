@@ -136,7 +136,7 @@ class Placement:
     def __init__(self, cfg, log_dir: Path | None = None, verbose: bool = False, stage: str = "rl"):
         """``stage``: ``rl``, or ``sft`` / ``rm`` (:mod:`megarl.posttrain`: the workers alone, no
         rollout engine)."""
-        self.pg, self.workers, self.engines, self.started_ray = None, [], [], False
+        self.pg, self.workers, self.engines, self.keepers, self.started_ray = None, [], [], [], False
         self.stage = stage
         try:
             self._start(cfg, log_dir, verbose)
@@ -150,6 +150,7 @@ class Placement:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from megarl import faults
+        from megarl.data.keeper import keeper_actor_class
         from megarl.rollout.engine import engine_actor_class
         from megarl.trainer.worker import HybridWorker
 
@@ -191,20 +192,25 @@ class Placement:
         # CPU: the host's cores split evenly over every vLLM TP rank of the fleet
         per_rank = max(1, cores // (r.dp * r.tp))
         engine_actor = engine_actor_class()   # pause/resume in a concurrency group of their own
+        # engine k's objects are owned by keeper k, in the same bundle (so on its node): they outlive
+        # the engine's restarts (megarl/data/keeper.py)
+        keeper_actor = keeper_actor_class()
+        bundle = (lambda k: world + k) if split else (lambda k: order[k * r.tp])
 
         def start_engine(k: int):
             if split:
-                where = dict(scheduling_strategy=on(world + k), num_cpus=r.tp,
+                where = dict(scheduling_strategy=on(bundle(k)), num_cpus=r.tp,
                              **({"num_gpus": r.tp} if kind == "GPU" else {}))
             else:
-                where = dict(scheduling_strategy=on(order[k * r.tp]), num_cpus=0)
+                where = dict(scheduling_strategy=on(bundle(k)), num_cpus=0)
             devices = range(k * r.tp, (k + 1) * r.tp)
             return engine_actor.options(runtime_env={"env_vars": {"OMP_NUM_THREADS": str(per_rank)}},
                                         **where).remote(
                 cfg, k, cores=((k * r.tp * per_rank) % cores, r.tp * per_rank) if kind == "CPU" else None,
                 gpu_ids=[g for d in devices for g in gpu_ids[d]] if gpu_ids else None,
-                log_file=log_file(f"engine_{k}"))
+                log_file=log_file(f"engine_{k}"), keeper=self.keepers[k])
 
+        self.keepers = [keeper_actor.options(scheduling_strategy=on(bundle(k))).remote() for k in range(num_engines)]
         self._start_engine = start_engine
         for k in range(num_engines):   # one by one: close() must find every started actor
             self.engines.append(start_engine(k))
@@ -236,13 +242,13 @@ class Placement:
             if busy:
                 log.warning(f"cleanup: {len(busy)} of {len(actors)} actor(s) did not stop within {timeout_s:.0f} s "
                             "(busy in a phase): killing them")
-            for a in actors:
+            for a in actors + self.keepers:
                 _quietly(f"kill of {a}", lambda: ray.kill(a))
             if self.pg is not None:
                 from ray.util.placement_group import remove_placement_group
 
                 _quietly("removing the placement group", lambda: remove_placement_group(self.pg))
-        self.workers, self.engines, self.pg = [], [], None
+        self.workers, self.engines, self.keepers, self.pg = [], [], [], None
         if self.started_ray:
             _quietly("ray.shutdown", ray.shutdown)
             self.started_ray = False

@@ -25,13 +25,14 @@ class FakeEngine:
     exits after its first prompt; "routing": each sample carries routed experts ``[P + R, 64, 8]``
     int16 (filled with p[1]: prompts() numbers them), put into the object store and streamed as a
     key, claimed by the controller, as a vLLM engine actor does with ``trainer.data_plane:
-    object_store`` (:class:`megarl.data.store.Outbox`)."""
+    object_store`` (:class:`megarl.data.store.Outbox`; ``keeper``: the engine slot's
+    :class:`megarl.data.keeper.Keeper`, which then owns the objects)."""
 
-    def __init__(self, index: int, n: int, delay_s: float, mode: str = "ok"):
+    def __init__(self, index: int, n: int, delay_s: float, mode: str = "ok", keeper=None):
         from megarl.data.store import Outbox   # imports torch: seconds, at start (not counted as a hang)
 
         self.index, self.n, self.delay_s, self.mode = index, n, delay_s, mode
-        self.outbox = Outbox()
+        self.outbox = Outbox(keeper)
 
     def take_stored(self, keys):   # a control method (fake_actor), as EngineActor's
         return self.outbox.take(keys)
@@ -42,10 +43,14 @@ class FakeEngine:
         return {"pid": os.getpid(), "node": ray.util.get_node_ip_address()}
 
     def owned(self) -> int:
-        """Objects this process owns that are still referenced somewhere (Ray's reference table)."""
+        """Objects that what this engine put keeps alive: its keeper's, or this process's (Ray's
+        reference table)."""
+        import ray
+
         from megarl.data.store import reference_count
 
-        return reference_count()
+        keeper = self.outbox.keeper
+        return ray.get(keeper.object_refs.remote()) if keeper is not None else reference_count()
 
     def generate_stream(self, prompt_ids, seeds, greedy=False, flush_s=0.25, heartbeat_s=2.0, drafts=None):
         tokens = 0
@@ -145,7 +150,10 @@ def ray_local():
 
 @pytest.fixture
 def fleet_of(ray_local):
-    """``fleet_of((delay_s, mode), ...)``: a Fleet over one fake engine per spec; killed after the test."""
+    """``fleet_of((delay_s, mode), ...)``: a Fleet over one fake engine per spec, each with a keeper
+    (the owner of its objects, as :class:`megarl.trainer.placement.Placement` gives every engine
+    slot); killed after the test."""
+    from megarl.data.keeper import keeper_actor_class
     from megarl.trainer.fleet import Fleet
 
     made = []
@@ -156,12 +164,13 @@ def fleet_of(ray_local):
                                  "rollout.max_response_tokens=8", f"rollout.dp={len(specs)}",
                                  f"topology.world_size={len(specs)}", f"rollout.engine_restarts={restarts}"])
         actor = fake_actor(ray_local, FakeEngine)
-        engines = [actor.remote(k, cfg.rollout.n, delay, mode) for k, (delay, mode) in enumerate(specs)]
-        made.extend(engines)
+        keepers = [keeper_actor_class().remote() for _ in specs]
+        engines = [actor.remote(k, cfg.rollout.n, delay, mode, keepers[k]) for k, (delay, mode) in enumerate(specs)]
+        made.extend(engines + keepers)
 
         def restart(k):
             ray_local.kill(engines[k])
-            engines[k] = actor.remote(k, cfg.rollout.n, specs[k][0], "ok")
+            engines[k] = actor.remote(k, cfg.rollout.n, specs[k][0], "ok", keepers[k])
             made.append(engines[k])
             return engines[k], ray_local.get(engines[k].info.remote())
 
@@ -267,16 +276,12 @@ def test_a_dead_or_hung_engine_is_restarted_and_its_unfinished_prompts_reissued(
     assert fleet.metrics["rollout/engine_restarts"] == 1
     # the dead stream's tokens count too: what engine 1 generated in all equals a healthy engine 1's
     assert fleet.metrics["rollout/engine1_tokens"] == healthy.metrics["rollout/engine1_tokens"]
-    # the ids and log-probs the engines put for the ranks: the replaced engine's objects died with it, so the
-    # fleet dropped the handles of the prompt it had delivered (those samples go inline); the rest fetch. A hung
-    # engine delivered its first prompt; one that exits right after yielding it may not have (the item dies with it)
-    inline = [i for i, samples in enumerate(out) if all("stored_ids" not in s for s in samples)]
-    assert len(inline) == (1 if mode == "hang" else len(inline)) <= 1
-    assert all(s["engine"] == 1 and "stored_logprobs" not in s for i in inline for s in out[i])
-    stored = [(i, s) for i, samples in enumerate(out) if i not in inline for s in samples]
-    assert len(stored) == 8 - 2 * len(inline) and all(s["stored_ids"].shape == (3 + len(s["token_ids"]),) for _, s in stored)
-    got = ray_local.get([s["stored_ids"].ref for _, s in stored])
-    assert [a.tolist() for a in got] == [ids[i] + s["token_ids"] for i, s in stored]
+    # the ids and log-probs the engines put for the ranks are their keepers': the replaced engine's too (the
+    # prompt it delivered before it died or hung) still fetch, exactly prompt + response
+    stored = [(i, s) for i, samples in enumerate(out) for s in samples]
+    assert all(s["stored_ids"].shape == (3 + len(s["token_ids"]),) for _, s in stored)
+    got = ray_local.get([x for _, s in stored for x in (s["stored_ids"].ref, s["stored_logprobs"].ref)])
+    assert [a.tolist() for a in got] == [x for i, s in stored for x in (ids[i] + s["token_ids"], s["logprobs"])]
 
 
 def plasma_bytes() -> int:

@@ -20,7 +20,6 @@ from megarl.config.schema import MegaRLConfig
 from megarl.data.store import Stored, fetch
 from megarl.observability.timeline import Timeline
 from megarl.trainer.batch import Rollout
-from megarl.trainer.fleet import Fleet
 from megarl.trainer.modes import AsyncSource, version_gaps, version_runs
 from megarl.trainer.rollout import Rollouts
 
@@ -28,21 +27,18 @@ from megarl.trainer.rollout import Rollouts
 class ScriptedFleet:
     """``generate_requests`` as the real fleet's: a token per request per tick, partials on pause.
     ``store``: a finished sample of a ``"store"`` request carries handles on its ids (the request's
-    prompt + this call's tokens) and log-probs (this call's), stamped with the engine's incarnation,
-    as the object-store plane's engines and fleet give them (Ray's store: the ``store`` fixture)."""
-
-    drop_lost = Fleet.drop_lost
+    prompt + this call's tokens) and log-probs (this call's), as the object-store plane's engines
+    and fleet give them (Ray's store: the ``store`` fixture)."""
 
     def __init__(self, tick_s=0.01, fail=False, store=False):
         self.tick_s, self.fail, self.active, self.calls, self.resumed = tick_s, fail, False, [], 0
-        self.engines, self.metrics, self.store, self.incarnations = [object()], {}, store, [0]
+        self.engines, self.metrics, self.store = [object()], {}, store
 
     def finished(self, request, tokens):
         sample = {"token_ids": tokens, "logprobs": [-0.5 - t / 100 for t in tokens], "clipped": True}
         if self.store and request.get("store"):
             sample["stored_ids"] = Stored.put(np.asarray(request["prompt_ids"] + tokens, np.int32))
             sample["stored_logprobs"] = Stored.put(np.asarray(sample["logprobs"], np.float64))
-            sample["stored_by"] = (0, self.incarnations[0])
         return sample
 
     def generate_requests(self, requests, pause=None, on_done=None):
@@ -200,18 +196,10 @@ def test_buffer_smaller_than_a_step_is_refused():
         source(ScriptedFleet(), buffer_groups=1)
 
 
-def wait_for(condition, timeout=10.0):
-    deadline = time.time() + timeout
-    while not condition() and time.time() < deadline:
-        time.sleep(0.01)
-    assert condition()
-
-
-def test_async_samples_carry_their_engines_handles_until_the_engine_restarts(store):
+def test_async_samples_carry_their_engines_handles(store):
     """Issue 36: the async producer's samples go to the ranks as the engines' objects. A sample
     generated in one call: its ids and log-probs; one resumed after a sync: its ids (the last
-    engine put prompt + every token), its log-probs inline (they span calls); samples whose engine
-    was restarted after it delivered them: inline."""
+    engine put prompt + every token), its log-probs inline (they span calls)."""
     fleet = ScriptedFleet(store=True)
     src = source(fleet, max_staleness=1, buffer_groups=2)
     try:
@@ -228,11 +216,6 @@ def test_async_samples_carry_their_engines_handles_until_the_engine_restarts(sto
         assert second.stored_logprobs == [] and len(second.stored_ids) == 4
         for i in range(len(second)):
             assert fetch([second.stored_ids[i]])[0].tolist() == second.prompt_ids[i] + second.response_ids[i]
-        wait_for(lambda: len(src.ready) == 2)  # chunk 3, delivered by the engine before its restart
-        fleet.incarnations[0] += 1
-        third, _ = src.batch(3, no_stop)
-        assert third.stored_ids == [] and third.stored_logprobs == []
-        assert all(len(r) == 20 for r in third.response_ids)
     finally:
         src.close()
 
