@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megarl.data import BatchBudget, plan_batches
-from megarl.data.store import Column, Outbox, Stored, claim, fetch_columns, fetch_ids
+from megarl.data.store import Column, Outbox, Stored, claim, fetch, fetch_columns, fetch_ids
 from megarl.data.wire import decode_batches, encode_batches
 from megarl.parallel import Topology
 from megarl.trainer.batch import Rollout, micro_batches_for
@@ -115,3 +115,38 @@ def test_a_handle_of_the_wrong_size_is_refused(store):
     gens[0][0]["token_ids"].append(7)   # the inline ids and the stored ones disagree
     with pytest.raises(ValueError, match=r"stored_ids of shape \(5,\), expected \(6,\)"):
         Rollout.from_generations([[1, 2]], [""], gens)
+
+
+def test_an_outbox_puts_only_what_is_claimed_and_through_its_keeper(store, monkeypatch):
+    """An engine's Outbox keeps its arrays until the controller claims them; the claim has the
+    engine's keeper put them (one call for the claimed ones: the keeper owns them) and hands over
+    handles that fetch exactly what was kept (a bf16 tensor as its bits). Ray's actor call is a
+    stand-in here: ``keeper.put.remote(arrays)`` answers one reference to the list of references."""
+    import ray
+
+    calls = []
+
+    class Keeper:
+        def __init__(self):
+            self.put = self
+
+        def remote(self, arrays):
+            calls.append(len(arrays))
+            return ("answer", [ray.put(a) for a in arrays])
+
+    get = ray.get
+    monkeypatch.setattr(ray, "get", lambda x: x[1] if isinstance(x, tuple) else get(x))
+    box = Outbox(Keeper())
+    ids = box.put(np.arange(5, dtype=np.int32))
+    lp = box.put(torch.tensor([0.5, -1.0], dtype=torch.bfloat16))
+    box.put(np.zeros((2, 3), np.int16))
+    assert (ids.shape, ids.dtype, ids.nbytes) == ((5,), "int32", 20)
+    assert (lp.shape, lp.dtype, lp.nbytes) == ((2,), "bfloat16", 4)
+    assert not store and not calls and len(box) == 3   # nothing is in the object store before a claim
+    got = box.take([ids.key, 999, lp.key])
+    assert calls == [2] and len(store) == 2 and got[1] is None and len(box) == 1
+    assert all(isinstance(h, Stored) for h in (got[0], got[2]))
+    a, b = fetch([got[0], got[2]])
+    assert a.dtype == torch.int32 and a.tolist() == [0, 1, 2, 3, 4]
+    assert b.dtype == torch.bfloat16 and b.tolist() == [0.5, -1.0]
+    assert box.take([ids.key]) == [None] and calls == [2]   # claimed once; nothing to put, no call
