@@ -29,9 +29,6 @@ class Keeper:
         """What it put that someone still references (:func:`reference_count`)."""
         return reference_count()
 
-    def ready(self) -> bool:
-        return True
-
 
 def reference_count() -> int:
     """The object references this process holds or owns (Ray's reference table): what it put and

@@ -60,12 +60,12 @@ class RoutingLost(RuntimeError):
     keeper, a training rank) is gone."""
 
 
-def _numpy(t: torch.Tensor) -> tuple[np.ndarray, str]:
-    """A tensor as the numpy array the object store holds, and its dtype's name (numpy has no
-    bfloat16: its bits, as int16, named ``bfloat16``)."""
-    if t.dtype == torch.bfloat16:
-        return t.detach().cpu().contiguous().view(torch.int16).numpy(), "bfloat16"
-    a = t.detach().cpu().numpy()
+def _as_array(array) -> tuple[np.ndarray, str]:
+    """``array`` (numpy or torch) as the numpy array the object store holds, and its dtype's name
+    (numpy has no bfloat16: a bf16 tensor's bits, as int16, named ``bfloat16``)."""
+    if isinstance(array, torch.Tensor) and array.dtype == torch.bfloat16:
+        return array.detach().cpu().contiguous().view(torch.int16).numpy(), "bfloat16"
+    a = array.detach().cpu().numpy() if isinstance(array, torch.Tensor) else np.asarray(array)
     return a, str(a.dtype)
 
 
@@ -83,8 +83,8 @@ class Stored:
         """``array`` (numpy or torch) into the object store, owned by the calling process."""
         import ray
 
-        a, dtype = _numpy(array) if isinstance(array, torch.Tensor) else (np.asarray(array), None)
-        return cls(ray.put(a), a.shape, dtype or str(a.dtype), a.nbytes)
+        a, dtype = _as_array(array)
+        return cls(ray.put(a), a.shape, dtype, a.nbytes)
 
     def __reduce__(self):   # __slots__ without __dict__: pickle by the constructor's arguments
         return Stored, (self.ref, self.shape, self.dtype, self.nbytes)
@@ -135,11 +135,7 @@ class Outbox:
 
     def put(self, array) -> Pending:
         """Keep ``array`` (numpy or torch; not to be changed afterwards) for a claim."""
-        if isinstance(array, torch.Tensor):
-            a, dtype = _numpy(array)
-        else:
-            a = np.asarray(array)
-            dtype = str(a.dtype)
+        a, dtype = _as_array(array)
         with self._lock:
             self._next += 1
             self._held[self._next] = (a, dtype)
@@ -162,6 +158,13 @@ class Outbox:
     def __len__(self) -> int:
         with self._lock:
             return len(self._held)
+
+    def object_refs(self) -> int:
+        """The object references that what this outbox put keeps alive: its keeper's, or without
+        one this process's (:func:`reference_count`)."""
+        import ray
+
+        return ray.get(self.keeper.object_refs.remote()) if self.keeper is not None else reference_count()
 
 
 PAYLOADS = ("routed_experts", "stored_ids", "stored_logprobs")

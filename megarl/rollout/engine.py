@@ -453,12 +453,7 @@ class EngineActor:
     def object_refs(self) -> int:
         """The object references that what this engine put keeps alive (a control method): its
         keeper's (:class:`megarl.data.keeper.Keeper`), or without one this process's."""
-        import ray
-
-        from megarl.data.store import reference_count
-
-        keeper = self.outbox.keeper
-        return ray.get(keeper.object_refs.remote()) if keeper is not None else reference_count()
+        return self.outbox.object_refs()
 
     def _stash(self, pairs: list, prompt_ids: list) -> list:
         """``pairs`` (``[(prompt index, samples)]``) with each sample's ``stored_ids`` (prompt +

@@ -12,8 +12,8 @@ both ran.
 ``--lifetime STEPS``: then, on the same workers, the object-store plane for STEPS steps in each of
 ``trainer.mode`` on_policy and async (one prompt a step, no reference model: the old-log-prob pass
 and the correction's objects remain; async with ``trainer.max_staleness`` 0: every step trains
-tokens of the version it updates, the groups generated before a sync are dropped), printing ``life MODE ranks N1 .. N controller C1 .. C engines
-E1 .. E``: the references the ranks, the controller and the engines hold after each step's weight
+tokens of the version it updates, the groups generated before a sync are dropped), printing
+``life MODE ranks N1 .. N controller C1 .. C engines E1 .. E``: the references the ranks, the controller and the engines hold after each step's weight
 sync, then after the run (issue 36: nothing grows across steps).
 """
 import sys

@@ -45,12 +45,7 @@ class FakeEngine:
     def owned(self) -> int:
         """Objects that what this engine put keeps alive: its keeper's, or this process's (Ray's
         reference table)."""
-        import ray
-
-        from megarl.data.store import reference_count
-
-        keeper = self.outbox.keeper
-        return ray.get(keeper.object_refs.remote()) if keeper is not None else reference_count()
+        return self.outbox.object_refs()
 
     def generate_stream(self, prompt_ids, seeds, greedy=False, flush_s=0.25, heartbeat_s=2.0, drafts=None):
         tokens = 0
