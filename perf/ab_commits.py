@@ -32,6 +32,9 @@ CASES = {   # name -> overrides of the e2e recipe
                  "data.prompts_per_step=2"],
     "one_step_off": ["model.path=fixture:tiny-qwen2", "trainer.mode=one_step_off"],
     "kl_loss": ["model.path=fixture:tiny-qwen2", "algorithm.kl_coef=0.05", "algorithm.kl_mode=loss"],
+    # a critic (GAE) and a KL reward: with the object store the advantages are computed on rank 0
+    "ppo_kl_reward": ["model.path=fixture:tiny-qwen2", "algorithm.name=ppo", "algorithm.kl_coef=0.01",
+                      "algorithm.kl_mode=reward", "algorithm.mini_batches=2"],
 }
 TIMINGS = ("time/", "throughput/", "timeline/", "sync/seconds", "sync/engine", "sync/vllm_load_seconds",
            "rollout/busy_ratio", "rollout/engine", "memory/", "gpu/")

@@ -81,6 +81,9 @@ class AgentLoop:
 
     def __init__(self, cfg, tokenizer, formatter, runner, fleet: Callable):
         self.cfg, self.tokenizer, self.formatter, self.runner, self.fleet = cfg, tokenizer, formatter, runner, fleet
+        self.store = cfg.trainer.data_plane == "object_store"
+        """Put each finished trajectory's ids and log-probs into Ray's object store for the ranks
+        (:meth:`_Call.finish`; this process owns them)."""
         self.format = formatter.call_format   # what the prompt taught: the template's tags or Hermes
         self.end_ids = set(formatter.end_of_turn_ids)
         self.metrics: dict = {}
@@ -131,6 +134,9 @@ class _Call:
         if self.left[t.prompt_index] == 0:
             i = t.prompt_index
             self.out[i] = [self.trajs[f"{i}/{j}"].sample() for j in range(self.n)]
+            if self.loop.store:   # what the ranks read: handles, as an engine's samples (megarl/data/store.py)
+                for j, s in enumerate(self.out[i]):
+                    s.update(stored_trajectory(self.trajs[f"{i}/{j}"]))
             self.finished_prompts.append((i, self.out[i]))
 
     def deliver(self) -> None:
@@ -209,6 +215,19 @@ class _Call:
         t.logprobs += [math.nan] * len(inserted)
         t.mask += [False] * len(inserted)
         self.new_requests.append(self.request(t))
+
+
+def stored_trajectory(t: Trajectory) -> dict:
+    """A finished trajectory's ``stored_ids`` (prompt + response: the model's tokens and the tool
+    results', int32) and ``stored_logprobs`` (float64, NaN on the tool results) in Ray's object
+    store, put by this process (the controller: the trajectory is joined here), as
+    :meth:`megarl.rollout.engine.EngineActor._stash` puts an engine's samples."""
+    import numpy as np
+
+    from megarl.data.store import Stored
+
+    return {"stored_ids": Stored.put(np.asarray(t.prompt_ids + t.ids, dtype=np.int32)),
+            "stored_logprobs": Stored.put(np.asarray(t.logprobs, dtype=np.float64))}
 
 
 def _truncate(text: str, limit: int) -> str:

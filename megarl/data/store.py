@@ -7,13 +7,13 @@ and travel as :class:`Stored` handles:
 
     vLLM engine actor --ray.put--> object store (node of the engine)
     controller: Rollout.routed_experts = [Stored(ref, shape, dtype)]  (metadata only)
-    training rank: SequenceBatch.routing = [Stored] --fetch_routing--> tensors (one ray.get)
+    training rank: SequenceBatch.routing = [Stored] --fetch_batches--> tensors (one ray.get)
     old log-prob pass (r2): the ranks put the routing they recorded; the controller passes the
     handles on to the update.
 
 The engines put each finished sample's token ids (prompt + response, int32) and vLLM log-probs
 (float64) the same way (``stored_ids``, ``stored_logprobs``; :meth:`megarl.rollout.engine.EngineActor._stash`):
-the micro-batches carry the handles, the ranks resolve them (:func:`fetch_ids`, and the
+the micro-batches carry the handles, the ranks resolve them (:func:`fetch_batches`, the
 log-probs as :class:`Rows` of a :class:`Column`). The controller keeps its own copy of both (the
 rewards decode the text).
 
@@ -21,7 +21,8 @@ The forward passes before an update (old and reference log-probs, the rollout co
 weights and kept tokens) are put by the training ranks' DP leaders, one object per micro-batch
 (:func:`put_rows`), and travel as a :class:`Rows` per sample; the update's micro-batches regroup
 the samples, so each carries a :class:`Column` of rows that its ranks assemble
-(:func:`fetch_columns`, one ``ray.get`` of the distinct objects).
+(:func:`fetch_batches`: one ``ray.get`` of the distinct objects for all that a rank's
+micro-batches carry by reference).
 
 How a handle reaches the controller matters. The engines answer through Ray streaming
 generators, and an object reference nested in a streamed item can lose its reference count: the
@@ -242,7 +243,7 @@ class Rows:
 
 
 class Column:
-    """One packed ``extras`` entry of a micro-batch that the rank assembles (:func:`fetch_columns`):
+    """One packed ``extras`` entry of a micro-batch that the rank assembles (:func:`fetch_batches`):
     its samples' :class:`Rows`, concatenated, and with ``and_mask`` (a bool ``[R]``) ANDed in
     (the loss mask of a corrected ``mask_T``)."""
 
@@ -272,40 +273,48 @@ def fetch_rows(rows: list) -> list[torch.Tensor]:
     return [got[id(r.stored)][r.start:r.stop] if isinstance(r, Rows) else r for r in rows]
 
 
-def fetch_columns(micro_batches: list) -> None:
-    """Resolve every :class:`Column` of the micro-batches' ``extras`` in place (one ``ray.get``)."""
-    columns = [(mb.extras, k) for mb in micro_batches for k, v in mb.extras.items() if isinstance(v, Column)]
-    if not columns:
-        return
-    got = iter(fetch_rows([r for extras, k in columns for r in extras[k].rows]))
-    for extras, k in columns:
-        col = extras[k]
-        t = torch.cat([next(got) for _ in col.rows])
-        extras[k] = t & col.and_mask if col.and_mask is not None else t
+def fetch_batches(micro_batches: list) -> None:
+    """Resolve in place everything the micro-batches carry by reference, with one ``ray.get`` of
+    the distinct objects: the token ids (an engine's ``stored_ids``, int32 prompt + response), the
+    routing (:class:`Stored` in ``routing``) and every :class:`Column` of the ``extras``. A
+    per-sequence list with any handle comes back as tensors (``torch.as_tensor``; None stays None)."""
+    objects: dict = {}   # id -> Stored: each object fetched once, however many rows or batches read it
+
+    def note(x) -> None:
+        if isinstance(x, Stored):
+            objects.setdefault(id(x), x)
+
+    lists = [attr for attr in PER_SEQUENCE if any(isinstance(x, Stored) for mb in micro_batches
+                                                  for x in getattr(mb, attr) or ())]
+    for mb in micro_batches:
+        for attr in lists:
+            for x in getattr(mb, attr) or ():
+                note(x)
+        for v in mb.extras.values():
+            if isinstance(v, Column):
+                for r in v.rows:
+                    note(r.stored if isinstance(r, Rows) else None)
+    got = dict(zip(objects, fetch(list(objects.values())))) if objects else {}
+
+    def as_tensor(x):
+        return got[id(x)] if isinstance(x, Stored) else None if x is None else torch.as_tensor(x)
+
+    def row(r):
+        return got[id(r.stored)][r.start:r.stop] if isinstance(r, Rows) else r
+
+    for mb in micro_batches:
+        for attr in lists:
+            xs = getattr(mb, attr)
+            if xs is not None:
+                setattr(mb, attr, [as_tensor(x) for x in xs])
+        for k, v in list(mb.extras.items()):
+            if isinstance(v, Column):
+                t = torch.cat([row(r) for r in v.rows])
+                mb.extras[k] = t & v.and_mask if v.and_mask is not None else t
 
 
-def _fetch_per_sequence(micro_batches: list, attr: str) -> None:
-    """Resolve every :class:`Stored` in each micro-batch's per-sequence list ``attr`` (a batch
-    whose list is None has none) in place, with one ``ray.get``."""
-    lists = [getattr(mb, attr) for mb in micro_batches]
-    flat = [x for xs in lists if xs is not None for x in xs]
-    if not any(isinstance(x, Stored) for x in flat):
-        return
-    got = iter(fetch(flat))
-    for mb, xs in zip(micro_batches, lists):
-        if xs is not None:
-            setattr(mb, attr, [next(got) for _ in xs])
-
-
-def fetch_routing(micro_batches: list) -> None:
-    """Resolve the stored routing of every micro-batch in place (one ``ray.get``)."""
-    _fetch_per_sequence(micro_batches, "routing")
-
-
-def fetch_ids(micro_batches: list) -> None:
-    """Resolve the token ids the micro-batches carry by reference (an engine's
-    ``stored_ids``: int32 prompt + response) in place (one ``ray.get``)."""
-    _fetch_per_sequence(micro_batches, "input_ids")
+PER_SEQUENCE = ("input_ids", "routing")
+"""The micro-batch's per-sequence lists that may hold :class:`Stored` handles (:func:`fetch_batches`)."""
 
 
 def stored_bytes(items: list) -> int:
@@ -313,5 +322,5 @@ def stored_bytes(items: list) -> int:
     return sum(x.nbytes for x in items if isinstance(x, Stored))
 
 
-__all__ = ["Stored", "Pending", "Outbox", "PAYLOADS", "claim", "RoutingLost", "put_all", "fetch", "fetch_routing",
-           "fetch_ids", "reference_count", "stored_bytes", "Rows", "Column", "put_rows", "fetch_rows", "fetch_columns"]
+__all__ = ["Stored", "Pending", "Outbox", "PAYLOADS", "claim", "RoutingLost", "put_all", "fetch", "fetch_batches",
+           "reference_count", "stored_bytes", "Rows", "Column", "put_rows", "fetch_rows"]

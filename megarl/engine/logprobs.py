@@ -71,7 +71,7 @@ class SequenceBatch:
     one; -1 rows: unknown, the layer routes that token itself). :mod:`megarl.engine.replay`
     compares it with, or replays it in, the model's routing. A rank receives handles on the
     arrays in Ray's object store instead (:class:`megarl.data.store.Stored`) and fetches them
-    (:func:`megarl.data.store.fetch_routing`) before the forward."""
+    (:func:`megarl.data.store.fetch_batches`) before the forward."""
 
     def __post_init__(self):
         if len(self.input_ids) != len(self.prompt_lengths) or not self.input_ids:

@@ -175,6 +175,10 @@ class DataPlane:
     per_node: int
     samples_via_store: bool = False
     """The samples' ids and log-probs go from the engines to the ranks through the object store."""
+    advantages_rank0: int = 0
+    """With the object store and per-token advantages (GAE, a KL reward): what rank 0 reads of
+    the passes to compute them (the whole step's, not a data-parallel share) and writes back
+    (advantages, and returns with a critic); 0 when the controller computes them."""
 
     @property
     def controller(self) -> int:
@@ -194,7 +198,8 @@ owner's address, shape, dtype, size), about."""
 def data_plane_bytes(*, samples: int, mean_prompt: float, mean_response: float, moe_layers: int, topk: int,
                      routing: bool, dp: int, ranks_per_node: int, routing_via_store: bool = True,
                      old_pass: bool = False, reference: bool = False, correction: bool = False,
-                     token_advantages: bool = False, samples_via_store: bool = False) -> DataPlane:
+                     token_advantages: bool = False, samples_via_store: bool = False, critic: bool = False,
+                     kl_reward: bool = False) -> DataPlane:
     """The step's :class:`DataPlane` (means per sample, sizes in bytes); ``routing_via_store``:
     ``trainer.data_plane`` is ``object_store`` (the routing and the forward passes' outputs
     bypass the controller); ``old_pass`` (:func:`megarl.config.passes.needs_old_logprob_pass`),
@@ -202,25 +207,34 @@ def data_plane_bytes(*, samples: int, mean_prompt: float, mean_response: float, 
     the old pass): the forward passes before the update; ``token_advantages``: advantages that
     differ token by token (GAE, a KL reward), else one run a sample; ``samples_via_store``: the
     engines put each sample's ids and log-probs (float64) into the object store and the ranks fetch
-    them (``object_store``, every mode but the agent loop; an async sample resumed after a sync
+    them (``object_store``, every mode; the agent loop's by the controller; an async sample resumed after a sync
     still sends its log-probs inline, not counted), so the controller sends :data:`HANDLE_BYTES`
-    twice a sample instead."""
+    twice a sample instead. ``critic``: a PPO critic's values (4 B a response token) come from its
+    values pass, and its update reads them and the returns (4 + 4 B, in ``passes``); ``kl_reward``
+    (with ``token_advantages``): the advantages read the old and reference log-probs. With the
+    object store rank 0 computes per-token advantages where those inputs are
+    (``advantages_rank0``) and the controller sends a handle a sample in their place."""
     tokens = mean_prompt + mean_response
     route = samples * tokens * moe_layers * topk * 2 if routing else 0
     base_in = samples * (4 * tokens + (4 + 4) * mean_response)
     advantages = 4 * mean_response if token_advantages else 4 + 4   # per token, or one run (value, length)
+    on_rank0 = token_advantages and routing_via_store
     small = advantages + 1 + 4                                      # and the loss mask's run
+    small_out = (HANDLE_BYTES if on_rank0 else advantages) + 1 + 4
     if samples_via_store:   # handles out; the ranks read ids (int32) and log-probs (float64) from the engines
-        base_out, to_ranks = samples * (2 * HANDLE_BYTES + small), samples * (4 * tokens + 8 * mean_response + small)
+        base_out = samples * (2 * HANDLE_BYTES + small_out)
+        to_ranks = samples * (4 * tokens + 8 * mean_response + small)
     else:                   # ids and log-probs (float32 numbers) inline
-        base_out = to_ranks = samples * (4 * tokens + 4 * mean_response + small)
-    pass_in = samples * mean_response * ((4 + 4) * old_pass + 4 * reference)
-    passes = samples * mean_response * (4 * old_pass + 4 * reference + 4 * (correction and old_pass))
+        base_out, to_ranks = (samples * (4 * tokens + 4 * mean_response + extra) for extra in (small_out, small))
+    pass_in = samples * mean_response * ((4 + 4) * old_pass + 4 * reference + 4 * critic)
+    passes = samples * mean_response * (4 * old_pass + 4 * reference + 4 * (correction and old_pass) + 8 * critic)
     if routing_via_store:
-        through_in, through_out = (samples * READOUT_BYTES if old_pass or reference else 0), 0
+        through_in, through_out = (samples * READOUT_BYTES if old_pass or reference or critic else 0), 0
     else:
         through_in, through_out = route + pass_in, route + passes
+    # rank 0 reads the old and reference log-probs (a KL reward) and the values, writes advantages and returns
+    rank0 = samples * mean_response * (8 * kl_reward + 4 * critic + 4 + 4 * critic) if on_rank0 else 0
     per_rank = int(to_ranks + route + passes) // max(1, dp)
     return DataPlane(controller_in=int(base_in + through_in), controller_out=int(base_out + through_out),
                      routing=int(route), passes=int(passes), per_rank=per_rank, per_node=per_rank * ranks_per_node,
-                     samples_via_store=samples_via_store)
+                     samples_via_store=samples_via_store, advantages_rank0=int(rank0))

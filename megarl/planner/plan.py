@@ -232,7 +232,9 @@ def make_plan(cfg, recipe: str = "") -> Plan:
                 reference=cfg.algorithm.kl_coef > 0, correction=cfg.algorithm.rollout_correction != "none",
                 token_advantages=cfg.algorithm.advantage == "gae"
                 or (cfg.algorithm.kl_coef > 0 and cfg.algorithm.kl_mode == "reward"),
-                samples_via_store=t.data_plane == "object_store" and r.agent != "tools")
+                critic=cfg.algorithm.advantage == "gae",
+                kl_reward=cfg.algorithm.kl_coef > 0 and cfg.algorithm.kl_mode == "reward",
+                samples_via_store=t.data_plane == "object_store")
     replay = cfg.algorithm.router_replay == "r3" or r.return_routing
     plan.data_plane = mem.data_plane_bytes(routing=replay and moe_layers > 0, **flow)
     if moe_layers and not replay:
@@ -293,9 +295,12 @@ def _data_plane_lines(plan: Plan, cfg) -> list[str]:
              + ("handles on the engines' ids and log-probs, " if d.samples_via_store else "ids, log-probs, versions, ")
              + "advantages, masks)"
              + (f"; routing replay {gb(d.routing)} ({where})" if d.routing else "")
-             + (f"; old/reference log-probs and correction weights {gb(d.passes)} "
+             + (f"; forward passes (old/reference log-probs, correction weights, critic values and returns) "
+                f"{gb(d.passes)} "
                 f"({'through the object store, rank to rank' if store else 'through the controller'})"
                 if d.passes else "")
+             + (f"; per-token advantages computed on rank 0 from the stored passes ({gb(d.advantages_rank0)} "
+                "read and written there)" if d.advantages_rank0 else "")
              + f"; a training rank receives {gb(d.per_rank)}, a node {gb(d.per_node)}"]
     if plan.data_plane_replay is not None:
         e = plan.data_plane_replay

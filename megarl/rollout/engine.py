@@ -53,7 +53,8 @@ controller (rewards decode the text, the router and the metrics read lengths, th
 fallbacks read the log-probs), but the micro-batches carry the handles and each rank fetches its
 own samples' arrays. :meth:`EngineActor.generate_requests` puts them for the requests that ask
 (``"store"``: the async producer's; the agent loop's turns, which the controller joins with tool
-output, do not). What an engine puts is owned by its :class:`megarl.data.keeper.Keeper`, not by
+output, do not: the controller puts each finished trajectory,
+:func:`megarl.agent.loop.stored_trajectory`). What an engine puts is owned by its :class:`megarl.data.keeper.Keeper`, not by
 the engine: a restarted engine's samples keep their routing, ids and log-probs.
 """
 from __future__ import annotations

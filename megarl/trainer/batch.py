@@ -5,6 +5,7 @@ Legend: N samples (sequences), T packed response tokens of the whole step, R of 
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -122,28 +123,65 @@ class Rollout:
 
     def loss_mask_T(self, i: int) -> torch.Tensor:
         """Sample ``i``'s loss mask over its response tokens (all true without loss_masks)."""
-        if self.loss_masks:
-            return torch.tensor(self.loss_masks[i], dtype=torch.bool)
-        return torch.ones(len(self.response_ids[i]), dtype=torch.bool)
+        return _loss_mask(self.loss_masks[i] if self.loss_masks else None, len(self.response_ids[i]))
 
     def loss_mask_all_T(self) -> torch.Tensor:
         """Every sample's loss mask, packed in sample order."""
         return torch.cat([self.loss_mask_T(i) for i in range(len(self))])
 
     def cu_seqlens_N1(self) -> torch.Tensor:
-        lengths = torch.tensor([len(r) for r in self.response_ids])
-        return torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        return _cu_seqlens([len(r) for r in self.response_ids])
 
     def lengths(self) -> list[int]:
         return [len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)]
 
+    def advantage_inputs(self, with_logprobs: bool = True) -> "AdvantageInputs":
+        """What :func:`compute_advantages` reads of these samples: lengths, rewards, groups and
+        masks, not the tokens (``with_logprobs``: also vLLM's log-probs, for an estimator that
+        takes them)."""
+        return AdvantageInputs(self.rewards, self.group_ids, [len(r) for r in self.response_ids], self.loss_masks,
+                               self.baseline_rewards, self.sample_logprobs if with_logprobs else [])
 
-def compute_advantages(rollout: Rollout, adv_fn, adv_opts: dict, token_rewards=None, values=None):
+
+@dataclass
+class AdvantageInputs:
+    """A step's samples as the advantage estimators see them (:meth:`Rollout.advantage_inputs`):
+    what a training rank needs to compute the advantages where the per-token inputs are
+    (:func:`stored_advantages`) without the samples' tokens."""
+
+    rewards: list[float]
+    group_ids: list[int]
+    response_lengths: list[int]
+    loss_masks: list[list[bool]]
+    """As :attr:`Rollout.loss_masks` (empty: every token carries loss)."""
+    baseline_rewards: list[float]
+    sample_logprobs: list[list[float]]
+    """vLLM's log-probs, for an estimator that takes them (``logprobs_T``); else empty."""
+
+    def cu_seqlens_N1(self) -> torch.Tensor:
+        return _cu_seqlens(self.response_lengths)
+
+    def loss_mask_all_T(self) -> torch.Tensor:
+        return torch.cat([_loss_mask(self.loss_masks[i] if self.loss_masks else None, n)
+                          for i, n in enumerate(self.response_lengths)])
+
+
+def _cu_seqlens(lengths: list[int]) -> torch.Tensor:
+    return torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths, dtype=torch.long).cumsum(0)])
+
+
+def _loss_mask(mask: list[bool] | None, length: int) -> torch.Tensor:
+    return torch.tensor(mask, dtype=torch.bool) if mask is not None else torch.ones(length, dtype=torch.bool)
+
+
+def compute_advantages(rollout: Rollout | AdvantageInputs, adv_fn, adv_opts: dict, token_rewards=None, values=None):
     """Per sample, the advantages and the returns of its response tokens.
 
     ``token_rewards`` (e.g. a KL penalty) and ``values`` (a critic's, for GAE) are per-sample
     lists of ``[R_i]`` tensors, or None.
     """
+    if isinstance(rollout, Rollout):
+        rollout = rollout.advantage_inputs()
     cu = rollout.cu_seqlens_N1()
     cat = lambda xs: torch.cat([x.float() for x in xs]) if xs is not None else None   # noqa: E731
     extra = {"values_T": cat(values)} if values is not None else {}
@@ -159,7 +197,7 @@ def compute_advantages(rollout: Rollout, adv_fn, adv_opts: dict, token_rewards=N
     return split_tokens(result.advantages_T, cu), split_tokens(result.returns_T, cu)
 
 
-def advantage_metrics(rollout: Rollout, advantages: list[torch.Tensor]) -> dict:
+def advantage_metrics(rollout: Rollout | AdvantageInputs, advantages: list[torch.Tensor]) -> dict:
     """actor/adv_mean and actor/adv_abs_max over the loss-carrying tokens, and
     actor/adv_nonzero_frac: the share of samples with any non-zero advantage (pass@k GRPO: one per
     group; a constant group: none)."""
@@ -168,6 +206,43 @@ def advantage_metrics(rollout: Rollout, advantages: list[torch.Tensor]) -> dict:
         return {}
     return {"actor/adv_mean": float(adv.mean()), "actor/adv_abs_max": float(adv.abs().max()),
             "actor/adv_nonzero_frac": sum(bool((a != 0).any()) for a in advantages) / len(advantages)}
+
+
+def critic_metrics(values: list, returns: list) -> dict:
+    """Mean value and return, and the explained variance 1 - Var(R - V) / Var(R) of the rollout."""
+    v, r = torch.cat(values).double(), torch.cat(returns).double()
+    var_r = float(r.var(unbiased=False))
+    return {"critic/values_mean": float(v.mean()), "critic/returns_mean": float(r.mean()),
+            "critic/explained_variance": 1.0 - float((r - v).var(unbiased=False)) / var_r if var_r > 0 else math.nan}
+
+
+def stored_advantages(inputs: AdvantageInputs, adv_fn, adv_opts: dict, kl_coef: float | None = None,
+                      old_lp: list | None = None, ref_lp: list | None = None, values: list | None = None) -> dict:
+    """The advantages computed on a training rank, where their per-token inputs are
+    (``trainer.data_plane: object_store``): a critic's ``values`` (GAE), and with ``kl_coef`` the
+    old and reference log-probs of a KL reward (-kl_coef * (old - ref) a token), each a per-sample
+    list of :class:`megarl.data.store.Rows`, fetched here in one ``ray.get``. The same
+    :func:`compute_advantages` as on the controller, on the same bits, so the same numbers.
+
+    Returns ``advantages_T`` and ``returns_T`` (per sample, :class:`~megarl.data.store.Rows` of
+    one object each, put by this process) and ``metrics``: :func:`advantage_metrics`, with values
+    also :func:`critic_metrics` -- scalars; the tokens never reach the controller."""
+    from megarl.data.store import fetch_rows, put_rows
+
+    n = len(inputs.response_lengths)
+    names = [name for name, rows in (("old", old_lp if kl_coef is not None else None),
+                                     ("ref", ref_lp if kl_coef is not None else None), ("values", values))
+             if rows is not None]
+    got = fetch_rows([r for name in names for r in {"old": old_lp, "ref": ref_lp, "values": values}[name]])
+    got = {name: got[k * n:(k + 1) * n] for k, name in enumerate(names)}
+    kl_rewards = [-kl_coef * (a - b) for a, b in zip(got["old"], got["ref"])] if kl_coef is not None else None
+    adv, returns = compute_advantages(inputs, adv_fn, adv_opts, kl_rewards, got.get("values"))
+    metrics = advantage_metrics(inputs, adv)
+    if "values" in got:
+        metrics.update(critic_metrics(got["values"], returns))
+    sizes = inputs.response_lengths
+    return {"advantages_T": put_rows(torch.cat(adv), sizes), "returns_T": put_rows(torch.cat(returns), sizes),
+            "metrics": metrics}
 
 
 def split_tokens(values_T: torch.Tensor, cu_seqlens_N1: torch.Tensor) -> list[torch.Tensor]:

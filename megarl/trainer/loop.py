@@ -26,16 +26,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-import torch
-
 from megarl.config.schema import MegaRLConfig
-from megarl.trainer.batch import Rollout, advantage_metrics, compute_advantages
+from megarl.trainer.batch import Rollout, advantage_metrics, compute_advantages, critic_metrics
 from megarl.trainer.interrupt import RunInterrupted, StepAbandoned, StopRequest
 
 HARD_STOP_WAIT_S = 5.0
@@ -255,7 +252,7 @@ class StepRunner:
             if group.has_reference:
                 self.reference_logprobs(rollout, out)
             if group.has_critic:
-                out.values = group.values(rollout, out.plan)
+                out.values = group.values(rollout, out.plan, keep=self.keep_on_ranks)
         m["actor/old_logprob_pass"] = int(self.old_pass)
         return out
 
@@ -313,24 +310,25 @@ class StepRunner:
         the update, and the source of the rollout correction's weights and of a KL reward. Without
         one the update's forward reads its own on the ranks (:mod:`megarl.trainer.readout`): they
         get vLLM's log-probs (float64, NaN where none), the tokens' versions when some are older
-        than the policy trained, and with token-level tis the tokens it weighs (``mask_T``)."""
+        than the policy trained, and with token-level tis the tokens it weighs (``mask_T``).
+
+        The advantages are computed where their per-token inputs are: with the object store and a
+        critic's values or a KL reward, on rank 0 (:meth:`WorkerGroup.advantages`: handles and
+        scalar metrics come back); else here."""
         from megarl.algorithms.offpolicy import correct_rollout
-        from megarl.data.store import fetch_rows
         from megarl.trainer.readout import controller_readouts, forward_readout_inputs
 
-        cfg, per_sample, kl_rewards = self.cfg, {}, None
-        if self.old_pass:
-            lp, ref_lp = passes.old_lp, passes.ref_lp
-            if ref_lp is not None and cfg.algorithm.kl_mode == "reward":   # -beta * k1 as a per-token reward
-                # the one consumer of the passes' tokens on the controller: handles are fetched, tensors pass
-                kl_rewards = [-self.kl_ctl.value * (a - b) for a, b in zip(fetch_rows(lp), fetch_rows(ref_lp))]
+        cfg, per_sample, lp = self.cfg, {}, passes.old_lp
+        # -beta * k1 as a per-token reward: the advantages read both passes' tokens
+        kl_reward = self.old_pass and passes.ref_lp is not None and cfg.algorithm.kl_mode == "reward"
         if self.old_pass and passes.old_kept is not None:   # computed on the ranks, the tokens in the object store
             self.read_logprobs(step, rollout, passes.old_kept["readouts"], m)   # with the rollout_corr/* sums
             m.update(self.routing.metrics_from_sums(passes.routing_out, passes.old_kept.get("routing", [])))
             per_sample.update(old_logprobs_T=lp, **{k: passes.old_kept[k] for k in ("is_weights_T", "mask_T")
                                                     if k in passes.old_kept})
         elif self.old_pass:
-            self.read_logprobs(step, rollout, controller_readouts(rollout, lp, passes.entropy, ref_lp, step - 1), m)
+            readouts = controller_readouts(rollout, lp, passes.entropy, passes.ref_lp, step - 1)
+            self.read_logprobs(step, rollout, readouts, m)
             m.update(self.routing.metrics(rollout, lp, passes.routing_out, step - 1))
             corrected, m_corr = correct_rollout(lp, rollout.sample_logprobs, cfg.algorithm)
             m.update(m_corr)
@@ -339,9 +337,19 @@ class StepRunner:
             per_sample.update(forward_readout_inputs(rollout, step - 1, self.correct_in_forward))
         if passes.ref_lp is not None:
             per_sample["ref_logprobs_T"] = passes.ref_lp
+        if self.keep_on_ranks and (kl_reward or passes.values is not None):
+            # the per-token inputs are in the object store: rank 0 computes them there, the metrics come back
+            got = self.group.advantages(rollout, self.adv_fn, self.adv_opts, self.kl_ctl.value if kl_reward else None,
+                                        lp, passes.ref_lp, passes.values)
+            per_sample["advantages_T"], returns = got["advantages_T"], got["returns_T"]
+            m.update(got["metrics"])
+            return per_sample, returns
+        kl_rewards = [-self.kl_ctl.value * (a - b) for a, b in zip(lp, passes.ref_lp)] if kl_reward else None
         per_sample["advantages_T"], returns = compute_advantages(rollout, self.adv_fn, self.adv_opts, kl_rewards,
                                                                  passes.values)
         m.update(advantage_metrics(rollout, per_sample["advantages_T"]))
+        if passes.values is not None:
+            m.update(critic_metrics(passes.values, returns))
         return per_sample, returns
 
     def update(self, step: int, rollout: Rollout, passes: ForwardPasses, per_sample: dict, returns: list, timer,
@@ -355,7 +363,6 @@ class StepRunner:
             self.phase(step, "critic")
             with timer("critic"):
                 m.update(group.train_critic(rollout, passes.plan, {"old_values_T": passes.values, "returns_T": returns}))
-                m.update(critic_metrics(passes.values, returns))
         forward_ran = self.old_pass or group.has_reference or group.has_critic
         self.phase(step, "train", **({} if forward_ran else {"reward": m["reward/mean"]}))
         with timer("train"):
@@ -407,14 +414,6 @@ def _release(group, stop: StopRequest) -> None:
     except KeyboardInterrupt:
         group.placement.close(timeout_s=HARD_STOP_WAIT_S)   # idempotent: redoes what was left
         raise
-
-
-def critic_metrics(values: list, returns: list) -> dict:
-    """Mean value and return, and the explained variance 1 - Var(R - V) / Var(R) of the rollout."""
-    v, r = torch.cat(values).double(), torch.cat(returns).double()
-    var_r = float(r.var(unbiased=False))
-    return {"critic/values_mean": float(v.mean()), "critic/returns_mean": float(r.mean()),
-            "critic/explained_variance": 1.0 - float((r - v).var(unbiased=False)) / var_r if var_r > 0 else math.nan}
 
 
 def precision_line(p: dict, cfg: MegaRLConfig) -> str:

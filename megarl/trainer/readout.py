@@ -19,8 +19,9 @@ Where it is computed follows where the tokens are:
   pass's log-probs (:func:`old_pass_outputs`: read-outs, and the rollout correction's weights and
   kept tokens, per sequence) and put the tokens into Ray's object store; the reference pass adds
   each sample's k1 sum (:func:`reference_pass_outputs`). The controller holds handles, which the
-  update's ranks fetch; only a KL reward fetches tokens to it (a routing comparison's misses
-  become per-sample sums there too: :func:`megarl.trainer.routing.routing_sums`);
+  update's ranks fetch, and a KL reward's advantages are computed from them on rank 0
+  (:func:`megarl.trainer.batch.stored_advantages`); a routing comparison's misses become
+  per-sample sums there too (:func:`megarl.trainer.routing.routing_sums`);
 - with ``trainer.data_plane: controller`` the pass's tokens come to the controller, which
   computes the same read-outs with the same function (:func:`controller_readouts`).
 

@@ -30,17 +30,15 @@ from megarl.compat import heap
 def receive(micro_batches: list) -> None:
     """What a rank does first with the micro-batches the controller sent (in place): the extras'
     wire encoding undone (:func:`megarl.data.wire.decode_batches`), and what they carry by
-    reference fetched from Ray's object store: the token ids the engines put, the samples' routing
-    (replayed or compared in the MoE layers), vLLM's log-probs the engines put and the outputs of
-    an earlier pass (old / reference log-probs, correction weights;
-    :func:`megarl.data.store.fetch_columns`)."""
-    from megarl.data.store import fetch_columns, fetch_ids, fetch_routing
+    reference fetched from Ray's object store, in one ``ray.get``: the token ids the engines put,
+    the samples' routing (replayed or compared in the MoE layers), vLLM's log-probs the engines put
+    and the outputs of an earlier pass (old / reference log-probs, correction weights, values,
+    advantages; :func:`megarl.data.store.fetch_batches`)."""
+    from megarl.data.store import fetch_batches
     from megarl.data.wire import decode_batches
 
     decode_batches(micro_batches)
-    fetch_ids(micro_batches)
-    fetch_routing(micro_batches)
-    fetch_columns(micro_batches)
+    fetch_batches(micro_batches)
 
 
 class HybridWorker:
@@ -253,11 +251,25 @@ class HybridWorker:
         dist.all_reduce(vals, group=self.groups.pgs.dp)
         return dict(zip(names, vals.tolist()))
 
-    def values(self, micro_batches):
-        """The critic's values of the response tokens, per micro-batch (DP leaders; else None)."""
+    def values(self, micro_batches, keep: bool = False):
+        """The critic's values of the response tokens, per micro-batch (DP leaders; else None).
+        ``keep`` (``trainer.data_plane: object_store``): put into the object store instead, one
+        object per micro-batch, a :class:`megarl.data.store.Rows` per sample
+        (:func:`megarl.data.store.put_rows`)."""
+        from megarl.data.store import put_rows
+
         receive(micro_batches)
         outs = self.critic.forward_values(micro_batches)
-        return outs if self.info()["dp_leader"] else None
+        if not self.info()["dp_leader"]:
+            return None
+        return [put_rows(o, b.response_lengths) for o, b in zip(outs, micro_batches)] if keep else outs
+
+    def advantages(self, inputs, adv_fn, adv_opts: dict, kl_coef: float | None, old_lp, ref_lp, values) -> dict:
+        """The step's advantages from the per-token inputs in the object store
+        (:func:`megarl.trainer.batch.stored_advantages`), on this rank."""
+        from megarl.trainer.batch import stored_advantages
+
+        return stored_advantages(inputs, adv_fn, adv_opts, kl_coef, old_lp, ref_lp, values)
 
     def train_critic(self, micro_batches) -> dict:
         from megarl.trainer.algorithm import make_value_loss_fn

@@ -292,9 +292,28 @@ class WorkerGroup:
                     for k in names}, None
         return column(0), column(1) if with_entropy else None
 
-    def values(self, rollout: Rollout, plan) -> list[torch.Tensor]:
-        """The critic's value of every response token, per sample."""
+    def values(self, rollout: Rollout, plan, keep: bool = False) -> list:
+        """The critic's value of every response token, per sample: a tensor, or with ``keep``
+        (``trainer.data_plane: object_store``) a :class:`megarl.data.store.Rows` (the DP leaders
+        put them)."""
+        if keep:
+            return scatter_sequences(rollout, plan, self._forward("values", rollout, plan, True))
         return scatter_back(rollout, plan, self._forward("values", rollout, plan))
+
+    def advantages(self, rollout: Rollout, adv_fn, adv_opts: dict, kl_coef: float | None, old_lp: list | None,
+                   ref_lp: list | None, values: list | None) -> dict:
+        """The advantages computed by rank 0 from per-token inputs in the object store (a critic's
+        values; with ``kl_coef``, the old and reference log-probs of a KL reward): see
+        :func:`megarl.trainer.batch.stored_advantages`. Only lengths, rewards and groups travel."""
+        from inspect import signature
+
+        inputs = rollout.advantage_inputs(with_logprobs="logprobs_T" in signature(adv_fn).parameters)
+        t0 = time.monotonic()
+        out = self._wait([self.workers[0].advantages.remote(inputs, adv_fn, adv_opts, kl_coef, old_lp, ref_lp,
+                                                            values)], [self._who(0)], "advantages")[0]
+        if self.timeline is not None:
+            self.timeline.record("rank0", "advantages", t0, time.monotonic())
+        return out
 
     def train(self, rollout: Rollout, plan, per_sample: dict, kl_coef: float, routing: list | None = None,
               own_old_logprobs: bool = False, version: int | None = None) -> tuple[dict, list | None]:

@@ -7,7 +7,7 @@ One launch (tests/e2e/plane_parity.py): one WorkerGroup of 2 training ranks (DP 
 engines (rollout.dp 2), the tied tiny llama, 2 steps of GRPO with everything that reads the old
 log-prob pass: 2 mini-batches (so the pass runs), a reference model with KL as a per-token reward
 (its log-probs stay on the ranks too; the k1 ``actor/kl`` read-out sums old - ref there; the
-per-token rewards are the one consumer that fetches both passes' log-probs to the controller), and
+per-token rewards' advantages are computed on rank 0 from both passes' objects), and
 IcePop's rollout correction (weights and kept tokens computed on the ranks, per sequence as the
 controller did).
 Run once per data plane from the same weights and optimizer state.

@@ -297,14 +297,14 @@ def test_routing_travels_by_reference_and_is_freed_after_each_step(fleet_of, ray
     references its objects: over 20 steps of 8 samples (~1 MiB of routing each step) the engines
     own none after each step, and the store is empty once idle."""
     from megarl.data import plan_batches
-    from megarl.data.store import Stored, fetch_routing, stored_bytes
+    from megarl.data.store import Stored, fetch_batches, stored_bytes
     from megarl.parallel import Topology
     from megarl.trainer.batch import Rollout, micro_batches_for
     from megarl.data.plan import BatchBudget
 
     @ray_local.remote(num_cpus=0)
     def rank_sums(micro_batches):   # what a training rank does first (HybridWorker.logprobs / train)
-        fetch_routing(micro_batches)
+        fetch_batches(micro_batches)
         return [[(tuple(r.shape), int(r[0, 0, 0]), int((r != r[0, 0, 0]).sum())) for r in mb.routing]
                 for mb in micro_batches]
 

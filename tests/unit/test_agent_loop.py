@@ -60,8 +60,11 @@ class ScriptedFleet:
         return {}, {}
 
 
-def make_loop(tokenizer, script, overrides=(), tools=None):
-    cfg = load_config("configs/agent_calculator.yaml", ["rollout.n=1", *overrides])
+def make_loop(tokenizer, script, overrides=(), tools=None, store=False):
+    """``store``: the trajectories' ids and log-probs go into the object store (the default
+    ``trainer.data_plane``; a test that asks for it has the ``store`` fixture)."""
+    plane = "object_store" if store else "controller"
+    cfg = load_config("configs/agent_calculator.yaml", ["rollout.n=1", f"trainer.data_plane={plane}", *overrides])
     registry = build_registry(["calculator"], timeout_s=5, memory_mb=256, output_limit=1024)
     for tool in tools or []:
         registry.register(tool)
@@ -71,9 +74,9 @@ def make_loop(tokenizer, script, overrides=(), tools=None):
     return AgentLoop(cfg, tokenizer, fmt, runner, lambda: fleet), fleet, fmt
 
 
-def test_tool_turn_ids_inserted_exactly_and_masked(tokenizer):
+def test_tool_turn_ids_inserted_exactly_and_masked(tokenizer, store):
     script = {"0/0": [CALL.format(name="calculator", args='{"expression": "(48 - 12) / 4"}'), "So 9.\n#### 9"]}
-    loop, fleet, fmt = make_loop(tokenizer, script)
+    loop, fleet, fmt = make_loop(tokenizer, script, store=True)
     prompt = fmt.prompt_ids([{"role": "user", "content": "How many bags?"}])
     [[s]] = loop([prompt], [7])
     end = fmt.end_of_turn_ids[0]
@@ -91,6 +94,28 @@ def test_tool_turn_ids_inserted_exactly_and_masked(tokenizer):
     assert m["agent/masked_token_share"] == pytest.approx(len(inserted) / len(s["token_ids"]))
     # the second turn's request is the whole trajectory so far, with what is left of the budget
     assert fleet.log[1][0] == "fed" and fleet.log[1][1] == ("0/0", 1)
+    # what the ranks read goes through the object store (put by the controller, which joined the turns):
+    # the ids and log-probs exactly, and the micro-batches carry handles that fetch what went inline
+    from types import SimpleNamespace
+
+    from megarl.data.store import Stored, fetch, fetch_batches
+    from megarl.trainer.batch import Rollout, micro_batches_for
+    from megarl.trainer.readout import forward_readout_inputs
+
+    ids, lp = fetch([s["stored_ids"], s["stored_logprobs"]])
+    assert ids.dtype == torch.int32 and ids.tolist() == prompt + s["token_ids"]
+    assert lp.dtype == torch.float64 and torch.equal(lp.isnan(), torch.tensor([not m for m in s["loss_mask"]]))
+    assert lp.nan_to_num(1.0).tolist() == [1.0 if math.isnan(x) else x for x in s["logprobs"]]
+    stored = Rollout.from_generations([prompt], [""], [[s]])
+    inline = Rollout.from_generations([prompt], [""], [[{k: v for k, v in s.items() if not k.startswith("stored_")}]])
+    plan = SimpleNamespace(micro_batches={0: [[0]]})
+    [mb] = micro_batches_for(stored, plan, 0, forward_readout_inputs(stored, 0, True))
+    assert isinstance(mb.input_ids[0], Stored)
+    fetch_batches([mb])
+    [want] = micro_batches_for(inline, plan, 0, forward_readout_inputs(inline, 0, True))
+    assert torch.equal(mb.input_ids[0], want.input_ids[0])
+    for k in want.extras:   # vLLM's log-probs (NaN on the tool results), the tis mask, the loss mask
+        assert torch.equal(mb.extras[k].nan_to_num(7.0), want.extras[k].nan_to_num(7.0)), k
 
 
 def test_malformed_calls_get_their_error_back_and_are_counted(tokenizer):

@@ -3,7 +3,7 @@
 (megarl/trainer/readout.py: ``old_pass_outputs``, ``reference_pass_outputs``) equals what the
 controller computed from the same tokens (``correct_rollout``, ``controller_readouts``), and the
 update's micro-batches, which regroup the samples, get back exactly each sample's tensors
-(megarl/data/store.py: ``Rows``, ``Column``, ``fetch_columns``). Ray's put/get are replaced by a
+(megarl/data/store.py: ``Rows``, ``Column``, ``fetch_batches``). Ray's put/get are replaced by a
 dict here (the real object store, 2 ranks and 2 engines: tests/e2e/test_dataplane_e2e.py)."""
 import math
 from types import SimpleNamespace
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megarl.algorithms.offpolicy import correct_rollout
-from megarl.data.store import Column, Rows, Stored, fetch_columns, fetch_rows, put_rows
+from megarl.data.store import Column, Rows, Stored, fetch_batches, fetch_rows, put_rows
 from megarl.trainer.batch import Rollout, micro_batches_for
 from megarl.trainer.routing import StepRouting
 from megarl.trainer.readout import (controller_readouts, forward_readout_inputs, old_pass_outputs, readout_metrics,
@@ -91,7 +91,7 @@ def test_old_pass_on_the_ranks_equals_the_controller(store, mode, level, tmp_pat
     per_sample = {"old_logprobs_T": kept["old_logprobs_T"], **{k: kept[k] for k in corrected}}
     new = micro_batches_for(r, update_plan, 0, per_sample)
     assert all(isinstance(v, Column) for mb in new for k, v in mb.extras.items() if k in per_sample)
-    fetch_columns(new)
+    fetch_batches(new)
     old = micro_batches_for(r, update_plan, 0, {"old_logprobs_T": train, **corrected})
     for a_mb, b_mb in zip(new, old):
         assert a_mb.extras.keys() == b_mb.extras.keys()
@@ -107,7 +107,7 @@ def test_reference_pass_gives_the_k1_sums_and_bf16_survives_the_store(store):
     plan = SimpleNamespace(micro_batches={0: [[1, 0]]})
     old_rows = put_rows(torch.cat([train[0], train[1]]), sizes)   # the old pass's micro-batch: 0, 1
     (mb,) = micro_batches_for(r, plan, 0, {"old_logprobs_T": old_rows})
-    fetch_columns([mb])
+    fetch_batches([mb])
     out = reference_pass_outputs(torch.cat([ref[1], ref[0]]), mb, with_kl=True)
     expected = controller_readouts(r, train, None, ref, 0)
     assert out["kl"] == [expected[1]["kl"], expected[0]["kl"]]
@@ -117,3 +117,41 @@ def test_reference_pass_gives_the_k1_sums_and_bf16_survives_the_store(store):
     assert s.dtype == "bfloat16" and s.nbytes == 18
     (back,) = fetch_rows([Rows(s, 2, 7)])
     assert back.dtype == torch.bfloat16 and torch.equal(back, bf16[2:7])
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_advantages_on_a_rank_equal_the_controllers(store, estimator):
+    """With the object store, a step whose advantages read per-token inputs (a critic's values for
+    GAE, the old and reference log-probs of a KL reward) has rank 0 compute them from the passes'
+    objects (``stored_advantages``): bit for bit what the controller computes from the same
+    tensors, the same metrics, and the update's micro-batches read back exactly those advantages
+    and returns. Only lengths, rewards, groups and masks travel (``AdvantageInputs``)."""
+    from megarl.algorithms.registry import get_advantage_estimator
+    from megarl.trainer.batch import advantage_metrics, compute_advantages, critic_metrics, stored_advantages
+
+    sizes = [3, 5, 4, 2]
+    r, old, _ = rollout_of(sizes, seed=3)
+    r.rewards, r.group_ids = [1.0, 0.0, 0.5, 1.0], [0, 0, 1, 1]
+    g = torch.Generator().manual_seed(4)
+    ref = [t + 0.1 * torch.randn(len(t), generator=g) for t in old]
+    values = [torch.randn(n, generator=g) for n in sizes] if estimator == "gae" else None
+    adv_fn = get_advantage_estimator(estimator)
+    opts = {"gamma": 1.0, "lam": 0.95} if estimator == "gae" else {}
+    want_adv, want_ret = compute_advantages(r, adv_fn, opts, [-0.05 * (a - b) for a, b in zip(old, ref)], values)
+
+    def kept(tensors):   # as two DP leaders put them: one object per micro-batch
+        return put_rows(torch.cat(tensors[:2]), sizes[:2]) + put_rows(torch.cat(tensors[2:]), sizes[2:])
+
+    inputs = r.advantage_inputs(with_logprobs=False)
+    assert inputs.sample_logprobs == [] and inputs.response_lengths == sizes
+    got = stored_advantages(inputs, adv_fn, opts, 0.05, kept(old), kept(ref), kept(values) if values else None)
+    for name, want in (("advantages_T", want_adv), ("returns_T", want_ret)):
+        assert all(isinstance(x, Rows) for x in got[name])
+        assert all(torch.equal(a, b) for a, b in zip(fetch_rows(got[name]), want)), name
+    assert got["metrics"] == {**advantage_metrics(r, want_adv), **(critic_metrics(values, want_ret) if values else {})}
+    assert got["metrics"]["actor/adv_abs_max"] > 0
+    plan = SimpleNamespace(micro_batches=[[[3, 0], [2, 1]]])
+    new = micro_batches_for(r, plan, 0, {"advantages_T": got["advantages_T"]})
+    fetch_batches(new)
+    for mb, want in zip(new, micro_batches_for(r, plan, 0, {"advantages_T": want_adv})):
+        assert torch.equal(mb.extras["advantages_T"], want.extras["advantages_T"])

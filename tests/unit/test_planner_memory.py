@@ -192,9 +192,17 @@ def test_data_plane_bytes_by_hand():
     # out: ids of every token and log-probs of the response's (4 + 4 B: float32 numbers), an outcome advantage and
     # the loss mask as one run of equal values a sample each (value + int32 length: 8 + 5 B; megarl.data.wire)
     assert d.controller_out == 512 * (4 * 828 + 4 * 700 + 8 + 5)
+    # per-token advantages (GAE, a KL reward): with the object store rank 0 computes them where their inputs are
+    # and the controller sends a handle a sample; through the controller, 4 B a token
     gae = mem.data_plane_bytes(samples=512, mean_prompt=128, mean_response=700, moe_layers=58, topk=8, routing=True,
                                dp=16, ranks_per_node=8, token_advantages=True)
-    assert gae.controller_out == d.controller_out + 512 * (4 * 700 - 8)
+    assert gae.controller_out == d.controller_out + 512 * (mem.HANDLE_BYTES - 8)
+    assert gae.per_rank == d.per_rank + 512 * (4 * 700 - 8) // 16 and gae.advantages_rank0 == 512 * 700 * 4
+    gae_inline = mem.data_plane_bytes(samples=512, mean_prompt=128, mean_response=700, moe_layers=58, topk=8,
+                                      routing=True, dp=16, ranks_per_node=8, token_advantages=True,
+                                      routing_via_store=False)
+    assert gae_inline.controller_out == d.controller_out + 512 * (4 * 700 - 8) + routing
+    assert gae_inline.advantages_rank0 == 0 and d.advantages_rank0 == 0
     # the engines' objects (on_policy, one_step_off): the controller sends two handles a sample, the ranks read
     # the ids and the float64 log-probs from the engines' nodes
     via = mem.data_plane_bytes(samples=512, mean_prompt=128, mean_response=700, moe_layers=58, topk=8, routing=True,
@@ -227,6 +235,15 @@ def test_data_plane_bytes_of_the_forward_passes():
     assert inline.controller_in == plain.controller_in + 512 * 700 * 12
     assert inline.controller_out == plain.controller_out + 512 * 700 * 12
     assert store.per_rank == inline.per_rank == (plain.controller_out + store.passes) // 16
+    # a PPO critic with a KL reward: the values come in (4 B a token) and its update reads them and the returns
+    # (8 B); with the object store they stay off the controller and rank 0 reads old, reference and values
+    # (12 B a token) to write advantages and returns (8 B)
+    ppo = {**kw, "token_advantages": True, "critic": True, "kl_reward": True}
+    ppo_store, ppo_inline = mem.data_plane_bytes(**ppo), mem.data_plane_bytes(**ppo, routing_via_store=False)
+    assert ppo_store.passes == ppo_inline.passes == 512 * 700 * 20
+    assert ppo_store.controller_in == store.controller_in and ppo_store.advantages_rank0 == 512 * 700 * 20
+    assert ppo_inline.controller_in == inline.controller_in + 512 * 700 * 4 and ppo_inline.advantages_rank0 == 0
+    assert ppo_store.controller_out == store.controller_out + 512 * (mem.HANDLE_BYTES - 8)
     # the reference pass alone (one update a step): its log-probs, 4 B a token
     ref = mem.data_plane_bytes(**{**kw, "old_pass": False, "correction": True}, routing_via_store=False)
     assert ref.passes == 512 * 700 * 4 and ref.controller_in == plain.controller_in + 512 * 700 * 4

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megarl.data import BatchBudget, plan_batches
-from megarl.data.store import Column, Outbox, Stored, claim, fetch, fetch_columns, fetch_ids
+from megarl.data.store import Column, Outbox, Stored, claim, fetch, fetch_batches
 from megarl.data.wire import decode_batches, encode_batches
 from megarl.parallel import Topology
 from megarl.trainer.batch import Rollout, micro_batches_for
@@ -52,8 +52,7 @@ def sent_and_fetched(rollout, plan, rank, per_sample):
     """The rank's micro-batches as Ray delivers them (pickled) and as the rank reads them."""
     mbs = pickle.loads(pickle.dumps(encode_batches(micro_batches_for(rollout, plan, rank, per_sample))))
     decode_batches(mbs)
-    fetch_ids(mbs)
-    fetch_columns(mbs)
+    fetch_batches(mbs)
     return mbs
 
 
@@ -150,3 +149,38 @@ def test_an_outbox_puts_only_what_is_claimed_and_through_its_keeper(store, monke
     assert a.dtype == torch.int32 and a.tolist() == [0, 1, 2, 3, 4]
     assert b.dtype == torch.bfloat16 and b.tolist() == [0.5, -1.0]
     assert box.take([ids.key]) == [None] and calls == [2]   # claimed once; nothing to put, no call
+
+
+def test_a_rank_fetches_ids_routing_and_columns_in_one_get(store, monkeypatch):
+    """What a rank's micro-batches carry by reference (the engines' ids and log-probs, the
+    routing, a pass's rows shared by two micro-batches) comes in one ``ray.get`` of the distinct
+    objects, and equals what the controller would send inline."""
+    import ray
+
+    from megarl.data.store import put_all, put_rows
+
+    prompts, sizes = [[1, 2, 3], [4, 5]], [[3, 5], [4, 2]]
+    stored = Rollout.from_generations(prompts, ["", ""], generations(Engine(), prompts, sizes, stash=True))
+    inline = Rollout.from_generations(prompts, ["", ""], generations(Engine(), prompts, sizes, stash=False))
+    routing = [torch.arange(len(p) + len(r), dtype=torch.int16).view(-1, 1, 1).expand(-1, 2, 3).contiguous()
+               for p, r in zip(stored.prompt_ids, stored.response_ids)]
+    values = torch.randn(sum(len(r) for r in stored.response_ids))
+    rows = put_rows(values, [len(r) for r in stored.response_ids])   # one object for the 4 samples
+    plan = plan_batches(stored.lengths(), Topology(world_size=1), BatchBudget(max_tokens_per_micro_batch=12))
+    assert len(plan.micro_batches[0]) > 1   # the samples' rows are spread over several micro-batches
+    per_sample = dict(forward_readout_inputs(stored, 0, False), returns_T=rows)
+    mbs = pickle.loads(pickle.dumps(encode_batches(micro_batches_for(stored, plan, 0, per_sample, put_all(routing)))))
+    decode_batches(mbs)
+    gets, get = [], ray.get
+    monkeypatch.setattr(ray, "get", lambda refs: gets.append(len(refs)) or get(refs))
+    fetch_batches(mbs)
+    # 4 ids + 4 log-probs + 4 routings + the values' one object, fetched once
+    assert gets == [13], gets
+    inline_values = list(torch.split(values, [len(r) for r in stored.response_ids]))
+    want = micro_batches_for(inline, plan, 0, dict(forward_readout_inputs(inline, 0, False), returns_T=inline_values),
+                             routing)
+    for a, b in zip(mbs, want):
+        assert all(torch.equal(x, y) for x, y in zip(a.input_ids, b.input_ids))
+        assert all(torch.equal(x, y) for x, y in zip(a.routing, b.routing))
+        for k in b.extras:
+            assert a.extras[k].dtype == b.extras[k].dtype and torch.equal(a.extras[k], b.extras[k]), k
