@@ -14,8 +14,9 @@ and travel as :class:`Stored` handles:
 The engines put each finished sample's token ids (prompt + response, int32) and vLLM log-probs
 (float64) the same way (``stored_ids``, ``stored_logprobs``; :meth:`megarl.rollout.engine.EngineActor._stash`):
 the micro-batches carry the handles, the ranks resolve them (:func:`fetch_batches`, the
-log-probs as :class:`Rows` of a :class:`Column`). The controller keeps its own copy of both (the
-rewards decode the text).
+log-probs as :class:`Rows` of a :class:`Column`). The controller keeps its own copy of the ids (the
+rewards decode the text) but not of the log-probs, except with speculative rollouts (their drafts),
+in async mode and for the agent loop's trajectories.
 
 The forward passes before an update (old and reference log-probs, the rollout correction's
 weights and kept tokens) are put by the training ranks' DP leaders, one object per micro-batch

@@ -48,14 +48,16 @@ routing goes from the engine's node to the training ranks without passing throug
 
 The same plane puts what the training ranks read of each finished sample of
 :meth:`EngineActor.generate_stream`: its token ids (prompt + response, int32, ``stored_ids``) and
-vLLM's log-probs (float64, ``stored_logprobs``). The sample still carries both inline for the
-controller (rewards decode the text, the router and the metrics read lengths, the alarm's
-fallbacks read the log-probs), but the micro-batches carry the handles and each rank fetches its
-own samples' arrays. :meth:`EngineActor.generate_requests` puts them for the requests that ask
-(``"store"``: the async producer's; the agent loop's turns, which the controller joins with tool
-output, do not: the controller puts each finished trajectory,
-:func:`megarl.agent.loop.stored_trajectory`). What an engine puts is owned by its :class:`megarl.data.keeper.Keeper`, not by
-the engine: a restarted engine's samples keep their routing, ids and log-probs.
+vLLM's log-probs (float64, ``stored_logprobs``). The sample then carries its ids inline for the
+controller (the rewards decode the text, the router and the metrics read lengths) but not the
+log-probs (``logprobs`` None; with ``rollout.speculative`` they stay, the next epoch's drafts);
+the micro-batches carry the handles and each rank fetches its own samples' arrays.
+:meth:`EngineActor.generate_requests` puts them for the requests that ask (``"store"``: the async
+producer's, which keeps its inline copy to join a sample resumed across a sync; the agent loop's
+turns, which the controller joins with tool output, do not: the controller puts each finished
+trajectory, :func:`megarl.agent.loop.stored_trajectory`). What an engine puts is owned by its
+:class:`megarl.data.keeper.Keeper`, not by the engine: a restarted engine's samples keep their
+routing, ids and log-probs.
 """
 from __future__ import annotations
 
@@ -443,6 +445,9 @@ class EngineActor:
         ``controller`` returns the arrays inline only (so does an engine outside a Ray actor)."""
         # an EngineActor built in a script's own process has no controller to claim what it would put
         self.stash = plane == "object_store" and _in_ray_actor()
+        # what the controller keeps of a stored sample: its ids (the rewards' text, lengths), not the log-probs the
+        # ranks read from the store -- except for speculative rollouts, whose drafts are the samples themselves
+        self.logprobs_inline = not self.stash or self.cfg.rollout.speculative != "off"
         if (reader := routing_reader(self.llm)) is not None:
             reader.outbox = self.outbox if self.stash else None
 
@@ -459,11 +464,15 @@ class EngineActor:
     def _stash(self, pairs: list, prompt_ids: list) -> list:
         """``pairs`` (``[(prompt index, samples)]``) with each sample's ``stored_ids`` (prompt +
         response, int32) and ``stored_logprobs`` (float64) put into the object store, when the
-        plane is ``object_store``; see the module docstring."""
+        plane is ``object_store``; see the module docstring. The log-probs then leave the sample
+        (``logprobs`` None: the controller gets no copy) unless ``rollout.speculative`` keeps
+        them for its drafts."""
         if self.stash:
             for i, samples in pairs:
                 for sample in samples:
                     self._put_sample(prompt_ids[i], sample)
+                    if not self.logprobs_inline:   # in the object store only (Rollout.sample_logprobs: None)
+                        sample["logprobs"] = None
         return pairs
 
     def _put_sample(self, prompt: list, sample: dict) -> None:

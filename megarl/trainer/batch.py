@@ -25,8 +25,10 @@ class Rollout:
 
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
-    sample_logprobs: list[list[float]]
-    """vLLM's log-prob of each sampled token (for the rollout-vs-train alarm)."""
+    sample_logprobs: list
+    """vLLM's log-prob of each sampled token (for the rollout-vs-train alarm), or None for a
+    sample whose engine put them into the object store and kept no copy for the controller
+    (``stored_logprobs``; :meth:`vllm_logprobs` fetches them)."""
     group_ids: list[int]
     answers: list[str]
     clipped: list[bool]
@@ -85,6 +87,8 @@ class Rollout:
                         raise ValueError(f"a sample of prompt {i} has routed_experts for {routing.shape[0]} tokens, "
                                          f"expected {rows} (prompt + response)")
                     r.routed_experts.append(routing)
+                if s["logprobs"] is None and s.get("stored_logprobs") is None:
+                    raise ValueError(f"a sample of prompt {i} has neither logprobs nor stored_logprobs")
                 for name, size in (("stored_ids", len(prompt) + len(s["token_ids"])),
                                    ("stored_logprobs", len(s["token_ids"]))):
                     handle = s.get(name)
@@ -135,12 +139,25 @@ class Rollout:
     def lengths(self) -> list[int]:
         return [len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)]
 
+    def vllm_logprobs(self) -> list:
+        """Every sample's vLLM log-probs as a list: the controller's copy, or for the samples that
+        have none here (:attr:`sample_logprobs` None) the engine's object, fetched in one ``ray.get``."""
+        missing = [i for i, lp in enumerate(self.sample_logprobs) if lp is None]
+        if not missing:
+            return self.sample_logprobs
+        from megarl.data.store import fetch
+
+        out = list(self.sample_logprobs)
+        for i, t in zip(missing, fetch([self.stored_logprobs[i] for i in missing])):
+            out[i] = t.tolist()
+        return out
+
     def advantage_inputs(self, with_logprobs: bool = True) -> "AdvantageInputs":
         """What :func:`compute_advantages` reads of these samples: lengths, rewards, groups and
         masks, not the tokens (``with_logprobs``: also vLLM's log-probs, for an estimator that
         takes them)."""
         return AdvantageInputs(self.rewards, self.group_ids, [len(r) for r in self.response_ids], self.loss_masks,
-                               self.baseline_rewards, self.sample_logprobs if with_logprobs else [])
+                               self.baseline_rewards, self.vllm_logprobs() if with_logprobs else [])
 
 
 @dataclass
@@ -180,12 +197,12 @@ def compute_advantages(rollout: Rollout | AdvantageInputs, adv_fn, adv_opts: dic
     ``token_rewards`` (e.g. a KL penalty) and ``values`` (a critic's, for GAE) are per-sample
     lists of ``[R_i]`` tensors, or None.
     """
+    takes = inspect.signature(adv_fn).parameters
     if isinstance(rollout, Rollout):
-        rollout = rollout.advantage_inputs()
+        rollout = rollout.advantage_inputs(with_logprobs="logprobs_T" in takes)
     cu = rollout.cu_seqlens_N1()
     cat = lambda xs: torch.cat([x.float() for x in xs]) if xs is not None else None   # noqa: E731
     extra = {"values_T": cat(values)} if values is not None else {}
-    takes = inspect.signature(adv_fn).parameters
     if "logprobs_T" in takes:          # the sampling policy's (vLLM's) log-probs, NaN where none
         extra["logprobs_T"] = torch.tensor([lp for s in rollout.sample_logprobs for lp in s], dtype=torch.float32)
     if "baseline_rewards_N" in takes and rollout.baseline_rewards:

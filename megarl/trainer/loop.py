@@ -330,7 +330,7 @@ class StepRunner:
             readouts = controller_readouts(rollout, lp, passes.entropy, passes.ref_lp, step - 1)
             self.read_logprobs(step, rollout, readouts, m)
             m.update(self.routing.metrics(rollout, lp, passes.routing_out, step - 1))
-            corrected, m_corr = correct_rollout(lp, rollout.sample_logprobs, cfg.algorithm)
+            corrected, m_corr = correct_rollout(lp, rollout.vllm_logprobs(), cfg.algorithm)
             m.update(m_corr)
             per_sample.update(old_logprobs_T=lp, **corrected)
         else:

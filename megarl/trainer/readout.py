@@ -159,11 +159,11 @@ def controller_readouts(rollout, lp: list, entropy: list | None, ref_lp: list | 
                         version: int | None) -> list[dict]:
     """The read-outs of a step's samples from per-token tensors on the controller (an
     old-log-prob pass); the mismatch metrics come with the rollout correction there."""
-    out = []
+    out, vllm = [], rollout.vllm_logprobs()
     for i, lp_R in enumerate(lp):
         versions = rollout.token_versions[i] if rollout.token_versions else None
         out.append(sample_readout(
-            lp_R, torch.tensor(rollout.sample_logprobs[i], dtype=torch.float64),
+            lp_R, torch.tensor(vllm[i], dtype=torch.float64),
             loss_mask_R=rollout.loss_mask_T(i) if rollout.loss_masks else None,
             versions_R=torch.tensor(versions, dtype=torch.long) if versions is not None else None, version=version,
             entropy_R=entropy[i] if entropy is not None else None, ref_R=ref_lp[i] if ref_lp is not None else None))
@@ -180,13 +180,14 @@ def forward_readout_inputs(rollout, version: int, tis_in_forward: bool) -> dict:
     sends the handle (:class:`megarl.data.store.Rows`: the rank fetches them)."""
     from megarl.data.store import Rows
 
-    rollout_lp = [torch.tensor(lp, dtype=torch.float64) for lp in rollout.sample_logprobs]
+    rollout_lp = [None if lp is None else torch.tensor(lp, dtype=torch.float64) for lp in rollout.sample_logprobs]
     out = {"rollout_logprobs_T": rollout_lp}
     if rollout.stored_logprobs:
-        out["rollout_logprobs_T"] = [lp if h is None else Rows(h, 0, len(lp))
+        out["rollout_logprobs_T"] = [lp if h is None else Rows(h, 0, h.shape[0])
                                      for lp, h in zip(rollout_lp, rollout.stored_logprobs)]
-    if tis_in_forward:
-        out["mask_T"] = [~lp.isnan() for lp in rollout_lp]
+    if tis_in_forward:   # NaN: the agent loop's inserted tokens (it keeps its copy); vLLM's own are finite
+        out["mask_T"] = [~lp.isnan() if lp is not None else torch.ones(h.shape[0], dtype=torch.bool)
+                         for lp, h in zip(rollout_lp, rollout.stored_logprobs or [None] * len(rollout))]
     if rollout.token_versions and any(v != version for vs in rollout.token_versions for v in vs):
         out["versions_T"] = [torch.tensor(vs, dtype=torch.int32) for vs in rollout.token_versions]
     return out

@@ -107,7 +107,7 @@ class StepRouting:
         return self.metrics_from_sums(routing_out, [
             routing_sums(torch.tensor(vllm_lp, dtype=torch.float64), lp, miss,
                          torch.tensor(versions[i], dtype=torch.long) if versions else None, version)
-            for i, (vllm_lp, lp, miss) in enumerate(zip(rollout.sample_logprobs, train_lp, misses))])
+            for i, (vllm_lp, lp, miss) in enumerate(zip(rollout.vllm_logprobs(), train_lp, misses))])
 
     @staticmethod
     def metrics_from_sums(routing_out: dict, sums: list[dict]) -> dict:

@@ -167,6 +167,17 @@ def test_paused_requests_continue_as_if_uninterrupted_and_the_delay_and_noise_kn
     print(f"continued: max |log-prob - oracle's| {max(gaps):.2e}")
     assert max(gaps) <= LOGPROB_TOL
 
+    # Fleet.generate on the object-store plane (these engines' default): each sample's ids and log-probs are
+    # in the store, the controller gets the ids but no copy of the log-probs, and the stored ones are the oracle's
+    from megarl.data.store import Stored, fetch
+
+    gens = fleet.generate(PROMPTS[:2], [0, 1], greedy=True)
+    for q, [s] in zip(reqs[:2], gens):
+        assert s["logprobs"] is None and isinstance(s["stored_logprobs"], Stored), s
+        ids, lp = fetch([s["stored_ids"], s["stored_logprobs"]])
+        assert s["token_ids"] == oracle[q["id"]]["token_ids"] and ids.tolist() == q["prompt_ids"] + s["token_ids"]
+        assert lp_gap(lp.tolist(), oracle[q["id"]]["logprobs"]) <= LOGPROB_TOL
+
     # weight noise: a load of the model's own tensors through the bridge's RPC, from one shared buffer
     tensors = {n: t.float() for n, t in load_file(Path(resolve_model_path(MODEL)) / "model.safetensors").items()}
     buffer = DestBuffer.create(f"megarl-test-noise-{os.getpid()}", {n: t.shape for n, t in tensors.items()},

@@ -30,8 +30,9 @@ class Engine:
         return self.outbox.take(keys)
 
 
-def generations(engine: Engine, prompts, sizes, stash):
-    """Per prompt, its samples as EngineActor.generate_stream gives them (stash: its _stash)."""
+def generations(engine: Engine, prompts, sizes, stash, inline_logprobs=True):
+    """Per prompt, its samples as EngineActor.generate_stream gives them (stash: its _stash;
+    ``inline_logprobs`` False: the log-probs only in the store, as without rollout.speculative)."""
     g = torch.Generator().manual_seed(len(sizes))
     out = []
     for prompt, ns in zip(prompts, sizes):
@@ -42,6 +43,8 @@ def generations(engine: Engine, prompts, sizes, stash):
             if stash:
                 s["stored_ids"] = engine.outbox.put(np.asarray(prompt + s["token_ids"], np.int32))
                 s["stored_logprobs"] = engine.outbox.put(np.asarray(s["logprobs"], np.float64))
+                if not inline_logprobs:
+                    s["logprobs"] = None
             samples.append(s)
         out.append(samples)
     claim(engine, [s for samples in out for s in samples])
@@ -184,3 +187,35 @@ def test_a_rank_fetches_ids_routing_and_columns_in_one_get(store, monkeypatch):
         assert all(torch.equal(x, y) for x, y in zip(a.routing, b.routing))
         for k in b.extras:
             assert a.extras[k].dtype == b.extras[k].dtype and torch.equal(a.extras[k], b.extras[k]), k
+
+
+def test_log_probs_only_in_the_store_reach_the_ranks_and_the_estimators_exactly(store):
+    """An engine that keeps no copy of the log-probs for the controller (``logprobs`` None, the
+    default without rollout.speculative): the micro-batches carry the handles (their length from
+    the handle), token-level tis's mask covers every token, an estimator that reads vLLM's
+    log-probs (the optimal token baseline) gets them fetched, and all of it equals the inline run."""
+    from megarl.algorithms.registry import get_advantage_estimator
+    from megarl.trainer.batch import compute_advantages
+
+    prompts, sizes = [[1, 2, 3], [4, 5]], [[3, 5], [4, 2]]
+    only = Rollout.from_generations(prompts, ["", ""], generations(Engine(), prompts, sizes, stash=True,
+                                                                   inline_logprobs=False))
+    inline = Rollout.from_generations(prompts, ["", ""], generations(Engine(), prompts, sizes, stash=False))
+    assert only.sample_logprobs == [None] * 4 and only.vllm_logprobs() == inline.sample_logprobs
+    plan = plan_batches(only.lengths(), Topology(world_size=2), BatchBudget(max_tokens_per_micro_batch=12))
+    for rank in range(2):
+        got = sent_and_fetched(only, plan, rank, forward_readout_inputs(only, 0, True))
+        want = micro_batches_for(inline, plan, rank, forward_readout_inputs(inline, 0, True))
+        for a, b in zip(got, want):
+            assert all(torch.equal(x, y) for x, y in zip(a.input_ids, b.input_ids))
+            for k in b.extras:
+                assert a.extras[k].dtype == b.extras[k].dtype and torch.equal(a.extras[k], b.extras[k]), k
+    for r in (only, inline):
+        r.rewards, r.group_ids = [1.0, 0.0, 0.5, 1.0], [0, 0, 1, 1]
+    fn = get_advantage_estimator("optimal_token_baseline")
+    (a_only, _), (a_inline, _) = (compute_advantages(r, fn, {"gamma": 1.0}) for r in (only, inline))
+    assert all(torch.equal(x, y) for x, y in zip(a_only, a_inline))
+    broken = generations(Engine(), [[1]], [[2]], stash=False)
+    broken[0][0]["logprobs"] = None
+    with pytest.raises(ValueError, match="neither logprobs nor stored_logprobs"):
+        Rollout.from_generations([[1]], [""], broken)
