@@ -226,14 +226,13 @@ def make_plan(cfg, recipe: str = "") -> Plan:
     if split:
         plan.world = topology.world_size + r.dp * r.tp
     moe_layers = sum(dims.is_moe_layer(i) for i in range(dims.num_layers))
+    critic = cfg.algorithm.advantage == "gae"
+    kl_reward = cfg.algorithm.kl_coef > 0 and cfg.algorithm.kl_mode == "reward"
     flow = dict(samples=samples, mean_prompt=mean_prompt, mean_response=mean_response, moe_layers=moe_layers,
                 topk=dims.num_experts_per_tok, dp=topology.dp, ranks_per_node=min(gpn, topology.world_size),
                 routing_via_store=t.data_plane == "object_store", old_pass=old_logprob_pass(cfg),
                 reference=cfg.algorithm.kl_coef > 0, correction=cfg.algorithm.rollout_correction != "none",
-                token_advantages=cfg.algorithm.advantage == "gae"
-                or (cfg.algorithm.kl_coef > 0 and cfg.algorithm.kl_mode == "reward"),
-                critic=cfg.algorithm.advantage == "gae",
-                kl_reward=cfg.algorithm.kl_coef > 0 and cfg.algorithm.kl_mode == "reward",
+                token_advantages=critic or kl_reward, critic=critic, kl_reward=kl_reward,
                 samples_via_store=t.data_plane == "object_store",
                 logprobs_copy=r.speculative != "off" or t.mode == "async" or r.agent == "tools")
     replay = cfg.algorithm.router_replay == "r3" or r.return_routing

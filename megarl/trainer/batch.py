@@ -152,10 +152,11 @@ class Rollout:
             out[i] = t.tolist()
         return out
 
-    def advantage_inputs(self, with_logprobs: bool = True) -> "AdvantageInputs":
-        """What :func:`compute_advantages` reads of these samples: lengths, rewards, groups and
-        masks, not the tokens (``with_logprobs``: also vLLM's log-probs, for an estimator that
-        takes them)."""
+    def advantage_inputs(self, adv_fn) -> "AdvantageInputs":
+        """What the estimator ``adv_fn`` reads of these samples (:func:`compute_advantages`):
+        lengths, rewards, groups and masks, not the tokens; vLLM's log-probs only when it takes
+        them (``logprobs_T``)."""
+        with_logprobs = "logprobs_T" in inspect.signature(adv_fn).parameters
         return AdvantageInputs(self.rewards, self.group_ids, [len(r) for r in self.response_ids], self.loss_masks,
                                self.baseline_rewards, self.vllm_logprobs() if with_logprobs else [])
 
@@ -197,9 +198,9 @@ def compute_advantages(rollout: Rollout | AdvantageInputs, adv_fn, adv_opts: dic
     ``token_rewards`` (e.g. a KL penalty) and ``values`` (a critic's, for GAE) are per-sample
     lists of ``[R_i]`` tensors, or None.
     """
-    takes = inspect.signature(adv_fn).parameters
     if isinstance(rollout, Rollout):
-        rollout = rollout.advantage_inputs(with_logprobs="logprobs_T" in takes)
+        rollout = rollout.advantage_inputs(adv_fn)
+    takes = inspect.signature(adv_fn).parameters
     cu = rollout.cu_seqlens_N1()
     cat = lambda xs: torch.cat([x.float() for x in xs]) if xs is not None else None   # noqa: E731
     extra = {"values_T": cat(values)} if values is not None else {}
@@ -233,30 +234,38 @@ def critic_metrics(values: list, returns: list) -> dict:
             "critic/explained_variance": 1.0 - float((r - v).var(unbiased=False)) / var_r if var_r > 0 else math.nan}
 
 
+def advantages_with_metrics(rollout: Rollout | AdvantageInputs, adv_fn, adv_opts: dict,
+                            kl_coef: float | None = None, old_lp: list | None = None, ref_lp: list | None = None,
+                            values: list | None = None) -> tuple[list, list, dict]:
+    """Per sample, the advantages and returns (:func:`compute_advantages`), and their metrics
+    (:func:`advantage_metrics`, with ``values`` also :func:`critic_metrics`). ``kl_coef``: a KL
+    reward, -kl_coef * (old - ref) a token from ``old_lp`` and ``ref_lp``; ``values``: a critic's
+    (GAE); per-sample tensors. The controller calls it, or a rank (:func:`stored_advantages`)."""
+    kl_rewards = [-kl_coef * (a - b) for a, b in zip(old_lp, ref_lp)] if kl_coef is not None else None
+    adv, returns = compute_advantages(rollout, adv_fn, adv_opts, kl_rewards, values)
+    metrics = advantage_metrics(rollout, adv)
+    if values is not None:
+        metrics.update(critic_metrics(values, returns))
+    return adv, returns, metrics
+
+
 def stored_advantages(inputs: AdvantageInputs, adv_fn, adv_opts: dict, kl_coef: float | None = None,
                       old_lp: list | None = None, ref_lp: list | None = None, values: list | None = None) -> dict:
-    """The advantages computed on a training rank, where their per-token inputs are
-    (``trainer.data_plane: object_store``): a critic's ``values`` (GAE), and with ``kl_coef`` the
-    old and reference log-probs of a KL reward (-kl_coef * (old - ref) a token), each a per-sample
-    list of :class:`megarl.data.store.Rows`, fetched here in one ``ray.get``. The same
-    :func:`compute_advantages` as on the controller, on the same bits, so the same numbers.
+    """:func:`advantages_with_metrics` on a training rank, where the per-token inputs are
+    (``trainer.data_plane: object_store``): ``values`` and, with ``kl_coef``, ``old_lp`` and
+    ``ref_lp`` are per-sample :class:`megarl.data.store.Rows`, fetched here in one ``ray.get``; the
+    same function on the same bits as on the controller, so the same numbers.
 
     Returns ``advantages_T`` and ``returns_T`` (per sample, :class:`~megarl.data.store.Rows` of
-    one object each, put by this process) and ``metrics``: :func:`advantage_metrics`, with values
-    also :func:`critic_metrics` -- scalars; the tokens never reach the controller."""
+    one object each, put by this process) and ``metrics`` (scalars): the tokens never reach the
+    controller."""
     from megarl.data.store import fetch_rows, put_rows
 
-    n = len(inputs.response_lengths)
-    names = [name for name, rows in (("old", old_lp if kl_coef is not None else None),
-                                     ("ref", ref_lp if kl_coef is not None else None), ("values", values))
-             if rows is not None]
-    got = fetch_rows([r for name in names for r in {"old": old_lp, "ref": ref_lp, "values": values}[name]])
-    got = {name: got[k * n:(k + 1) * n] for k, name in enumerate(names)}
-    kl_rewards = [-kl_coef * (a - b) for a, b in zip(got["old"], got["ref"])] if kl_coef is not None else None
-    adv, returns = compute_advantages(inputs, adv_fn, adv_opts, kl_rewards, got.get("values"))
-    metrics = advantage_metrics(inputs, adv)
-    if "values" in got:
-        metrics.update(critic_metrics(got["values"], returns))
+    columns = {"values": values, **({"old_lp": old_lp, "ref_lp": ref_lp} if kl_coef is not None else {})}
+    columns = {k: v for k, v in columns.items() if v is not None}
+    flat, n = fetch_rows([r for rows in columns.values() for r in rows]), len(inputs.response_lengths)
+    fetched = {k: flat[j * n:(j + 1) * n] for j, k in enumerate(columns)}
+    adv, returns, metrics = advantages_with_metrics(inputs, adv_fn, adv_opts, kl_coef, **fetched)
     sizes = inputs.response_lengths
     return {"advantages_T": put_rows(torch.cat(adv), sizes), "returns_T": put_rows(torch.cat(returns), sizes),
             "metrics": metrics}

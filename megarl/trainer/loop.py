@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from megarl.config.schema import MegaRLConfig
-from megarl.trainer.batch import Rollout, advantage_metrics, compute_advantages, critic_metrics
+from megarl.trainer.batch import Rollout, advantages_with_metrics, critic_metrics
 from megarl.trainer.interrupt import RunInterrupted, StepAbandoned, StopRequest
 
 HARD_STOP_WAIT_S = 5.0
@@ -344,12 +344,10 @@ class StepRunner:
             per_sample["advantages_T"], returns = got["advantages_T"], got["returns_T"]
             m.update(got["metrics"])
             return per_sample, returns
-        kl_rewards = [-self.kl_ctl.value * (a - b) for a, b in zip(lp, passes.ref_lp)] if kl_reward else None
-        per_sample["advantages_T"], returns = compute_advantages(rollout, self.adv_fn, self.adv_opts, kl_rewards,
-                                                                 passes.values)
-        m.update(advantage_metrics(rollout, per_sample["advantages_T"]))
-        if passes.values is not None:
-            m.update(critic_metrics(passes.values, returns))
+        per_sample["advantages_T"], returns, m_adv = advantages_with_metrics(
+            rollout, self.adv_fn, self.adv_opts, self.kl_ctl.value if kl_reward else None, lp, passes.ref_lp,
+            passes.values)
+        m.update(m_adv)
         return per_sample, returns
 
     def update(self, step: int, rollout: Rollout, passes: ForwardPasses, per_sample: dict, returns: list, timer,

@@ -305,9 +305,7 @@ class WorkerGroup:
         """The advantages computed by rank 0 from per-token inputs in the object store (a critic's
         values; with ``kl_coef``, the old and reference log-probs of a KL reward): see
         :func:`megarl.trainer.batch.stored_advantages`. Only lengths, rewards and groups travel."""
-        from inspect import signature
-
-        inputs = rollout.advantage_inputs(with_logprobs="logprobs_T" in signature(adv_fn).parameters)
+        inputs = rollout.advantage_inputs(adv_fn)
         t0 = time.monotonic()
         out = self._wait([self.workers[0].advantages.remote(inputs, adv_fn, adv_opts, kl_coef, old_lp, ref_lp,
                                                             values)], [self._who(0)], "advantages")[0]

@@ -142,7 +142,7 @@ def test_advantages_on_a_rank_equal_the_controllers(store, estimator):
     def kept(tensors):   # as two DP leaders put them: one object per micro-batch
         return put_rows(torch.cat(tensors[:2]), sizes[:2]) + put_rows(torch.cat(tensors[2:]), sizes[2:])
 
-    inputs = r.advantage_inputs(with_logprobs=False)
+    inputs = r.advantage_inputs(adv_fn)   # neither estimator reads vLLM's log-probs
     assert inputs.sample_logprobs == [] and inputs.response_lengths == sizes
     got = stored_advantages(inputs, adv_fn, opts, 0.05, kept(old), kept(ref), kept(values) if values else None)
     for name, want in (("advantages_T", want_adv), ("returns_T", want_ret)):
