@@ -114,7 +114,7 @@ def _cmd_generate(args) -> int:
             for i, text in enumerate(texts):
                 rec = records[rollout.group_ids[i]]
                 fh.write(json.dumps({"prompt": rec.prompt, "answer": rec.answer or None, "response": text,
-                                     "num_tokens": len(rollout.response_ids[i]),
+                                     "num_tokens": rollout.response_length(i),
                                      "cumulative_logprob": sum(rollout.sample_logprobs[i]),
                                      "reward": rollout.rewards[i] if scored else None}) + "\n")
                 if i % cfg.rollout.n == 0:
@@ -122,7 +122,7 @@ def _cmd_generate(args) -> int:
         if scored:
             log.info(f"reward ({cfg.data.reward}): mean {sum(rollout.rewards) / len(rollout):.3f} over "
                      f"{len(rollout)} samples ({scored['reward/errors']} errors, {scored['reward/timeouts']} timeouts)")
-        num_tokens = sum(len(r) for r in rollout.response_ids)
+        num_tokens = sum(rollout.response_lengths())
         log.info(f"engine start {start_s:.1f}s; generated {num_tokens} tokens for {len(records)} prompts x "
                  f"n={cfg.rollout.n} in {gen_s:.1f}s ({num_tokens / max(gen_s, 1e-9):.0f} tok/s); "
                  f"written to {run_dir}/generations.jsonl")

@@ -20,6 +20,10 @@ starts its workers once and runs the three batch sizes on them in ascending orde
   (``WorkerGroup._fan_out``'s arguments and results: tensors and numpy arrays; a handle on the
   object store counts 0), and its slope in KiB per sample: what the controller handles of the
   step's per-token data on its way to and from the ranks (the engines' results are not counted);
+* the bytes the engines send the controller per sample (``engine_b_per_sample``: each finished
+  sample's dict as :meth:`Rollout.from_generations` receives it, pickled, its object-store
+  handles left out: the ids, log-probs and inline routing of the ``controller`` plane; the
+  metadata -- length, text, digest -- of ``object_store``);
 * controller CPU seconds per step (user + system of the controller process, all its threads,
   steps >= 2) and wall seconds per step (``timeline/step_s``, steps >= 2).
 
@@ -164,6 +168,34 @@ class WorkerTraffic:
         return self.sent + self.received
 
 
+class EngineTraffic:
+    """The bytes of the samples the engines deliver to the controller (see the module docstring),
+    counted on every :meth:`Rollout.from_generations`."""
+
+    def __init__(self):
+        import pickle
+
+        from megarl.data.store import Stored
+        from megarl.trainer.batch import Rollout
+
+        self.bytes = self.samples = 0
+        original = Rollout.from_generations.__func__
+        traffic = self
+
+        def counted(cls, prompt_ids, answers, generations, extras=None):
+            for samples in generations:
+                for s in samples:
+                    traffic.bytes += len(pickle.dumps({k: v for k, v in s.items() if not isinstance(v, Stored)},
+                                                      protocol=5))
+                    traffic.samples += 1
+            return original(cls, prompt_ids, answers, generations, extras)
+
+        Rollout.from_generations = classmethod(counted)
+
+    def per_sample(self) -> float:
+        return self.bytes / max(1, self.samples)
+
+
 def child(routing: str, plane: str, scales: list[int], base: int, steps: int, out: Path,
           python_heap: bool = False, mini_batches: int = 1) -> None:
     """One controller process: the workers once, then every size on them. ``python_heap``: also
@@ -185,7 +217,7 @@ def child(routing: str, plane: str, scales: list[int], base: int, steps: int, ou
                                         steps=steps, run_dir=work / f"x{scale}", plane=plane,
                                         mini_batches=mini_batches))
         cfgs.append(load_config(recipe))
-    proc, results, traffic = psutil.Process(), [], WorkerTraffic()
+    proc, results, traffic, engines = psutil.Process(), [], WorkerTraffic(), EngineTraffic()
     with WorkerGroup(cfgs[0], work / "logs") as group:
         for scale, cfg in zip(scales, cfgs):
             marks = []   # (step, controller CPU seconds, worker traffic bytes) after each step's weight sync
@@ -196,6 +228,7 @@ def child(routing: str, plane: str, scales: list[int], base: int, steps: int, ou
 
             t = proc.cpu_times()
             start_cpu, start_traffic = t.user + t.system, traffic.total()
+            engines.bytes = engines.samples = 0
             if python_heap:
                 tracemalloc.start(1) if not tracemalloc.is_tracing() else tracemalloc.reset_peak()
             with PeakRSS() as rss:
@@ -214,6 +247,7 @@ def child(routing: str, plane: str, scales: list[int], base: int, steps: int, ou
                 **({"python_heap_peak_mib": heap_peak / 2**20} if python_heap else {}),
                 "controller_cpu_s": statistics.median(cpu[1:] or cpu),
                 "worker_arrays_kib": statistics.median(moved[1:] or moved) / 1024,
+                "engine_b_per_sample": engines.per_sample(),
                 "step_s": statistics.median(r["timeline/step_s"] for r in steady),
                 "reward": rows[-1]["reward/mean"], "logprob_diff_max": max(r["rollout/logprob_diff_max"] for r in rows)})
     out.write_text(json.dumps(results))
@@ -231,7 +265,8 @@ def table(rows: list[dict]) -> str:
 
     heap = ["python_heap_peak_mib"] if all("python_heap_peak_mib" in r for r in rows) else []
     return markdown(rows, ["routing", "plane", "scale", "samples", "tokens", "peak_rss_mib", "peak_anon_mib",
-                           "peak_shmem_mib", *heap, "worker_arrays_kib", "controller_cpu_s", "step_s"])
+                           "peak_shmem_mib", *heap, "worker_arrays_kib", "engine_b_per_sample", "controller_cpu_s",
+                           "step_s"])
 
 
 def main(argv=None) -> None:
@@ -302,6 +337,8 @@ def main(argv=None) -> None:
             "peak_anon_mib its private part (heap), peak_shmem_mib the object store's shared memory it mapped (each "
             "part's own peak); worker_arrays_kib: the array bytes (tensors, numpy) the controller sent to and got "
             "from the training workers per step (call arguments and results; object-store handles count 0); "
+            "engine_b_per_sample: the bytes of a finished sample the engines sent the controller (pickled, "
+            "object-store handles left out); "
             "controller_cpu_s and step_s: per step, median of steps >= 2.\n\n" + table(rows) + "\n\n"
             "| routing | RSS slope, controller (KiB/sample) | RSS slope, object_store (KiB/sample) | private slope, "
             "controller | private slope, object_store | worker arrays slope, controller (KiB/sample) | worker arrays "

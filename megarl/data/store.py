@@ -14,9 +14,13 @@ and travel as :class:`Stored` handles:
 The engines put each finished sample's token ids (prompt + response, int32) and vLLM log-probs
 (float64) the same way (``stored_ids``, ``stored_logprobs``; :meth:`megarl.rollout.engine.EngineActor._stash`):
 the micro-batches carry the handles, the ranks resolve them (:func:`fetch_batches`, the
-log-probs as :class:`Rows` of a :class:`Column`). The controller keeps its own copy of the ids (the
-rewards decode the text) but not of the log-probs, except with speculative rollouts (their drafts),
-in async mode and for the agent loop's trajectories.
+log-probs as :class:`Rows` of a :class:`Column`). The controller keeps no copy of either: the
+engine sends the sample's metadata instead (its response length, the response decoded for the
+rewards, and a :func:`digest` of its ids for ``rollout/distinct_frac``); the controller's few
+readers of the ids themselves (a reward model's inputs, the generations log's samples) fetch them
+(:meth:`megarl.trainer.batch.Rollout.responses`). Speculative rollouts (their drafts are the
+samples), an async sample resumed across a sync (the producer joins its parts) and the agent loop
+(it joins the turns) keep their copies.
 
 The forward passes before an update (old and reference log-probs, the rollout correction's
 weights and kept tokens) are put by the training ranks' DP leaders, one object per micro-batch
@@ -55,6 +59,15 @@ import numpy as np
 import torch
 
 from megarl.data.keeper import reference_count
+
+
+def digest(ids) -> bytes:
+    """A response's identity without its tokens: 16 bytes of BLAKE2b over its ids as int32
+    (what an engine sends for ``rollout/distinct_frac``; the controller hashes the ids it holds
+    the same way)."""
+    import hashlib
+
+    return hashlib.blake2b(np.asarray(ids, np.int32).tobytes(), digest_size=16).digest()
 
 
 class RoutingLost(RuntimeError):

@@ -48,8 +48,9 @@ class GenerationLog:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
-    def record(self, step: int, rollout, i: int) -> dict:
-        ids = list(rollout.response_ids[i])
+    def record(self, step: int, rollout, i: int, ids: list[int]) -> dict:
+        """Sample ``i`` of ``rollout``, whose response ids are ``ids``."""
+        ids = list(ids)
         versions = rollout.token_versions[i] if rollout.token_versions else []
         rec = {"id": rollout.sample_ids[i] if rollout.sample_ids else str(i),
                "reward": rollout.rewards[i] if rollout.rewards else None, "length": len(ids),
@@ -72,7 +73,9 @@ class GenerationLog:
         if self.per_step <= 0 or len(rollout) == 0:
             return
         rewards = rollout.rewards or [0.0] * len(rollout)
-        samples = [self.record(step, rollout, i) for i in pick_samples(rewards, self.per_step)]
+        picked = pick_samples(rewards, self.per_step)
+        # the ids, fetched in one get for the samples that only the object store holds
+        samples = [self.record(step, rollout, i, ids) for i, ids in zip(picked, rollout.responses(picked))]
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, "samples": samples}) + "\n")
         if self.text_sink is not None:

@@ -175,8 +175,9 @@ class DataPlane:
     per_node: int
     samples_via_store: bool = False
     """The samples' ids and log-probs go from the engines to the ranks through the object store."""
-    logprobs_copy: bool = True
-    """The controller receives the samples' log-probs from the engines (else their ids only)."""
+    samples_copy: bool = True
+    """The controller receives the samples' ids and log-probs from the engines (else their
+    metadata: the response text, its length and digest)."""
     advantages_rank0: int = 0
     """With the object store and per-token advantages (GAE, a KL reward): what rank 0 reads of
     the passes to compute them (the whole step's, not a data-parallel share) and writes back
@@ -192,6 +193,17 @@ READOUT_BYTES = 128
 (megarl/trainer/readout.py: about a dozen float64 sums, maxima and counts, and a handle)."""
 
 
+TEXT_BYTES_PER_TOKEN = 4
+"""A decoded response's UTF-8 bytes per token, about: 3.4 pickled with SmolLM2's tokenizer on this
+repository's docs/architecture.md and README.md (markdown and code; perf/bench_sample_metadata.py,
+perf/results/sample_metadata_2026-12-05.md); English prose runs nearer 4."""
+
+
+METADATA_BYTES = 16 + 8 + 8
+"""A stored sample's metadata besides its text: the digest of its ids, its length, and its
+``clipped`` flag with the dict's keys, about."""
+
+
 HANDLE_BYTES = 160
 """A pickled object-store handle (:class:`megarl.data.store.Stored`: Ray's reference with its
 owner's address, shape, dtype, size), about."""
@@ -201,7 +213,7 @@ def data_plane_bytes(*, samples: int, mean_prompt: float, mean_response: float, 
                      routing: bool, dp: int, ranks_per_node: int, routing_via_store: bool = True,
                      old_pass: bool = False, reference: bool = False, correction: bool = False,
                      token_advantages: bool = False, samples_via_store: bool = False, critic: bool = False,
-                     kl_reward: bool = False, logprobs_copy: bool = True) -> DataPlane:
+                     kl_reward: bool = False, samples_copy: bool = True) -> DataPlane:
     """The step's :class:`DataPlane` (means per sample, sizes in bytes); ``routing_via_store``:
     ``trainer.data_plane`` is ``object_store`` (the routing and the forward passes' outputs
     bypass the controller); ``old_pass`` (:func:`megarl.config.passes.needs_old_logprob_pass`),
@@ -211,17 +223,20 @@ def data_plane_bytes(*, samples: int, mean_prompt: float, mean_response: float, 
     engines put each sample's ids and log-probs (float64) into the object store and the ranks fetch
     them (``object_store``, every mode; the agent loop's by the controller; an async sample resumed
     after a sync still sends its log-probs inline, not counted), so the controller sends
-    :data:`HANDLE_BYTES` twice a sample instead; ``logprobs_copy`` False (with
-    ``samples_via_store``): the engines send the controller no copy of the log-probs (4 B a
-    response token less in; it keeps one with speculative rollouts, in async mode and for the agent
-    loop's trajectories). ``critic``: a PPO critic's values (4 B a response token) come from its
-    values pass, and its update reads them and the returns (4 + 4 B, in ``passes``); ``kl_reward``
+    :data:`HANDLE_BYTES` twice a sample instead; ``samples_copy`` False (with
+    ``samples_via_store``): the engines send the controller no copy of the ids and log-probs but
+    the response's text (:data:`TEXT_BYTES_PER_TOKEN`) and :data:`METADATA_BYTES` (a copy comes
+    with speculative rollouts and for the agent loop's trajectories; an async sample resumed after
+    a sync brings its ids and log-probs too, not counted). ``critic``: a PPO critic's values (4 B a
+    response token) come from its values pass, and its update reads them and the returns (4 + 4 B, in ``passes``); ``kl_reward``
     (with ``token_advantages``): the advantages read the old and reference log-probs. With the
     object store rank 0 computes per-token advantages where those inputs are
     (``advantages_rank0``) and the controller sends a handle a sample in their place."""
     tokens = mean_prompt + mean_response
     route = samples * tokens * moe_layers * topk * 2 if routing else 0
-    base_in = samples * (4 * tokens + (4 + 4 * (logprobs_copy or not samples_via_store)) * mean_response)
+    samples_copy = samples_copy or not samples_via_store
+    base_in = samples * (4 * tokens + 8 * mean_response if samples_copy else
+                         TEXT_BYTES_PER_TOKEN * mean_response + METADATA_BYTES + 2 * HANDLE_BYTES)
     advantages = 4 * mean_response if token_advantages else 4 + 4   # per token, or one run (value, length)
     on_rank0 = token_advantages and routing_via_store
     small = advantages + 1 + 4                                      # and the loss mask's run
@@ -243,4 +258,4 @@ def data_plane_bytes(*, samples: int, mean_prompt: float, mean_response: float, 
     return DataPlane(controller_in=int(base_in + through_in), controller_out=int(base_out + through_out),
                      routing=int(route), passes=int(passes), per_rank=per_rank, per_node=per_rank * ranks_per_node,
                      samples_via_store=samples_via_store, advantages_rank0=int(rank0),
-                     logprobs_copy=logprobs_copy or not samples_via_store)
+                     samples_copy=samples_copy)

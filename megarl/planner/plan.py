@@ -234,7 +234,7 @@ def make_plan(cfg, recipe: str = "") -> Plan:
                 reference=cfg.algorithm.kl_coef > 0, correction=cfg.algorithm.rollout_correction != "none",
                 token_advantages=critic or kl_reward, critic=critic, kl_reward=kl_reward,
                 samples_via_store=t.data_plane == "object_store",
-                logprobs_copy=r.speculative != "off" or t.mode == "async" or r.agent == "tools")
+                samples_copy=r.speculative != "off" or r.agent == "tools")
     replay = cfg.algorithm.router_replay == "r3" or r.return_routing
     plan.data_plane = mem.data_plane_bytes(routing=replay and moe_layers > 0, **flow)
     if moe_layers and not replay:
@@ -289,7 +289,7 @@ def _data_plane_lines(plan: Plan, cfg) -> list[str]:
     where = ("through Ray's object store, engines to ranks" if store
              else "through the controller, trainer.data_plane=controller")
     lines = [f"  data plane per step: the controller receives {gb(d.controller_in)} from the engines"
-             + ("" if d.logprobs_copy else " (the samples' ids, not their log-probs)")
+             + ("" if d.samples_copy else " (the samples' text and handles, not their ids and log-probs)")
              + (", the forward passes' read-outs from the ranks," if d.passes and store else
                 " and the ranks' forward passes" if d.passes else "")
              + f" and sends {gb(d.controller_out)} to the training ranks ("

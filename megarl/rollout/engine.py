@@ -48,12 +48,16 @@ routing goes from the engine's node to the training ranks without passing throug
 
 The same plane puts what the training ranks read of each finished sample of
 :meth:`EngineActor.generate_stream`: its token ids (prompt + response, int32, ``stored_ids``) and
-vLLM's log-probs (float64, ``stored_logprobs``). The sample then carries its ids inline for the
-controller (the rewards decode the text, the router and the metrics read lengths) but not the
-log-probs (``logprobs`` None; with ``rollout.speculative`` they stay, the next epoch's drafts);
-the micro-batches carry the handles and each rank fetches its own samples' arrays.
+vLLM's log-probs (float64, ``stored_logprobs``). The sample then carries neither array to the
+controller (``token_ids`` and ``logprobs`` None) but its metadata: the response's length (the
+router, the metrics, the micro-batch plan), its text, decoded here with the model's tokenizer
+(the rewards; decoding where the sample is spares the controller a Python int a token), and a
+digest of its ids (``rollout/distinct_frac``); with ``rollout.speculative`` both arrays stay (the
+next epoch's drafts). The micro-batches carry the handles and each rank fetches its own samples'
+arrays.
 :meth:`EngineActor.generate_requests` puts them for the requests that ask (``"store"``: the async
-producer's, which keeps its inline copy to join a sample resumed across a sync; the agent loop's
+producer's, which gets the metadata too, except for a sample resumed across a sync: it joins that
+one's tokens and log-probs itself; the agent loop's
 turns, which the controller joins with tool output, do not: the controller puts each finished
 trajectory, :func:`megarl.agent.loop.stored_trajectory`). What an engine puts is owned by its
 :class:`megarl.data.keeper.Keeper`, not by the engine: a restarted engine's samples keep their
@@ -75,6 +79,25 @@ from megarl.compat import heap
 CONTROL = "control"
 """The Ray concurrency group of :data:`CONTROL_METHODS` (one thread of its own)."""
 CONTROL_METHODS = ("pause", "resume", "submit", "close_stream", "take_stored", "object_refs")
+
+
+def response_length(sample: dict) -> int:
+    """A sample's (a ``sample_fn``'s dict) response tokens: its ids, or without them (in the
+    object store only: :func:`to_metadata`) its ``response_length``."""
+    ids = sample["token_ids"]
+    return len(ids) if ids is not None else int(sample["response_length"])
+
+
+def to_metadata(samples: list, tokenizer) -> None:
+    """Replace each sample's ``token_ids`` and ``logprobs`` (put into the object store already)
+    by what the controller reads of it: ``response_length``, ``text`` (``tokenizer``'s decoding,
+    special tokens skipped, as the rewards read it) and ``digest`` (:func:`megarl.data.store.digest`)."""
+    from megarl.data.store import digest
+
+    texts = tokenizer.batch_decode([s["token_ids"] for s in samples], skip_special_tokens=True)
+    for sample, text in zip(samples, texts):
+        sample.update(response_length=len(sample["token_ids"]), text=text, digest=digest(sample["token_ids"]),
+                      token_ids=None, logprobs=None)
 
 
 def captures_routing(cfg) -> bool:
@@ -241,14 +264,14 @@ class RoutingReader:
         if self.gpu:
             for _, sample, num_prompt, out in items:
                 self._set(sample, sample_routing(getattr(out, "routed_experts", None),
-                                                 num_prompt + len(sample["token_ids"]), num_layers,
+                                                 num_prompt + response_length(sample), num_layers,
                                                  self.top_k, layers=self.layers))
             return
         rows = self._take([rid for rid, *_ in items if rid is not None])
         for rid, sample, num_prompt, _ in items:
             got = rows.get(rid)
             raw = None if got is None else np.frombuffer(got[0], np.int16).reshape(got[1], num_layers, self.top_k)
-            self._set(sample, sample_routing(raw, num_prompt + len(sample["token_ids"]), num_layers, self.top_k))
+            self._set(sample, sample_routing(raw, num_prompt + response_length(sample), num_layers, self.top_k))
 
     def _set(self, sample: dict, routing: np.ndarray) -> None:
         sample["routed_experts"] = self.outbox.put(routing) if self.outbox is not None else routing
@@ -445,9 +468,10 @@ class EngineActor:
         ``controller`` returns the arrays inline only (so does an engine outside a Ray actor)."""
         # an EngineActor built in a script's own process has no controller to claim what it would put
         self.stash = plane == "object_store" and _in_ray_actor()
-        # what the controller keeps of a stored sample: its ids (the rewards' text, lengths), not the log-probs the
-        # ranks read from the store -- except for speculative rollouts, whose drafts are the samples themselves
-        self.logprobs_inline = not self.stash or self.cfg.rollout.speculative != "off"
+        # the controller gets a stored sample's metadata (length, text, digest), not the ids and log-probs the ranks
+        # read from the store -- except with speculative rollouts, whose drafts are the samples themselves
+        self.inline = not self.stash or self.cfg.rollout.speculative != "off"
+        self._tokenizer = None
         if (reader := routing_reader(self.llm)) is not None:
             reader.outbox = self.outbox if self.stash else None
 
@@ -464,16 +488,28 @@ class EngineActor:
     def _stash(self, pairs: list, prompt_ids: list) -> list:
         """``pairs`` (``[(prompt index, samples)]``) with each sample's ``stored_ids`` (prompt +
         response, int32) and ``stored_logprobs`` (float64) put into the object store, when the
-        plane is ``object_store``; see the module docstring. The log-probs then leave the sample
-        (``logprobs`` None: the controller gets no copy) unless ``rollout.speculative`` keeps
-        them for its drafts."""
+        plane is ``object_store``; see the module docstring. The arrays then leave the sample
+        (``token_ids`` and ``logprobs`` None: the controller gets no copy) and its metadata takes
+        their place: ``response_length``, ``text`` (the response decoded as the rewards read it,
+        special tokens skipped, by the model's own tokenizer as the controller's) and ``digest``
+        (:func:`megarl.data.store.digest`) -- unless ``rollout.speculative`` keeps the arrays for
+        its drafts."""
         if self.stash:
             for i, samples in pairs:
                 for sample in samples:
                     self._put_sample(prompt_ids[i], sample)
-                    if not self.logprobs_inline:   # in the object store only (Rollout.sample_logprobs: None)
-                        sample["logprobs"] = None
+                if not self.inline:   # in the object store only (Rollout.response_ids, sample_logprobs: None)
+                    self._to_metadata(samples)
         return pairs
+
+    def _to_metadata(self, samples: list) -> None:
+        if self._tokenizer is None:   # the controller's (megarl.trainer.rollout.Rollouts)
+            from transformers import AutoTokenizer
+
+            from megarl.models.fixtures import resolve_model_path
+
+            self._tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(self.cfg.model.path))
+        to_metadata(samples, self._tokenizer)
 
     def _put_sample(self, prompt: list, sample: dict) -> None:
         sample["stored_ids"] = self.outbox.put(np.asarray(list(prompt) + list(sample["token_ids"]), np.int32))
@@ -631,7 +667,10 @@ class EngineActor:
         A request with ``"store": True`` (the async producer's): on the ``object_store`` plane its
         finished sample carries ``stored_ids`` (the request's prompt, which holds the sample's
         earlier tokens, + what it generated here) and ``stored_logprobs`` (those of this call's
-        tokens) like :meth:`generate_stream`'s; a partial one carries neither.
+        tokens) like :meth:`generate_stream`'s, and then, unless the request says ``"inline": True``
+        (a sample resumed across a sync, whose earlier tokens and log-probs the producer holds) or
+        ``rollout.speculative`` is on, it leaves its arrays for its metadata (:func:`to_metadata`);
+        a partial one carries neither.
 
         ``stream_id`` (an open stream): the call also takes the requests that :meth:`submit` adds
         under that id while it runs (between engine steps; it waits for them when it has nothing
@@ -644,6 +683,7 @@ class EngineActor:
         reader = routing_reader(self.llm)
         num_prompt: dict = {}
         to_store: dict = {}   # vLLM request id -> its prompt, for a request whose finished sample is put
+        compact: set = set()  # of those, the ones whose sample then leaves its arrays for its metadata
         internal = {}   # external id -> vLLM's internal id (add_request's answer), the routing's key
         t0 = time.perf_counter()
         tokens, done, last, idle_s = 0, [], t0, 0.0   # idle: an open stream waiting for submissions
@@ -662,6 +702,8 @@ class EngineActor:
                 num_prompt[rid] = len(q["prompt_ids"])
                 if q.get("store") and self.stash:
                     to_store[rid] = q["prompt_ids"]
+                    if not (self.inline or q.get("inline")):
+                        compact.add(rid)
                 pending[rid] = (q["id"], {"token_ids": [], "logprobs": [], "clipped": False})
             if self.paused.is_set():
                 return   # returned as partials (nothing generated)
@@ -710,6 +752,8 @@ class EngineActor:
                             done.append(pending.pop(out.request_id))
                             if out.request_id in to_store:
                                 self._put_sample(to_store.pop(out.request_id), sample)
+                                if out.request_id in compact:
+                                    self._to_metadata([sample])
                             routed.append((internal[out.request_id], sample, num_prompt[out.request_id], o))
                     if reader is not None:
                         reader.attach(routed)

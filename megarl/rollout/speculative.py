@@ -224,14 +224,14 @@ POSITION_BUCKETS = ((0, 16), (16, 64), (64, None))
 """Draft positions over which ``spec/accept_rate_pos<a>_<b>`` is reported."""
 
 
-def spec_metrics(records: list, response_ids: list) -> dict:
+def spec_metrics(records: list, lengths: list[int]) -> dict:
     """A step's speculation metrics from its samples' ``spec`` records (None: generated without a
-    draft) and their responses: share of samples with a draft, draft tokens offered and accepted
+    draft) and their response lengths: share of samples with a draft, draft tokens offered and accepted
     per drafted sample, acceptance, fully accepted drafts (no vLLM generation), the share of all
     response tokens reused from drafts, the acceptance rate by draft position (accepted / reached
     in each :data:`POSITION_BUCKETS` range), and the mean residual TV bound (exact mode)."""
     drafted = [r for r in records if r is not None]
-    total = sum(len(r) for r in response_ids)
+    total = sum(lengths)
     m = {"spec/drafted_frac": len(drafted) / max(1, len(records))}
     if not drafted:
         return m

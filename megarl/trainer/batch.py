@@ -11,9 +11,14 @@ from typing import Any
 
 import torch
 
+from megarl.rollout.engine import response_length
+
 
 STORED = ("stored_ids", "stored_logprobs")
 """:class:`Rollout`'s per-sample object-store handles (None: inline)."""
+SPARSE = STORED + ("texts", "digests")
+""":class:`Rollout`'s per-sample fields that some samples may lack (None) and a rollout may lack
+entirely (empty): the handles, and the metadata an engine sends in place of the ids."""
 
 
 @dataclass
@@ -24,7 +29,10 @@ class Rollout:
     new field stays aligned without touching either."""
 
     prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
+    response_ids: list
+    """Each sample's response token ids, or None for a sample whose engine put them into the
+    object store and sent its metadata instead (``stored_ids``, ``texts``, ``digests``): read
+    lengths with :meth:`response_lengths`, the ids themselves with :meth:`responses`."""
     sample_logprobs: list
     """vLLM's log-prob of each sampled token (for the rollout-vs-train alarm), or None for a
     sample whose engine put them into the object store and kept no copy for the controller
@@ -61,6 +69,12 @@ class Rollout:
     None (the ids go inline); empty: none stored."""
     stored_logprobs: list = field(default_factory=list)
     """The same for vLLM's log-probs of the response tokens (float64)."""
+    texts: list = field(default_factory=list)
+    """Per sample, its response decoded by the engine that sampled it (special tokens skipped,
+    as the rewards read it), or None (the controller decodes the ids it holds); empty: none."""
+    digests: list = field(default_factory=list)
+    """Per sample, the engine's :func:`megarl.data.store.digest` of its response ids (distinct
+    responses without the tokens), or None; empty: none."""
 
     @classmethod
     def from_generations(cls, prompt_ids, answers, generations, extras=None) -> "Rollout":
@@ -68,8 +82,13 @@ class Rollout:
         r = cls([], [], [], [], [], [])
         for i, (prompt, answer, samples) in enumerate(zip(prompt_ids, answers, generations)):
             for s in samples:
+                size = response_length(s)
+                if s["token_ids"] is None and s.get("stored_ids") is None:
+                    raise ValueError(f"a sample of prompt {i} has neither token_ids nor stored_ids")
                 r.prompt_ids.append(list(prompt))
                 r.response_ids.append(s["token_ids"])
+                r.texts.append(s.get("text"))
+                r.digests.append(s.get("digest"))
                 r.sample_logprobs.append(s["logprobs"])
                 r.group_ids.append(i)
                 r.answers.append(answer)
@@ -77,38 +96,37 @@ class Rollout:
                 if extras is not None:
                     r.extras.append(dict(extras[i]))
                 if "loss_mask" in s:
-                    if len(s["loss_mask"]) != len(s["token_ids"]):
+                    if len(s["loss_mask"]) != size:
                         raise ValueError(f"a sample of prompt {i} has a loss_mask of {len(s['loss_mask'])} tokens "
-                                         f"for {len(s['token_ids'])} response tokens")
+                                         f"for {size} response tokens")
                     r.loss_masks.append(list(s["loss_mask"]))
                 if "routed_experts" in s:
-                    routing, rows = s["routed_experts"], len(prompt) + len(s["token_ids"])
+                    routing, rows = s["routed_experts"], len(prompt) + size
                     if routing.shape[0] != rows:
                         raise ValueError(f"a sample of prompt {i} has routed_experts for {routing.shape[0]} tokens, "
                                          f"expected {rows} (prompt + response)")
                     r.routed_experts.append(routing)
                 if s["logprobs"] is None and s.get("stored_logprobs") is None:
                     raise ValueError(f"a sample of prompt {i} has neither logprobs nor stored_logprobs")
-                for name, size in (("stored_ids", len(prompt) + len(s["token_ids"])),
-                                   ("stored_logprobs", len(s["token_ids"]))):
+                for name, expect in (("stored_ids", len(prompt) + size), ("stored_logprobs", size)):
                     handle = s.get(name)
-                    if handle is not None and tuple(handle.shape) != (size,):
+                    if handle is not None and tuple(handle.shape) != (expect,):
                         raise ValueError(f"a sample of prompt {i} has {name} of shape {tuple(handle.shape)}, "
-                                         f"expected ({size},)")
+                                         f"expected ({expect},)")
                     getattr(r, name).append(handle)
-        for name in STORED:   # none stored: empty, as every optional field
+        for name in SPARSE:   # none given: empty, as every optional field
             if all(h is None for h in getattr(r, name)):
                 getattr(r, name).clear()
-        if r.loss_masks and len(r.loss_masks) != len(r.response_ids):
-            raise ValueError(f"{len(r.loss_masks)} of {len(r.response_ids)} samples have a loss_mask; expected all "
+        if r.loss_masks and len(r.loss_masks) != len(r):
+            raise ValueError(f"{len(r.loss_masks)} of {len(r)} samples have a loss_mask; expected all "
                              "or none")
-        if r.routed_experts and len(r.routed_experts) != len(r.response_ids):
-            raise ValueError(f"{len(r.routed_experts)} of {len(r.response_ids)} samples have routed_experts; "
+        if r.routed_experts and len(r.routed_experts) != len(r):
+            raise ValueError(f"{len(r.routed_experts)} of {len(r)} samples have routed_experts; "
                              "expected all or none (every engine captures routing, or none)")
         return r
 
     def __len__(self) -> int:
-        return len(self.response_ids)
+        return len(self.prompt_ids)
 
     def select(self, keep: list[int]) -> "Rollout":
         # an empty list (rewards before scoring, extras not given) stays empty
@@ -119,7 +137,7 @@ class Rollout:
         """This rollout's samples, then ``other``'s (both scored, or both not)."""
         def joined(name: str) -> list:
             a, b = getattr(self, name), getattr(other, name)
-            if name in STORED and bool(a) != bool(b):   # one part has stored arrays: None for the other's samples
+            if name in SPARSE and bool(a) != bool(b):   # one part has them: None for the other's samples
                 a, b = a or [None] * len(self), b or [None] * len(other)
             return a + b
 
@@ -127,17 +145,47 @@ class Rollout:
 
     def loss_mask_T(self, i: int) -> torch.Tensor:
         """Sample ``i``'s loss mask over its response tokens (all true without loss_masks)."""
-        return _loss_mask(self.loss_masks[i] if self.loss_masks else None, len(self.response_ids[i]))
+        return _loss_mask(self.loss_masks[i] if self.loss_masks else None, self.response_length(i))
 
     def loss_mask_all_T(self) -> torch.Tensor:
         """Every sample's loss mask, packed in sample order."""
         return torch.cat([self.loss_mask_T(i) for i in range(len(self))])
 
     def cu_seqlens_N1(self) -> torch.Tensor:
-        return _cu_seqlens([len(r) for r in self.response_ids])
+        return _cu_seqlens(self.response_lengths())
+
+    def response_length(self, i: int) -> int:
+        """Sample ``i``'s response tokens: its ids here, or its stored ids' length less the prompt."""
+        ids = self.response_ids[i]
+        return len(ids) if ids is not None else int(self.stored_ids[i].shape[0]) - len(self.prompt_ids[i])
+
+    def response_lengths(self) -> list[int]:
+        return [self.response_length(i) for i in range(len(self))]
 
     def lengths(self) -> list[int]:
-        return [len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)]
+        """Prompt + response tokens of every sample."""
+        return [len(p) + n for p, n in zip(self.prompt_ids, self.response_lengths())]
+
+    def responses(self, indices: list[int] | None = None) -> list[list[int]]:
+        """The response ids of samples ``indices`` (default: all): the controller's copy, or for
+        the samples that have none here the engine's object (prompt + response), fetched in one
+        ``ray.get``."""
+        indices = range(len(self)) if indices is None else indices
+        out = [self.response_ids[i] for i in indices]
+        missing = [j for j, ids in enumerate(out) if ids is None]
+        if missing:
+            from megarl.data.store import fetch
+
+            for j, t in zip(missing, fetch([self.stored_ids[indices[j]] for j in missing])):
+                out[j] = t[len(self.prompt_ids[indices[j]]):].tolist()
+        return out
+
+    def response_digests(self) -> list[bytes]:
+        """Every sample's :func:`megarl.data.store.digest`: the engine's, or of the ids here."""
+        from megarl.data.store import digest
+
+        return [self.digests[i] if self.digests and self.digests[i] is not None else digest(self.response_ids[i])
+                for i in range(len(self))]
 
     def vllm_logprobs(self) -> list:
         """Every sample's vLLM log-probs as a list: the controller's copy, or for the samples that
@@ -157,7 +205,7 @@ class Rollout:
         lengths, rewards, groups and masks, not the tokens; vLLM's log-probs only when it takes
         them (``logprobs_T``)."""
         with_logprobs = "logprobs_T" in inspect.signature(adv_fn).parameters
-        return AdvantageInputs(self.rewards, self.group_ids, [len(r) for r in self.response_ids], self.loss_masks,
+        return AdvantageInputs(self.rewards, self.group_ids, self.response_lengths(), self.loss_masks,
                                self.baseline_rewards, self.vllm_logprobs() if with_logprobs else [])
 
 
@@ -290,7 +338,8 @@ def micro_batches_for(rollout: Rollout, plan, dp_rank: int, per_sample: dict[str
         # the engine's handle (the rank fetches the ids), or int32 on the wire (4 B a token through the controller,
         # not 8; vocabularies < 2**31): packed as int64
         ids = [stored[i] if stored[i] is not None else
-               torch.tensor(rollout.prompt_ids[i] + rollout.response_ids[i], dtype=torch.int32) for i in indices]
+               torch.tensor(rollout.prompt_ids[i] + list(rollout.response_ids[i]), dtype=torch.int32)
+               for i in indices]
         loss_mask = torch.cat([rollout.loss_mask_T(i) for i in indices])   # tool-result tokens: no loss
         extras = {}
         for k, v in per_sample.items():
@@ -311,7 +360,7 @@ def micro_batches_for(rollout: Rollout, plan, dp_rank: int, per_sample: dict[str
 def scatter_back(rollout: Rollout, plan, outputs_per_rank: dict[int, list]) -> list[torch.Tensor]:
     """Per-micro-batch packed [R] outputs of every DP rank -> one [R_i] tensor per sample."""
     return scatter_sequences(rollout, plan, {
-        dp_rank: [torch.split(packed_R, [len(rollout.response_ids[i]) for i in indices])
+        dp_rank: [torch.split(packed_R, [rollout.response_length(i) for i in indices])
                   for indices, packed_R in zip(plan.micro_batches[dp_rank], outs)]
         for dp_rank, outs in outputs_per_rank.items()})
 

@@ -44,6 +44,8 @@ import threading
 import time
 from typing import Callable, Optional
 
+from megarl.rollout.engine import response_length
+
 log = logging.getLogger("megarl")
 
 HEARTBEAT_S = 2.0
@@ -112,7 +114,7 @@ class Fleet:
             for i, samples in pairs:
                 out[i] = samples
                 if not greedy:
-                    self.router.observe(keys[i], [len(s["token_ids"]) for s in samples])
+                    self.router.observe(keys[i], [response_length(s) for s in samples])
             if pairs and on_done is not None:
                 on_done(pairs)
 
@@ -238,7 +240,7 @@ class Fleet:
             full = [done[ids[i]] for i in groups[g] if ids[i] in done and
                     requests[i]["max_tokens"] == self.cfg.rollout.max_response_tokens and not requests[i]["greedy"]]
             if full and len(full) == len(groups[g]):
-                self.router.observe(g, [len(s["token_ids"]) for s in full])
+                self.router.observe(g, [response_length(s) for s in full])
         self.metrics = dict(self._metrics(stats), **{"rollout/engine_restarts": restarts})
         return done, partial
 

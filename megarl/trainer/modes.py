@@ -24,7 +24,9 @@ checkpoint of step v holds). Step k trains the policy of version k - 1 into vers
   hold tokens of several versions. On the ``object_store`` plane the engine that finishes a sample
   puts its ids (the whole sample: the request's prompt holds its earlier tokens) and, for a sample
   generated in one call, its log-probs for the ranks, as in the synchronous modes (owned by the
-  engine's keeper: a restart of the engine loses none of them).
+  engine's keeper: a restart of the engine loses none of them); a sample generated in one call
+  then reaches the controller as metadata only (length, text, digest), a resumed one with its ids
+  and log-probs (the controller built its request from its earlier tokens; ``"inline"``).
 
 Sample ids (:attr:`Rollout.sample_ids`) name a sample by where its prompt came from:
 ``s<step>.g<group>.<j>`` (sample j of group g of step k's prompts) in the synchronous modes,
@@ -53,6 +55,7 @@ from typing import Callable
 
 import torch
 
+from megarl.rollout.engine import response_length
 from megarl.trainer.batch import Rollout
 
 log = logging.getLogger("megarl")
@@ -138,7 +141,7 @@ class OnPolicy:
         for g in rollout.group_ids:
             seen[g] = seen.get(g, -1) + 1
             rollout.sample_ids.append(f"s{step}.g{g}.{seen[g]}")
-        rollout.token_versions = [[version] * len(r) for r in rollout.response_ids]
+        rollout.token_versions = [[version] * n for n in rollout.response_lengths()]
         return rollout, m
 
     def _engine_spans(self, t0: float, m: dict) -> None:
@@ -264,9 +267,10 @@ class AsyncSource(OnPolicy):
                 if not s["done"]:
                     have = len(s["token_ids"])
                     seed = ((self.cfg.trainer.seed * 1_000_003 + g.chunk * 1009 + g.index) * 64 + j) * 4099 + have
+                    # a resumed sample keeps its ids and log-probs here (the next request's prompt holds them)
                     out.append({"id": (gid, j), "group": gid, "prompt_ids": g.prompt_ids + s["token_ids"],
                                 "max_tokens": r.max_response_tokens - have, "greedy": False, "seed": seed,
-                                "store": True})
+                                "store": True, "inline": have > 0})
         return out
 
     def _extend(self, rid, sample: dict, done: bool) -> None:
@@ -276,9 +280,12 @@ class AsyncSource(OnPolicy):
             # log-probs of this call's tokens: those are the whole sample's only if it had none before
             s["stored_ids"] = sample["stored_ids"]
             s["stored_logprobs"] = sample["stored_logprobs"] if not s["token_ids"] else None
-        s["token_ids"] += sample["token_ids"]
-        s["logprobs"] += sample["logprobs"]
-        s["versions"] += [self.version] * len(sample["token_ids"])
+        if sample["token_ids"] is None:   # generated in one call: the engine sent its metadata, not its arrays
+            s.update({k: sample[k] for k in ("token_ids", "logprobs", "response_length", "text", "digest")})
+        else:
+            s["token_ids"] += sample["token_ids"]
+            s["logprobs"] += sample["logprobs"]
+        s["versions"] += [self.version] * response_length(sample)
         s["done"], s["clipped"] = done, sample["clipped"]
         if "routed_experts" in sample:
             # the request's prompt was the group's prompt + the sample's earlier tokens: its routing
@@ -299,7 +306,8 @@ class AsyncSource(OnPolicy):
         from megarl.algorithms.dapo import informative_group_mask
 
         samples = [(g, s) for g in finished for s in g.samples]
-        texts = self.rollouts.tokenizer.batch_decode([s["token_ids"] for _, s in samples], skip_special_tokens=True)
+        texts = self.rollouts.response_texts([s["token_ids"] for _, s in samples],
+                                             [s.get("text") for _, s in samples])
         extras = [{"data_source": g.record.data_source, **g.record.extra} for g, _ in samples]
         result = self.rewards.score(self.cfg.data.reward, texts, [g.record.answer for g, _ in samples], extras=extras)
         self.counts["score_errors"] += result.n_errors

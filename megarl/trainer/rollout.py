@@ -183,7 +183,7 @@ class Rollouts:
                 texts = [s["reward_text"] for s in flat]
                 kw = [dict(extras[i], **s["reward_extra"]) for i, s in zip(owners, flat)]
             else:
-                texts = self.tokenizer.batch_decode([s["token_ids"] for s in flat], skip_special_tokens=True)
+                texts = self.response_texts([s["token_ids"] for s in flat], [s.get("text") for s in flat])
                 kw = [extras[i] for i in owners]
             values, parts = self._score(rewards, texts, [answers[i] for i in owners], kw)
             for i, reward, part in zip(owners, values, parts):
@@ -223,8 +223,18 @@ class Rollouts:
                 parts[j][term.label] = r
         return total, parts if self.rule_terms is not None else [None] * len(texts)
 
+    def response_texts(self, ids: list, texts: list) -> list[str]:
+        """Each response's text as the rewards read it (special tokens skipped): the engine's
+        decoding where it sent one (its ids stayed in the object store), else the ids' here."""
+        todo = [j for j, t in enumerate(texts) if t is None]
+        out = list(texts)
+        if todo:
+            for j, t in zip(todo, self.tokenizer.batch_decode([ids[j] for j in todo], skip_special_tokens=True)):
+                out[j] = t
+        return out
+
     def decode(self, rollout: Rollout) -> list[str]:
-        return self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
+        return self.response_texts(rollout.response_ids, rollout.texts or [None] * len(rollout))
 
     def score(self, rollout: Rollout, rewards) -> dict:
         """Fill ``rollout.rewards`` (``data.reward`` with each sample's row columns as keywords, then
@@ -243,7 +253,7 @@ class Rollouts:
         if self.cfg.algorithm.overlong_buffer:
             from megarl.algorithms.dapo import overlong_penalty
 
-            pen = overlong_penalty([len(r) for r in rollout.response_ids], self.cfg.rollout.max_response_tokens,
+            pen = overlong_penalty(rollout.response_lengths(), self.cfg.rollout.max_response_tokens,
                                    self.cfg.algorithm.overlong_buffer)
             rollout.rewards = [r + float(p) for r, p in zip(rollout.rewards, pen)]
         return {"reward/errors": self._counts[0], "reward/timeouts": self._counts[1],
@@ -274,7 +284,7 @@ class Rollouts:
                 if self.drafts is not None:
                     from megarl.rollout.speculative import spec_metrics
 
-                    m.update(spec_metrics(self.spec_samples, part.response_ids), **self.drafts.metrics())
+                    m.update(spec_metrics(self.spec_samples, part.response_lengths()), **self.drafts.metrics())
             if cfg.algorithm.sample_filter != "none":
                 part, m["pf/kept_frac"] = filter_samples(part, cfg.algorithm.sample_filter,
                                                          seed=cfg.trainer.seed * 1_000_003 + step)
@@ -300,7 +310,7 @@ class Rollouts:
         self.score(greedy, rewards)
         part.baseline_rewards = [greedy.rewards[g] for g in part.group_ids]
         return {"remax/greedy_reward_mean": sum(greedy.rewards) / len(greedy),
-                "remax/greedy_length_mean": sum(len(r) for r in greedy.response_ids) / len(greedy)}
+                "remax/greedy_length_mean": sum(greedy.response_lengths()) / len(greedy)}
 
     def evaluate(self, rewards) -> dict:
         """Greedy accuracy on ``data.eval_prompts`` held-out prompts."""
@@ -343,10 +353,10 @@ def _sample_metrics(rollout: Rollout) -> dict:
 def _length_metrics(rollout: Rollout) -> dict:
     """Response lengths, clipping, and ``rollout/distinct_frac``: the mean share of distinct
     responses in a prompt's group (reused drafts must not collapse a group's diversity unseen)."""
-    lengths = torch.tensor([len(r) for r in rollout.response_ids], dtype=torch.float64)
+    lengths = torch.tensor(rollout.response_lengths(), dtype=torch.float64)
     groups: dict = {}
-    for g, response in zip(rollout.group_ids, rollout.response_ids):
-        groups.setdefault(g, []).append(tuple(response))
+    for g, key in zip(rollout.group_ids, rollout.response_digests()):   # equal ids, equal digests
+        groups.setdefault(g, []).append(key)
     return {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
             "response_length/clip_ratio": sum(rollout.clipped) / len(rollout),
             "rollout/distinct_frac": sum(len(set(r)) / len(r) for r in groups.values()) / len(groups)}

@@ -168,15 +168,27 @@ def test_paused_requests_continue_as_if_uninterrupted_and_the_delay_and_noise_kn
     assert max(gaps) <= LOGPROB_TOL
 
     # Fleet.generate on the object-store plane (these engines' default): each sample's ids and log-probs are
-    # in the store, the controller gets the ids but no copy of the log-probs, and the stored ones are the oracle's
-    from megarl.data.store import Stored, fetch
+    # in the store and the stored ones are the oracle's; the controller gets neither, but the sample's metadata:
+    # its length, its text (decoded by the engine exactly as the controller's tokenizer decodes the oracle's ids)
+    # and a digest of its ids
+    from transformers import AutoTokenizer
+
+    from megarl.data.store import Stored, digest, fetch
+    from megarl.trainer.batch import Rollout
 
     gens = fleet.generate(PROMPTS[:2], [0, 1], greedy=True)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(MODEL))
     for q, [s] in zip(reqs[:2], gens):
-        assert s["logprobs"] is None and isinstance(s["stored_logprobs"], Stored), s
+        want = oracle[q["id"]]["token_ids"]
+        assert s["logprobs"] is None and s["token_ids"] is None and isinstance(s["stored_logprobs"], Stored), s
         ids, lp = fetch([s["stored_ids"], s["stored_logprobs"]])
-        assert s["token_ids"] == oracle[q["id"]]["token_ids"] and ids.tolist() == q["prompt_ids"] + s["token_ids"]
+        assert ids.tolist() == q["prompt_ids"] + want and s["response_length"] == len(want)
+        assert s["text"] == tokenizer.decode(want, skip_special_tokens=True) and s["digest"] == digest(want)
         assert lp_gap(lp.tolist(), oracle[q["id"]]["logprobs"]) <= LOGPROB_TOL
+    # the controller's readers of the ids fetch them (the reward model's inputs, the generations log)
+    rollout = Rollout.from_generations(PROMPTS[:2], ["", ""], gens)
+    assert rollout.responses() == [oracle[q["id"]]["token_ids"] for q in reqs[:2]]
+    assert rollout.response_lengths() == [len(oracle[q["id"]]["token_ids"]) for q in reqs[:2]]
 
     # weight noise: a load of the model's own tensors through the bridge's RPC, from one shared buffer
     tensors = {n: t.float() for n, t in load_file(Path(resolve_model_path(MODEL)) / "model.safetensors").items()}

@@ -19,6 +19,7 @@ import torch
 from megarl.config.schema import MegaRLConfig
 from megarl.data.store import Stored, fetch
 from megarl.observability.timeline import Timeline
+from megarl.rollout.engine import to_metadata
 from megarl.trainer.batch import Rollout
 from megarl.trainer.modes import AsyncSource, version_gaps, version_runs
 from megarl.trainer.rollout import Rollouts
@@ -28,10 +29,13 @@ class ScriptedFleet:
     """``generate_requests`` as the real fleet's: a token per request per tick, partials on pause.
     ``store``: a finished sample of a ``"store"`` request carries handles on its ids (the request's
     prompt + this call's tokens) and log-probs (this call's), as the object-store plane's engines
-    and fleet give them (Ray's store: the ``store`` fixture)."""
+    and fleet give them (Ray's store: the ``store`` fixture); unless the request is ``"inline"``
+    (a resumed sample) its ids and log-probs then leave it for its metadata (the engine's
+    :func:`megarl.rollout.engine.to_metadata`)."""
 
     def __init__(self, tick_s=0.01, fail=False, store=False):
         self.tick_s, self.fail, self.active, self.calls, self.resumed = tick_s, fail, False, [], 0
+        self.requests = []
         self.engines, self.metrics, self.store = [object()], {}, store
 
     def finished(self, request, tokens):
@@ -39,6 +43,8 @@ class ScriptedFleet:
         if self.store and request.get("store"):
             sample["stored_ids"] = Stored.put(np.asarray(request["prompt_ids"] + tokens, np.int32))
             sample["stored_logprobs"] = Stored.put(np.asarray(sample["logprobs"], np.float64))
+            if not request.get("inline"):
+                to_metadata([sample], Tokenizer())
         return sample
 
     def generate_requests(self, requests, pause=None, on_done=None):
@@ -46,6 +52,7 @@ class ScriptedFleet:
             raise RuntimeError("rollout engine 0 died during generate")
         self.active = True
         self.calls.append([r["id"] for r in requests])
+        self.requests.append(requests)
         have = {r["id"]: [] for r in requests}
         budget = {r["id"]: r["max_tokens"] for r in requests}
         by_id = {r["id"]: r for r in requests}
@@ -198,22 +205,31 @@ def test_buffer_smaller_than_a_step_is_refused():
 
 def test_async_samples_carry_their_engines_handles(store):
     """Issue 36: the async producer's samples go to the ranks as the engines' objects. A sample
-    generated in one call: its ids and log-probs; one resumed after a sync: its ids (the last
-    engine put prompt + every token), its log-probs inline (they span calls)."""
+    generated in one call: its ids and log-probs, and the controller gets its metadata only
+    (length, text, digest: the rewards and the versions read those); one resumed after a sync:
+    its ids (the last engine put prompt + every token), its log-probs inline (they span calls),
+    and the controller's copy of the ids (it built the resumed request from them)."""
     fleet = ScriptedFleet(store=True)
     src = source(fleet, max_staleness=1, buffer_groups=2)
     try:
         first, _ = src.batch(1, no_stop)
         assert len(first.stored_ids) == len(first.stored_logprobs) == len(first) == 4
+        assert first.response_ids == first.sample_logprobs == [None] * 4
         for i in range(len(first)):
             ids, logprobs = fetch([first.stored_ids[i], first.stored_logprobs[i]])
-            assert ids.dtype == torch.int32 and ids.tolist() == first.prompt_ids[i] + first.response_ids[i]
-            assert logprobs.dtype == torch.float64 and logprobs.tolist() == first.sample_logprobs[i]
+            response = ids.tolist()[len(first.prompt_ids[i]):]
+            assert ids.dtype == torch.int32 and response == first.responses([i])[0]
+            assert response == [7 + len(first.prompt_ids[i]) + t for t in range(20)]   # ScriptedFleet's tokens
+            assert logprobs.dtype == torch.float64 and logprobs.tolist() == [-0.5 - t / 100 for t in response]
+            assert first.texts[i] == "x" * 20 and first.token_versions[i] == [0] * 20
         time.sleep(0.05)                       # the next chunk is being generated: the sync pauses it
         src.after_update(1, dict)
         second, _ = src.batch(2, no_stop)
         assert all(len(set(v)) == 2 for v in second.token_versions)   # every sample spans both calls
-        assert second.stored_logprobs == [] and len(second.stored_ids) == 4
+        assert second.stored_logprobs == [] and len(second.stored_ids) == 4 and second.texts == []
+        # calls: chunk 1's groups, chunk 2's (paused by the sync), chunk 2's resumed: the controller keeps a copy
+        assert [all(r.get("inline") for r in call) for call in fleet.requests[:3]] == [False, False, True]
+        assert not any(r.get("inline") for r in fleet.requests[0] + fleet.requests[1])
         for i in range(len(second)):
             assert fetch([second.stored_ids[i]])[0].tolist() == second.prompt_ids[i] + second.response_ids[i]
     finally:

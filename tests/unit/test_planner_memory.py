@@ -208,10 +208,11 @@ def test_data_plane_bytes_by_hand():
     via = mem.data_plane_bytes(samples=512, mean_prompt=128, mean_response=700, moe_layers=58, topk=8, routing=True,
                                dp=16, ranks_per_node=8, samples_via_store=True)
     assert via.controller_out == 512 * (2 * mem.HANDLE_BYTES + 8 + 5) and via.controller_in == d.controller_in
-    # ... and without the controller's copy of the log-probs (no speculative rollouts, not async, no agent loop)
+    # ... and without the controller's copy of the ids and log-probs (no speculative rollouts, not async, no agent
+    # loop): the engines send each sample's text (about 4 B a token), its digest, length and two handles
     ids_only = mem.data_plane_bytes(samples=512, mean_prompt=128, mean_response=700, moe_layers=58, topk=8,
-                                    routing=True, dp=16, ranks_per_node=8, samples_via_store=True, logprobs_copy=False)
-    assert ids_only.controller_in == d.controller_in - 512 * 4 * 700 and not ids_only.logprobs_copy
+                                    routing=True, dp=16, ranks_per_node=8, samples_via_store=True, samples_copy=False)
+    assert ids_only.controller_in == 512 * (4 * 700 + 32 + 2 * mem.HANDLE_BYTES) and not ids_only.samples_copy
     assert ids_only.controller_out == via.controller_out and ids_only.per_rank == via.per_rank
     assert via.per_rank == (512 * (4 * 828 + 8 * 700 + 8 + 5) + routing) // 16
     assert d.per_rank == (d.controller_out + routing) // 16 and d.per_node == 8 * d.per_rank

@@ -150,7 +150,7 @@ def test_uniforms_are_a_function_of_the_seed():
 def test_spec_metrics():
     recs = [{"offered": 10, "accepted": 10, "residual_tv_bound": 0.0},
             {"offered": 20, "accepted": 5, "residual_tv_bound": 0.01}, None, None]
-    m = spec_metrics(recs, [[0] * 10, [0] * 12, [0] * 8, [0] * 10])
+    m = spec_metrics(recs, [10, 12, 8, 10])
     assert m["spec/drafted_frac"] == 0.5 and m["spec/acceptance"] == 15 / 30
     assert m["spec/full_accept_frac"] == 0.5 and m["spec/reused_frac"] == 15 / 40
     assert m["spec/offered_tokens"] == 15 and m["spec/accepted_tokens"] == 7.5
@@ -158,7 +158,7 @@ def test_spec_metrics():
     assert m["spec/accept_rate_pos0_16"] == 15 / 16
     assert "spec/accept_rate_pos16_64" not in m    # nobody reached position 16
     assert m["spec/residual_tv_bound"] == pytest.approx(0.005)
-    assert spec_metrics([None, None], [[1], [2]]) == {"spec/drafted_frac": 0.0}
+    assert spec_metrics([None, None], [1, 1]) == {"spec/drafted_frac": 0.0}
 
 
 def _sample(tokens, k=2):

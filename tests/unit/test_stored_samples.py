@@ -30,22 +30,34 @@ class Engine:
         return self.outbox.take(keys)
 
 
-def generations(engine: Engine, prompts, sizes, stash, inline_logprobs=True):
+class Tokenizer:
+    """What the engine and the controller call of a tokenizer: batch_decode (ids < 10 special)."""
+
+    def batch_decode(self, ids, skip_special_tokens=False):
+        return [" ".join(str(t) for t in x if t >= 10 or not skip_special_tokens) for x in ids]
+
+
+def generations(engine: Engine, prompts, sizes, stash, metadata=False):
     """Per prompt, its samples as EngineActor.generate_stream gives them (stash: its _stash;
-    ``inline_logprobs`` False: the log-probs only in the store, as without rollout.speculative)."""
+    ``metadata``: the ids and log-probs only in the store, the controller gets the metadata, as
+    without rollout.speculative). A prompt's samples of equal size are equal (a group with
+    repeated responses)."""
+    from megarl.rollout.engine import to_metadata
+
     g = torch.Generator().manual_seed(len(sizes))
     out = []
     for prompt, ns in zip(prompts, sizes):
         samples = []
         for n in ns:
-            s = {"token_ids": torch.randint(5, 90, (n,), generator=g).tolist(),
+            twin = next((x for x in samples if len(x["token_ids"]) == n), None)
+            s = {"token_ids": list(twin["token_ids"]) if twin else torch.randint(5, 90, (n,), generator=g).tolist(),
                  "logprobs": (-torch.rand(n, generator=g, dtype=torch.float64)).tolist(), "clipped": False}
             if stash:
                 s["stored_ids"] = engine.outbox.put(np.asarray(prompt + s["token_ids"], np.int32))
                 s["stored_logprobs"] = engine.outbox.put(np.asarray(s["logprobs"], np.float64))
-                if not inline_logprobs:
-                    s["logprobs"] = None
             samples.append(s)
+        if stash and metadata:
+            to_metadata(samples, Tokenizer())
         out.append(samples)
     claim(engine, [s for samples in out for s in samples])
     return out
@@ -189,19 +201,33 @@ def test_a_rank_fetches_ids_routing_and_columns_in_one_get(store, monkeypatch):
             assert a.extras[k].dtype == b.extras[k].dtype and torch.equal(a.extras[k], b.extras[k]), k
 
 
-def test_log_probs_only_in_the_store_reach_the_ranks_and_the_estimators_exactly(store):
-    """An engine that keeps no copy of the log-probs for the controller (``logprobs`` None, the
-    default without rollout.speculative): the micro-batches carry the handles (their length from
-    the handle), token-level tis's mask covers every token, an estimator that reads vLLM's
-    log-probs (the optimal token baseline) gets them fetched, and all of it equals the inline run."""
+def test_samples_only_in_the_store_reach_the_ranks_the_rewards_and_the_estimators_exactly(store):
+    """An engine that keeps no copy of the ids and log-probs for the controller (the default
+    without rollout.speculative) sends each sample's metadata: the lengths, the rewards' text, the
+    metrics' digests and the micro-batches (their lengths from the handles) equal the inline
+    run's; token-level tis's mask covers every token; the readers of ids (a reward model, the
+    generations log) and of vLLM's log-probs (the optimal token baseline) get them fetched."""
     from megarl.algorithms.registry import get_advantage_estimator
     from megarl.trainer.batch import compute_advantages
+    from megarl.trainer.rollout import Rollouts, _length_metrics
 
-    prompts, sizes = [[1, 2, 3], [4, 5]], [[3, 5], [4, 2]]
+    prompts, sizes = [[1, 2, 3], [4, 5]], [[3, 5, 3], [4, 2, 2]]
     only = Rollout.from_generations(prompts, ["", ""], generations(Engine(), prompts, sizes, stash=True,
-                                                                   inline_logprobs=False))
+                                                                   metadata=True))
     inline = Rollout.from_generations(prompts, ["", ""], generations(Engine(), prompts, sizes, stash=False))
-    assert only.sample_logprobs == [None] * 4 and only.vllm_logprobs() == inline.sample_logprobs
+    assert only.sample_logprobs == [None] * 6 and only.vllm_logprobs() == inline.sample_logprobs
+    assert only.response_ids == [None] * 6 and only.responses() == inline.response_ids
+    assert only.responses([4, 1]) == [inline.response_ids[4], inline.response_ids[1]]
+    assert only.response_lengths() == [3, 5, 3, 4, 2, 2] == inline.response_lengths()
+    assert only.lengths() == inline.lengths() and inline.texts == inline.digests == []
+    rollouts = Rollouts.__new__(Rollouts)   # what scoring reads of it: the tokenizer
+    rollouts.tokenizer = Tokenizer()
+    assert rollouts.decode(only) == only.texts == rollouts.decode(inline)
+    metrics = _length_metrics(inline)
+    assert metrics == _length_metrics(only) and metrics["rollout/distinct_frac"] == (2 / 3 + 2 / 3) / 2
+    mixed = only.select([0, 1]).concat(inline.select([2]))   # a sample with ids, beside two without
+    assert mixed.texts == only.texts[:2] + [None] and mixed.responses() == inline.response_ids[:3]
+    assert _length_metrics(mixed)["rollout/distinct_frac"] == 2 / 3
     plan = plan_batches(only.lengths(), Topology(world_size=2), BatchBudget(max_tokens_per_micro_batch=12))
     for rank in range(2):
         got = sent_and_fetched(only, plan, rank, forward_readout_inputs(only, 0, True))
@@ -211,11 +237,15 @@ def test_log_probs_only_in_the_store_reach_the_ranks_and_the_estimators_exactly(
             for k in b.extras:
                 assert a.extras[k].dtype == b.extras[k].dtype and torch.equal(a.extras[k], b.extras[k]), k
     for r in (only, inline):
-        r.rewards, r.group_ids = [1.0, 0.0, 0.5, 1.0], [0, 0, 1, 1]
+        r.rewards, r.group_ids = [1.0, 0.0, 0.5, 1.0, 0.25, 0.0], [0, 0, 0, 1, 1, 1]
     fn = get_advantage_estimator("optimal_token_baseline")
     (a_only, _), (a_inline, _) = (compute_advantages(r, fn, {"gamma": 1.0}) for r in (only, inline))
     assert all(torch.equal(x, y) for x, y in zip(a_only, a_inline))
     broken = generations(Engine(), [[1]], [[2]], stash=False)
     broken[0][0]["logprobs"] = None
     with pytest.raises(ValueError, match="neither logprobs nor stored_logprobs"):
+        Rollout.from_generations([[1]], [""], broken)
+    broken = generations(Engine(), [[1]], [[2]], stash=True, metadata=True)
+    broken[0][0]["stored_ids"] = None
+    with pytest.raises(ValueError, match="neither token_ids nor stored_ids"):
         Rollout.from_generations([[1]], [""], broken)
