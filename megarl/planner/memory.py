@@ -228,8 +228,9 @@ def data_plane_bytes(*, samples: int, mean_prompt: float, mean_response: float, 
     the response's text (:data:`TEXT_BYTES_PER_TOKEN`) and :data:`METADATA_BYTES` (a copy comes
     with speculative rollouts and for the agent loop's trajectories; an async sample resumed after
     a sync brings its ids and log-probs too, not counted). ``critic``: a PPO critic's values (4 B a
-    response token) come from its values pass, and its update reads them and the returns (4 + 4 B, in ``passes``); ``kl_reward``
-    (with ``token_advantages``): the advantages read the old and reference log-probs. With the
+    response token) come from its values pass, and its update reads them and the returns (4 + 4 B,
+    in ``passes``); ``kl_reward`` (with ``token_advantages``): the advantages read the old and
+    reference log-probs. With the
     object store rank 0 computes per-token advantages where those inputs are
     (``advantages_rank0``) and the controller sends a handle a sample in their place."""
     tokens = mean_prompt + mean_response

@@ -82,9 +82,9 @@ class Rollout:
         r = cls([], [], [], [], [], [])
         for i, (prompt, answer, samples) in enumerate(zip(prompt_ids, answers, generations)):
             for s in samples:
-                size = response_length(s)
                 if s["token_ids"] is None and s.get("stored_ids") is None:
                     raise ValueError(f"a sample of prompt {i} has neither token_ids nor stored_ids")
+                size = response_length(s)
                 r.prompt_ids.append(list(prompt))
                 r.response_ids.append(s["token_ids"])
                 r.texts.append(s.get("text"))
@@ -338,8 +338,7 @@ def micro_batches_for(rollout: Rollout, plan, dp_rank: int, per_sample: dict[str
         # the engine's handle (the rank fetches the ids), or int32 on the wire (4 B a token through the controller,
         # not 8; vocabularies < 2**31): packed as int64
         ids = [stored[i] if stored[i] is not None else
-               torch.tensor(rollout.prompt_ids[i] + list(rollout.response_ids[i]), dtype=torch.int32)
-               for i in indices]
+               torch.tensor(rollout.prompt_ids[i] + rollout.response_ids[i], dtype=torch.int32) for i in indices]
         loss_mask = torch.cat([rollout.loss_mask_T(i) for i in indices])   # tool-result tokens: no loss
         extras = {}
         for k, v in per_sample.items():

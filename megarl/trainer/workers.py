@@ -352,7 +352,7 @@ class WorkerGroup:
         from megarl.engine import SequenceBatch
         from megarl.data.packing import trim_pads
 
-        seqs = [trim_pads(p + list(r), len(p), pad_id) for p, r in zip(rollout.prompt_ids, rollout.responses())]
+        seqs = [trim_pads(p + r, len(p), pad_id) for p, r in zip(rollout.prompt_ids, rollout.responses())]
         plan = plan_batches([len(s) for s in seqs], self.cfg.topology.to_topology(), self.budget)
         batches = [[SequenceBatch([torch.tensor(seqs[i], dtype=torch.long) for i in mb],
                                   [len(rollout.prompt_ids[i]) for i in mb]) for mb in plan.micro_batches[info["dp_rank"]]]
