@@ -51,10 +51,10 @@ class GenerationLog:
     def record(self, step: int, rollout, i: int, ids: list[int]) -> dict:
         """Sample ``i`` of ``rollout``, whose response ids are ``ids``."""
         ids = list(ids)
-        versions = rollout.token_versions[i] if rollout.token_versions else []
+        versions = rollout.token_versions[i] if rollout.token_versions else None
         rec = {"id": rollout.sample_ids[i] if rollout.sample_ids else str(i),
                "reward": rollout.rewards[i] if rollout.rewards else None, "length": len(ids),
-               "gap": step - 1 - min(versions) if versions else 0,
+               "gap": step - 1 - versions.min() if versions else 0,
                "prompt": self._decode(rollout.prompt_ids[i]), "response": self._decode(ids), "response_ids": ids,
                "prompt_ids": list(rollout.prompt_ids[i])}
         if rollout.loss_masks:

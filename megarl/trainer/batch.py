@@ -5,6 +5,7 @@ Legend: N samples (sequences), T packed response tokens of the whole step, R of 
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -19,6 +20,84 @@ STORED = ("stored_ids", "stored_logprobs")
 SPARSE = STORED + ("texts", "digests")
 """:class:`Rollout`'s per-sample fields that some samples may lack (None) and a rollout may lack
 entirely (empty): the handles, and the metadata an engine sends in place of the ids."""
+
+
+class TokenVersions:
+    """The policy version that generated each token of one response, held as runs
+    ``[[version, count], ...]``: one run for a sample generated in one call, one more per weight
+    sync a resumed sample spans. This is what the controller keeps per sample instead of one int
+    a token. It reads as the per-token sequence (``len``, iteration, indexing, ``==`` with a list);
+    :meth:`min`, :meth:`distinct` and :meth:`tensor` read the runs."""
+
+    __slots__ = ("runs",)
+    __hash__ = None
+
+    def __init__(self, runs=()):
+        self.runs: list[list[int]] = []
+        for version, count in runs:
+            self.extend(version, count)
+
+    @classmethod
+    def of(cls, versions) -> "TokenVersions":
+        """From per-token versions."""
+        out = cls()
+        for v in versions:
+            out.extend(v, 1)
+        return out
+
+    def extend(self, version: int, count: int) -> None:
+        """``count`` more tokens of ``version``."""
+        if count <= 0:
+            return
+        if self.runs and self.runs[-1][0] == version:
+            self.runs[-1][1] += count
+        else:
+            self.runs.append([int(version), int(count)])
+
+    def copy(self) -> "TokenVersions":
+        return TokenVersions(self.runs)
+
+    def min(self) -> int:
+        return min(v for v, _ in self.runs)
+
+    def distinct(self) -> set[int]:
+        return {v for v, _ in self.runs}
+
+    def tensor(self, dtype=torch.long) -> torch.Tensor:
+        """The per-token versions as a tensor."""
+        if not self.runs:
+            return torch.zeros(0, dtype=dtype)
+        versions, counts = zip(*self.runs)
+        return torch.repeat_interleave(torch.tensor(versions, dtype=dtype), torch.tensor(counts))
+
+    def __len__(self) -> int:
+        return sum(n for _, n in self.runs)
+
+    def __bool__(self) -> bool:
+        return bool(self.runs)
+
+    def __iter__(self):
+        for v, n in self.runs:
+            yield from itertools.repeat(v, n)
+
+    def __getitem__(self, i: int) -> int:
+        i = i + len(self) if i < 0 else i
+        for v, n in self.runs:
+            if i < n:
+                return v
+            i -= n
+        raise IndexError("token index out of range")
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, TokenVersions):
+            return self.runs == other.runs
+        try:
+            return list(self) == list(other)
+        except TypeError:
+            return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"TokenVersions({self.runs})"
 
 
 @dataclass
@@ -46,8 +125,9 @@ class Rollout:
     rewards: list[float] = field(default_factory=list)
     sample_ids: list[str] = field(default_factory=list)
     """A unique name per sample, from its prompt's origin (:mod:`megarl.trainer.modes`)."""
-    token_versions: list[list[int]] = field(default_factory=list)
-    """Per response token, the policy version (optimizer steps of the run) that generated it."""
+    token_versions: list[TokenVersions] = field(default_factory=list)
+    """Per sample, the policy version (optimizer steps of the run) that generated each of its
+    response tokens, as runs (:class:`TokenVersions`)."""
     routed_experts: list = field(default_factory=list)
     """MoE models with rollout.return_routing (or router_replay r3): per sample, the experts vLLM
     routed each prompt and response token to, int16 ``[P + R, Lm, K]`` (-1 rows: not computed,

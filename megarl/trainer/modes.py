@@ -56,7 +56,7 @@ from typing import Callable
 import torch
 
 from megarl.rollout.engine import response_length
-from megarl.trainer.batch import Rollout
+from megarl.trainer.batch import Rollout, TokenVersions
 
 log = logging.getLogger("megarl")
 
@@ -66,24 +66,18 @@ POLL_S = 0.2
 
 def version_gaps(rollout: Rollout, step: int) -> list[int]:
     """Per sample, (step - 1) minus the oldest version among its tokens (0 for an empty response)."""
-    return [step - 1 - min(v) if v else 0 for v in rollout.token_versions]
+    return [step - 1 - v.min() if v else 0 for v in rollout.token_versions]
 
 
 def version_runs(versions: list[int]) -> list[list[int]]:
     """``[[version, count], ...]``: the run-length form of a sample's per-token versions."""
-    runs: list[list[int]] = []
-    for v in versions:
-        if runs and runs[-1][0] == v:
-            runs[-1][1] += 1
-        else:
-            runs.append([v, 1])
-    return runs
+    return TokenVersions.of(versions).runs
 
 
 def offpolicy_metrics(rollout: Rollout, step: int) -> dict:
     gaps = version_gaps(rollout, step)
     return {"offpolicy/version_gap_max": max(gaps), "offpolicy/version_gap_mean": sum(gaps) / len(gaps),
-            "offpolicy/partial_samples": sum(len({*v}) > 1 for v in rollout.token_versions)}
+            "offpolicy/partial_samples": sum(len(v.distinct()) > 1 for v in rollout.token_versions)}
 
 
 class SampleLog:
@@ -107,7 +101,8 @@ class SampleLog:
         is over its sampled tokens."""
         samples = []
         for i, (sid, versions, readout) in enumerate(zip(rollout.sample_ids, rollout.token_versions, readouts)):
-            sample = {"id": sid, "gap": step - 1 - min(versions) if versions else 0, "runs": version_runs(versions),
+            sample = {"id": sid, "gap": step - 1 - versions.min() if versions else 0,
+                      "runs": [list(r) for r in versions.runs],
                       "run_logprob_diff": readout["runs"]}
             if rollout.loss_masks:
                 sample.update(sampled=readout["sampled"], tool_tokens=int((~rollout.loss_mask_T(i)).sum()),
@@ -141,7 +136,7 @@ class OnPolicy:
         for g in rollout.group_ids:
             seen[g] = seen.get(g, -1) + 1
             rollout.sample_ids.append(f"s{step}.g{g}.{seen[g]}")
-        rollout.token_versions = [[version] * n for n in rollout.response_lengths()]
+        rollout.token_versions = [TokenVersions([(version, n)]) for n in rollout.response_lengths()]
         return rollout, m
 
     def _engine_spans(self, t0: float, m: dict) -> None:
@@ -205,12 +200,12 @@ class _Group:
     def __init__(self, chunk: int, index: int, record, prompt_ids: list[int], n: int):
         self.chunk, self.index, self.gid = chunk, index, f"c{chunk}.g{index}"
         self.record, self.prompt_ids = record, prompt_ids
-        self.samples = [{"token_ids": [], "logprobs": [], "versions": [], "done": False, "clipped": False}
+        self.samples = [{"token_ids": [], "logprobs": [], "versions": TokenVersions(), "done": False, "clipped": False}
                         for _ in range(n)]
         self.rewards: list[float] = []
 
     def oldest(self) -> int:
-        return min((min(s["versions"]) for s in self.samples if s["versions"]), default=1 << 30)
+        return min((s["versions"].min() for s in self.samples if s["versions"]), default=1 << 30)
 
 
 class AsyncSource(OnPolicy):
@@ -285,7 +280,7 @@ class AsyncSource(OnPolicy):
         else:
             s["token_ids"] += sample["token_ids"]
             s["logprobs"] += sample["logprobs"]
-        s["versions"] += [self.version] * response_length(sample)
+        s["versions"].extend(self.version, response_length(sample))
         s["done"], s["clipped"] = done, sample["clipped"]
         if "routed_experts" in sample:
             # the request's prompt was the group's prompt + the sample's earlier tokens: its routing
@@ -381,7 +376,7 @@ class AsyncSource(OnPolicy):
                                            [{"data_source": g.record.data_source, **g.record.extra} for g in taken])
         rollout.rewards = [r for g in taken for r in g.rewards]
         rollout.sample_ids = [f"{g.gid}.{j}" for g in taken for j in range(len(g.samples))]
-        rollout.token_versions = [list(s["versions"]) for g in taken for s in g.samples]
+        rollout.token_versions = [s["versions"].copy() for g in taken for s in g.samples]
         from megarl.trainer.rollout import _sample_metrics
 
         m = self.rollouts.score(rollout, self.rewards)   # scored already: overlong shaping and metrics

@@ -165,7 +165,7 @@ def controller_readouts(rollout, lp: list, entropy: list | None, ref_lp: list | 
         out.append(sample_readout(
             lp_R, torch.tensor(vllm[i], dtype=torch.float64),
             loss_mask_R=rollout.loss_mask_T(i) if rollout.loss_masks else None,
-            versions_R=torch.tensor(versions, dtype=torch.long) if versions is not None else None, version=version,
+            versions_R=versions.tensor(torch.long) if versions is not None else None, version=version,
             entropy_R=entropy[i] if entropy is not None else None, ref_R=ref_lp[i] if ref_lp is not None else None))
     return out
 
@@ -188,8 +188,8 @@ def forward_readout_inputs(rollout, version: int, tis_in_forward: bool) -> dict:
     if tis_in_forward:   # NaN: the agent loop's inserted tokens (it keeps its copy); vLLM's own are finite
         out["mask_T"] = [~lp.isnan() if lp is not None else torch.ones(h.shape[0], dtype=torch.bool)
                          for lp, h in zip(rollout_lp, rollout.stored_logprobs or [None] * len(rollout))]
-    if rollout.token_versions and any(v != version for vs in rollout.token_versions for v in vs):
-        out["versions_T"] = [torch.tensor(vs, dtype=torch.int32) for vs in rollout.token_versions]
+    if rollout.token_versions and any(vs.distinct() - {version} for vs in rollout.token_versions):
+        out["versions_T"] = [vs.tensor(torch.int32) for vs in rollout.token_versions]
     return out
 
 

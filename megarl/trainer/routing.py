@@ -106,7 +106,7 @@ class StepRouting:
         versions = rollout.token_versions if version is not None and rollout.token_versions else None
         return self.metrics_from_sums(routing_out, [
             routing_sums(torch.tensor(vllm_lp, dtype=torch.float64), lp, miss,
-                         torch.tensor(versions[i], dtype=torch.long) if versions else None, version)
+                         versions[i].tensor(torch.long) if versions else None, version)
             for i, (vllm_lp, lp, miss) in enumerate(zip(rollout.vllm_logprobs(), train_lp, misses))])
 
     @staticmethod

@@ -5,7 +5,7 @@ import io
 import json
 
 from megarl.observability.generations import GenerationLog, main, pick_samples
-from megarl.trainer.batch import Rollout
+from megarl.trainer.batch import Rollout, TokenVersions
 
 
 class Tok:
@@ -19,7 +19,7 @@ def rollout(rewards, masks=None):
     n = len(rewards)
     r = Rollout([[0, 1, 2]] * n, [[3 + i, 4] for i in range(n)], [[-1.0, -1.0]] * n, [0] * n, [""] * n, [False] * n,
                 rewards=list(rewards), sample_ids=[f"s2.g0.{i}" for i in range(n)],
-                token_versions=[[1, 1]] * n, loss_masks=masks or [])
+                token_versions=[TokenVersions([(1, 2)])] * n, loss_masks=masks or [])
     return r
 
 

@@ -20,7 +20,7 @@ from megarl.config.schema import MegaRLConfig
 from megarl.data.store import Stored, fetch
 from megarl.observability.timeline import Timeline
 from megarl.rollout.engine import to_metadata
-from megarl.trainer.batch import Rollout
+from megarl.trainer.batch import Rollout, TokenVersions
 from megarl.trainer.modes import AsyncSource, version_gaps, version_runs
 from megarl.trainer.rollout import Rollouts
 
@@ -238,8 +238,35 @@ def test_async_samples_carry_their_engines_handles(store):
 
 def test_rollout_select_keeps_ids_and_versions_aligned():
     r = Rollout([[1], [2]], [[3], [4, 5]], [[-1.0], [-1.0, -2.0]], [0, 1], ["a", "b"], [False, True],
-                sample_ids=["s1.g0.0", "s1.g1.0"], token_versions=[[0], [0, 1]])
+                sample_ids=["s1.g0.0", "s1.g1.0"], token_versions=[TokenVersions.of([0]), TokenVersions.of([0, 1])])
     sub = r.select([1])
     assert sub.sample_ids == ["s1.g1.0"] and sub.token_versions == [[0, 1]]
     assert version_runs([0, 0, 1, 1, 1, 2]) == [[0, 2], [1, 3], [2, 1]]
+
+
+def test_token_versions_are_runs_that_read_as_per_token_versions():
+    import pickle
+    import tracemalloc
+
+    v = TokenVersions()
+    v.extend(3, 2)
+    v.extend(3, 1)     # same version: the run grows
+    v.extend(4, 0)     # nothing
+    v.extend(4, 2)
+    assert v.runs == [[3, 3], [4, 2]] and len(v) == 5 and list(v) == [3, 3, 3, 4, 4] == v
+    assert v == TokenVersions.of([3, 3, 3, 4, 4]) and v != [3, 3, 4] and v[0] == 3 and v[3] == 4 and v[-1] == 4
+    assert v.min() == 3 and v.distinct() == {3, 4} and bool(v) and not TokenVersions()
+    assert v.tensor(torch.int32).tolist() == [3, 3, 3, 4, 4] and v.tensor().dtype == torch.long
+    assert TokenVersions().tensor().numel() == 0 and torch.tensor(v).tolist() == list(v)
+    c = v.copy()
+    c.extend(5, 1)
+    assert len(v) == 5 and len(c) == 6 and pickle.loads(pickle.dumps(v)) == v
+    with pytest.raises(IndexError):
+        v[5]
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    long = TokenVersions([(7, 100_000)])   # an on-policy sample: one run, whatever its length
+    held = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    assert len(long) == 100_000 and held < 1024, held
     assert threading.active_count() >= 1

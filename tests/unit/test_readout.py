@@ -14,7 +14,7 @@ from megarl.algorithms.offpolicy import correct_rollout
 from megarl.config.loader import load_config
 from megarl.config.passes import correction_in_forward
 from megarl.trainer.algorithm import forward_tis_weights
-from megarl.trainer.batch import Rollout, micro_batches_for, scatter_sequences
+from megarl.trainer.batch import Rollout, TokenVersions, micro_batches_for, scatter_sequences
 from megarl.trainer.readout import (controller_readouts, forward_readout_inputs, micro_batch_readouts,
                                     readout_metrics)
 
@@ -38,10 +38,10 @@ def _rollout(agent: bool, versions: str) -> tuple[Rollout, list, list, list]:
                 vllm[i][j] = math.nan
             masks.append(m)
     if versions == "same":
-        token_versions = [[VERSION] * n for n in LENGTHS]
+        token_versions = [TokenVersions([(VERSION, n)]) for n in LENGTHS]
     else:
-        token_versions = [[VERSION - 1] * (n // 2) + [VERSION] * (n - n // 2) for n in LENGTHS]
-        token_versions[3] = [VERSION - 2] * LENGTHS[3]
+        token_versions = [TokenVersions([(VERSION - 1, n // 2), (VERSION, n - n // 2)]) for n in LENGTHS]
+        token_versions[3] = TokenVersions([(VERSION - 2, LENGTHS[3])])
     rollout = Rollout([[1, 2]] * 5, [list(range(10, 10 + n)) for n in LENGTHS], vllm, [0, 0, 1, 1, 1], [""] * 5,
                       [False] * 5, token_versions=token_versions, loss_masks=masks,
                       sample_ids=[f"s{i}" for i in range(5)])
@@ -144,6 +144,6 @@ def test_only_what_the_ranks_need_travels():
 
 def test_a_step_with_no_token_of_the_trained_version_reads_nan():
     rollout, lp, entropy, ref = _rollout(agent=False, versions="mixed")
-    rollout.token_versions = [[VERSION - 1] * n for n in LENGTHS]
+    rollout.token_versions = [TokenVersions([(VERSION - 1, n)]) for n in LENGTHS]
     got = readout_metrics(_on_ranks(rollout, lp, entropy, ref, "none")[0])
     assert math.isnan(got["rollout/logprob_diff_mean"]) and math.isnan(got["rollout/logprob_diff_max"])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megarl.config import ConfigError, load_config
-from megarl.trainer.batch import Rollout, micro_batches_for, scatter_sequences
+from megarl.trainer.batch import Rollout, TokenVersions, micro_batches_for, scatter_sequences
 from megarl.trainer.routing import StepRouting
 
 
@@ -112,7 +112,7 @@ def test_metrics_split_the_gap_by_agreement_and_moe_jsonl_survives_resume(tmp_pa
     assert m["routing/disagree_tokens"] == pytest.approx(1 / 3)
     assert m["routing/logprob_diff_agree_mean"] == pytest.approx(0.05)
     assert m["routing/logprob_diff_disagree_mean"] == pytest.approx(0.5)
-    r.token_versions = [[0, 1, 1]]   # off-policy: only the trained version's tokens count
+    r.token_versions = [TokenVersions.of([0, 1, 1])]   # off-policy: only the trained version's tokens count
     m = routing.metrics(r, [torch.tensor([-1.1, -1.5, -1.0])], out, 1)
     assert m["routing/logprob_diff_agree_mean"] == pytest.approx(0.0) and m["routing/disagree_tokens"] == pytest.approx(1 / 3)
     assert math.isnan(routing.metrics(r, [torch.tensor([-1.1, -1.5, -1.0])],
