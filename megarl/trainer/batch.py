@@ -161,11 +161,12 @@ class Rollout:
         """``extras``: one dict per prompt (default: none), repeated for each of its samples."""
         r = cls([], [], [], [], [], [])
         for i, (prompt, answer, samples) in enumerate(zip(prompt_ids, answers, generations)):
+            prompt = list(prompt)   # one list a prompt, which its samples share (nothing writes into it)
             for s in samples:
                 if s["token_ids"] is None and s.get("stored_ids") is None:
                     raise ValueError(f"a sample of prompt {i} has neither token_ids nor stored_ids")
                 size = response_length(s)
-                r.prompt_ids.append(list(prompt))
+                r.prompt_ids.append(prompt)
                 r.response_ids.append(s["token_ids"])
                 r.texts.append(s.get("text"))
                 r.digests.append(s.get("digest"))
