@@ -198,11 +198,71 @@ class EngineTraffic:
         return self.bytes / max(1, self.samples)
 
 
+def held_bytes(roots: list) -> int:
+    """Bytes the objects ``roots`` hold, deeply: every container, string and number reachable
+    through lists, tuples, dicts, sets and instance attributes (``__dict__`` or ``__slots__``),
+    each object once; a torch tensor or numpy array counts its elements; an object-store handle
+    counts only itself (the array is in the store)."""
+    import numpy as np
+    import torch
+
+    seen, stack, total = set(), list(roots), 0
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, (type, type(sys), type(held_bytes))):
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            total += sys.getsizeof(o) + o.element_size() * o.nelement()
+            continue
+        if isinstance(o, np.ndarray):   # getsizeof counts the data of an array that owns it
+            total += sys.getsizeof(o) + (o.nbytes if o.base is not None else 0)
+            continue
+        total += sys.getsizeof(o)
+        if isinstance(o, dict):
+            stack += [*o.keys(), *o.values()]
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            stack += list(o)
+        elif not isinstance(o, (str, bytes, int, float, complex)):
+            stack += [getattr(o, k) for k in getattr(type(o), "__slots__", ()) if hasattr(o, k)]
+            if hasattr(o, "__dict__"):
+                stack.append(vars(o))
+    return total
+
+
+def step_held_bytes() -> int:
+    """What the controller holds of its step's data when the weights are synced: every live
+    :class:`Rollout` (the samples: ids or text, log-probs, routing, masks, versions, rewards) and
+    :class:`ForwardPasses` (the passes' outputs that came back), measured by :func:`held_bytes`."""
+    return held_bytes(step_data())
+
+
+def step_data() -> list:
+    """The live :class:`Rollout` and :class:`ForwardPasses` objects (see :func:`step_held_bytes`)."""
+    import gc
+
+    from megarl.trainer.batch import Rollout
+    from megarl.trainer.loop import ForwardPasses
+
+    return [o for o in gc.get_objects() if isinstance(o, (Rollout, ForwardPasses))]
+
+
+def held_by_field() -> dict:
+    """:func:`step_held_bytes` by field (``Rollout.texts``...), each field measured alone."""
+    out: dict = {}
+    for o in step_data():
+        for name, value in vars(o).items():
+            key = f"{type(o).__name__}.{name}"
+            out[key] = out.get(key, 0) + held_bytes([value])
+    return out
+
+
 def child(routing: str, plane: str, scales: list[int], base: int, steps: int, out: Path,
           python_heap: bool = False, mini_batches: int = 1, response_tokens: int = 8) -> None:
     """One controller process: the workers once, then every size on them. ``python_heap``: also
     the peak of the Python heap (tracemalloc: every Python object, numpy arrays included; not
-    torch's tensors nor Ray's native buffers) during each size's steps."""
+    torch's tensors nor Ray's native buffers) during each size's run, and per step its peak above
+    the level the step began at (``step_heap_kib``: what the controller allocates for one step)."""
     import tracemalloc
 
     import psutil
@@ -224,15 +284,26 @@ def child(routing: str, plane: str, scales: list[int], base: int, steps: int, ou
         for scale, cfg in zip(scales, cfgs):
             marks = []   # (step, controller CPU seconds, worker traffic bytes) after each step's weight sync
 
+            heap, heap_start, held, fields = [], [0], [], {}   # per step: the heap's peak above its level when the step
+            # began; the bytes of the step's data the controller holds at the sync
+
             def mark(_group, step: int) -> None:
                 t = proc.cpu_times()
                 marks.append((step, t.user + t.system, traffic.total()))
+                if python_heap:   # the step's peak first, then the held bytes (the count allocates)
+                    heap.append(tracemalloc.get_traced_memory()[1] - heap_start[0])
+                    held.append(step_held_bytes())
+                    fields.clear()
+                    fields.update(held_by_field())
+                    tracemalloc.reset_peak()
+                    heap_start[0] = tracemalloc.get_traced_memory()[0]
 
             t = proc.cpu_times()
             start_cpu, start_traffic = t.user + t.system, traffic.total()
             engines.bytes = engines.samples = 0
             if python_heap:
                 tracemalloc.start(1) if not tracemalloc.is_tracing() else tracemalloc.reset_peak()
+                heap_start[0] = tracemalloc.get_traced_memory()[0]
             with PeakRSS() as rss:
                 train(cfg, group=group, after_sync=mark)
             heap_peak = tracemalloc.get_traced_memory()[1] if python_heap else None
@@ -246,7 +317,10 @@ def child(routing: str, plane: str, scales: list[int], base: int, steps: int, ou
                 "tokens": int(statistics.median(r["actor/num_tokens"] for r in rows)),
                 "peak_rss_mib": rss.peak / 2**20, "peak_anon_mib": rss.peaks["anon"] / 2**20,
                 "peak_shmem_mib": rss.peaks["shmem"] / 2**20,
-                **({"python_heap_peak_mib": heap_peak / 2**20} if python_heap else {}),
+                **({"python_heap_peak_mib": heap_peak / 2**20,
+                    "step_heap_kib": statistics.median(heap[1:] or heap) / 1024,
+                    "held_kib": statistics.median(held[1:] or held) / 1024, "held_fields": dict(fields)}
+                   if python_heap else {}),
                 "controller_cpu_s": statistics.median(cpu[1:] or cpu),
                 "worker_arrays_kib": statistics.median(moved[1:] or moved) / 1024,
                 "engine_b_per_sample": engines.per_sample(),
@@ -265,7 +339,7 @@ def slope(points: list[tuple[float, float]]) -> float:
 def table(rows: list[dict]) -> str:
     from bench_modes import table as markdown   # perf/ is the script's folder: on sys.path
 
-    heap = ["python_heap_peak_mib"] if all("python_heap_peak_mib" in r for r in rows) else []
+    heap = (["python_heap_peak_mib", "step_heap_kib", "held_kib"] if all("held_kib" in r for r in rows) else [])
     return markdown(rows, ["routing", "plane", "scale", "samples", "tokens", "peak_rss_mib", "peak_anon_mib",
                            "peak_shmem_mib", *heap, "worker_arrays_kib", "engine_b_per_sample", "controller_cpu_s",
                            "step_s"])
@@ -328,12 +402,32 @@ def main(argv=None) -> None:
                         "worker_arrays_slope_controller": w_old, "worker_arrays_slope_object_store": w_new,
                         "step_s_1x_ratio_new_over_old": new[0]["step_s"] / old[0]["step_s"],
                         "controller_cpu_1x_ratio_new_over_old": new[0]["controller_cpu_s"] / old[0]["controller_cpu_s"]})
+        if all("held_kib" in r for r in old + new):
+            for key in ("step_heap", "held"):
+                summary[-1].update({f"{key}_slope_b_per_token_{p}": slope([(r["tokens"], r[f"{key}_kib"] * 1024)
+                                                                          for r in x])
+                                    for p, x in (("controller", old), ("object_store", new))})
     stamp = datetime.datetime.now().strftime("%Y-%m-%d")
     lines = [f"| {s['routing']} | {s['rss_slope_kib_per_sample_controller']:.1f} | "
              f"{s['rss_slope_kib_per_sample_object_store']:.1f} | {s['anon_slope_kib_per_sample_controller']:.1f} | "
              f"{s['anon_slope_kib_per_sample_object_store']:.1f} | {s['worker_arrays_slope_controller']:.3f} | "
              f"{s['worker_arrays_slope_object_store']:.3f} | {s['step_s_1x_ratio_new_over_old']:.2f} | "
              f"{s['controller_cpu_1x_ratio_new_over_old']:.2f} |" for s in summary]
+    breakdown = []
+    for routing in routings if set(planes) == {"controller", "object_store"} else ():
+        top = max(r["scale"] for r in rows)
+        old, new = (next((r for r in rows if r["routing"] == routing and r["plane"] == p and r["scale"] == top), {})
+                    for p in ("controller", "object_store"))
+        if "held_fields" in old and "held_fields" in new:
+            keys = sorted(set(old["held_fields"]) | set(new["held_fields"]),
+                          key=lambda k: -max(old["held_fields"].get(k, 0), new["held_fields"].get(k, 0)))
+            breakdown += [f"| {routing} | {k} | {old['held_fields'].get(k, 0) / 1024:.1f} | "
+                          f"{new['held_fields'].get(k, 0) / 1024:.1f} |" for k in keys
+                          if max(old["held_fields"].get(k, 0), new["held_fields"].get(k, 0)) >= 4096]
+    heap_lines = [f"| {s['routing']} | {s['held_slope_b_per_token_controller']:.1f} | "
+                  f"{s['held_slope_b_per_token_object_store']:.1f} | {s['step_heap_slope_b_per_token_controller']:.1f} | "
+                  f"{s['step_heap_slope_b_per_token_object_store']:.1f} |"
+                  for s in summary if "held_slope_b_per_token_controller" in s]
     text = (f"# Data plane: controller vs object store ({stamp})\n\n"
             f"`python perf/bench_dataplane.py {' '.join(argv if argv is not None else sys.argv[1:])}` on {cpu_line()}.\n"
             "tiny-qwen3_moe (2 MoE layers, top-2: routing is 8 bytes a token here, 928 for DeepSeek-V3), 1 training "
@@ -345,11 +439,25 @@ def main(argv=None) -> None:
             "from the training workers per step (call arguments and results; object-store handles count 0); "
             "engine_b_per_sample: the bytes of a finished sample the engines sent the controller (pickled, "
             "object-store handles left out); "
+            + ("python_heap_peak_mib: tracemalloc's peak over a size's run (set up included); step_heap_kib: the "
+               "heap's peak during a step above its level when the step began; held_kib: the bytes of the step's "
+               "Rollout and forward-pass outputs on the controller at the weight sync, deep size (both medians of "
+               "steps >= 2); "
+               if args.python_heap else "") +
             "controller_cpu_s and step_s: per step, median of steps >= 2.\n\n" + table(rows) + "\n\n"
             "| routing | RSS slope, controller (KiB/sample) | RSS slope, object_store (KiB/sample) | private slope, "
             "controller | private slope, object_store | worker arrays slope, controller (KiB/sample) | worker arrays "
             "slope, object_store | step time 1x new/old | controller CPU 1x new/old |\n"
-            "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n" if lines else
+            "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n"
+            + ("\nWhat the controller holds of a step against the step's tokens (least-squares slopes): held_kib, "
+               "the step's data it holds at the weight sync (its Rollout and forward-pass outputs, deep size), and "
+               "step_heap_kib, the Python heap's peak during a step above its level when the step began:\n\n"
+               "| routing | held slope, controller (B/token) | held slope, object_store (B/token) | step heap slope, "
+               "controller (B/token) | step heap slope, object_store (B/token) |\n"
+               "|---|---|---|---|---|\n" + "\n".join(heap_lines) + "\n" if heap_lines else "")
+            + ("\nheld_kib by field at the largest scale (each field measured alone; fields of 4 KiB or more):\n\n"
+               "| routing | field | controller (KiB) | object_store (KiB) |\n|---|---|---|---|\n"
+               + "\n".join(breakdown) + "\n" if breakdown else "") if lines else
             f"# Data plane ({stamp})\n\n`python perf/bench_dataplane.py {' '.join(argv if argv is not None else sys.argv[1:])}` "
             f"on {cpu_line()}.\n\n" + table(rows) + "\n")
     out = Path(args.out) if args.out else ROOT / "perf" / "results" / f"dataplane_cpu_{stamp}.md"
