@@ -25,7 +25,11 @@ starts its workers once and runs the three batch sizes on them in ascending orde
   handles left out: the ids, log-probs and inline routing of the ``controller`` plane; the
   metadata -- length, text, digest -- of ``object_store``);
 * controller CPU seconds per step (user + system of the controller process, all its threads,
-  steps >= 2) and wall seconds per step (``timeline/step_s``, steps >= 2).
+  steps >= 2) and wall seconds per step (``timeline/step_s``, steps >= 2);
+* with ``--python-heap``: what the controller holds of a step at its weight sync (``held_kib``:
+  the live ``Rollout`` and ``ForwardPasses``, deep size; its slope in bytes a token, and its
+  breakdown by field at the largest scale), and the Python heap's peak during a step above its
+  level at the step's start (``step_heap_kib``).
 
 Usage: ``python perf/bench_dataplane.py [--base 2] [--steps 3] [--scales 1,4,16]
 [--routings off,r3] [--planes controller,object_store] [--python-heap] [--mini-batches 1]
