@@ -367,6 +367,7 @@ def loss_layouts(path, world, out):
             if not layout:
                 refs[name] = (weights, stats)
                 out[f"{key}|step_changed_weights"] = max_diff(weights, {k: v for k, v in export_before(engine, saved)})
+                out[f"{key}|loss"] = stats["loss"]
             else:
                 out[f"{key}|weights_vs_tp1"] = max_diff(weights, refs[name][0])
                 out[f"{key}|loss_diff"] = abs(stats["loss"] - refs[name][1]["loss"])
