@@ -234,15 +234,10 @@ def held_bytes(roots: list) -> int:
     return total
 
 
-def step_held_bytes() -> int:
+def step_data() -> list:
     """What the controller holds of its step's data when the weights are synced: every live
     :class:`Rollout` (the samples: ids or text, log-probs, routing, masks, versions, rewards) and
-    :class:`ForwardPasses` (the passes' outputs that came back), measured by :func:`held_bytes`."""
-    return held_bytes(step_data())
-
-
-def step_data() -> list:
-    """The live :class:`Rollout` and :class:`ForwardPasses` objects (see :func:`step_held_bytes`)."""
+    :class:`ForwardPasses` (the passes' outputs that came back); :func:`held_bytes` measures them."""
     import gc
 
     from megarl.trainer.batch import Rollout
@@ -251,10 +246,11 @@ def step_data() -> list:
     return [o for o in gc.get_objects() if isinstance(o, (Rollout, ForwardPasses))]
 
 
-def held_by_field() -> dict:
-    """:func:`step_held_bytes` by field (``Rollout.texts``...), each field measured alone."""
+def held_by_field(objects: list) -> dict:
+    """:func:`held_bytes` of ``objects`` (:func:`step_data`) by field (``Rollout.texts``...), each
+    field measured alone."""
     out: dict = {}
-    for o in step_data():
+    for o in objects:
         for name, value in vars(o).items():
             key = f"{type(o).__name__}.{name}"
             out[key] = out.get(key, 0) + held_bytes([value])
@@ -296,9 +292,11 @@ def child(routing: str, plane: str, scales: list[int], base: int, steps: int, ou
                 marks.append((step, t.user + t.system, traffic.total()))
                 if python_heap:   # the step's peak first, then the held bytes (the count allocates)
                     heap.append(tracemalloc.get_traced_memory()[1] - heap_start[0])
-                    held.append(step_held_bytes())
+                    data = step_data()
+                    held.append(held_bytes(data))
                     fields.clear()
-                    fields.update(held_by_field())
+                    fields.update(held_by_field(data))
+                    del data
                     tracemalloc.reset_peak()
                     heap_start[0] = tracemalloc.get_traced_memory()[0]
 

@@ -130,15 +130,15 @@ def rl_training_check() -> list[str]:
 
 
 # Published refits of the rows' system, beside the sync estimate (cross-checks, not inputs): (label, recipe,
-# overrides giving its layout, what was measured, seconds, source)
+# overrides giving its layout, colocated, what was measured, seconds, source)
 REFIT_CHECKS = [
     ("DeepSeek-V3 bf16, H100, training TP1 PP16 EP16 -> one vLLM TP32 engine on 4 nodes of its own (non-colocated, "
-     "NCCL collective update)", "configs/grpo_deepseek_v3_h100x512_1off.yaml", [],
+     "NCCL collective update)", "configs/grpo_deepseek_v3_h100x512_1off.yaml", [], False,
      "NeMo-RL's default non-colocated refit (the NCCL column), full tensors broadcast to the engine's ranks", 14.21,
      "NVIDIA-NeMo/RL docs/guides/checkpoint-engine-refit.md (commit aa8bfb2e, 'DeepSeek-V3 Benchmark'): "
      "'Dedicated async refit timer | 9.25 s | 14.21 s' (NIXL | NCCL)"),
     ("DeepSeek-V3 bf16, H100, training EP64 PP8 -> vLLM TP64 (colocated)", "configs/grpo_deepseek_v3_h100x512.yaml",
-     ["rollout.tp=64"],
+     ["rollout.tp=64"], True,
      "NeMo-RL v0.3's colocated refit: every policy worker gathers the full model (12.2 s; speed of light 3.3 s), "
      "hands it to the vLLM worker on its GPU as CUDA IPC handles (33.5 s of handle and Ray call overheads), vLLM "
      "loads its shard (1.5 s)", 47.2,
@@ -155,18 +155,17 @@ def refit_checks(rows: list[dict]) -> list[str]:
 
     out = ["| refit | model s | published s | ratio | what was measured | model | source |",
            "|---|---|---|---|---|---|---|"]
-    colocated = None
-    for label, recipe, overrides, measured, seconds, source in REFIT_CHECKS:
+    colocated = next(seconds for *_, is_colocated, _, seconds, _ in REFIT_CHECKS if is_colocated)
+    for label, recipe, overrides, _, measured, seconds, source in REFIT_CHECKS:
         sync = make_plan(load_config(recipe, overrides), recipe).estimate.phase("sync")
         out.append(f"| {label} | {sync.seconds:.1f} | {seconds:g} | {sync.seconds / seconds:.2f} | {measured} | "
                    f"{sync.detail} | {source.replace('|', '/')} |")
-        colocated = seconds if "colocated" in label and "non-colocated" not in label else colocated
     out += ["", "The model prices a shard-to-shard refit: each vLLM GPU receives its own shard at the rate "
                 "checkpoint-engine measured (megarl's bridge moves each destination its shard and no more). NeMo-RL's "
                 "non-colocated refit of the one-step-off layout agrees with it; its colocated refit is another design, "
                 "the full model gathered on every GPU, and most of its time is per-call overhead, not bytes."]
     swapped = [(r, r["estimate"] - r["phases"]["sync"] + colocated) for r in rows
-               if "deepseek_v3_h100" in r["recipe"] and not r["overlapped"]] if colocated else []
+               if "deepseek_v3_h100" in r["recipe"] and not r["overlapped"]]
     if swapped:
         out += ["", f"With that colocated refit ({colocated:g} s) in place of the sync estimate, the on-policy "
                 "DeepSeek-V3 H100 rows would read " + ", ".join(
@@ -247,7 +246,7 @@ def main(argv=None) -> int:
                       "30B rows and the Qwen3-235B H100 rows land within 25%. In the published split log-probs, "
                       f"training and refit still take {1 / r['logprobs']:.1f}x, {1 / r['train']:.1f}x and "
                       f"{1 / r['sync']:.1f}x the estimate. The misses left are DeepSeek-V3 on-policy (NeMo-RL's "
-                      "colocated refit, measured at 47.2 s for DeepSeek-V3, accounts for much of it: see the refit "
+                      f"colocated refit, measured at {next(c[5] for c in REFIT_CHECKS if c[3]):g} s for DeepSeek-V3, accounts for much of it: see the refit "
                       "checks below; and its decode: the verl DeepSeek-V3 row below also decodes 1.8x slower than the "
                       "model) and the GB200 rows of "
                       "DeepSeek-V3 and Qwen3-235B, where no published phase split says which phase is slow. Nothing "

@@ -101,8 +101,7 @@ class SampleLog:
         is over its sampled tokens."""
         samples = []
         for i, (sid, versions, readout) in enumerate(zip(rollout.sample_ids, rollout.token_versions, readouts)):
-            sample = {"id": sid, "gap": step - 1 - versions.min() if versions else 0,
-                      "runs": [list(r) for r in versions.runs],
+            sample = {"id": sid, "gap": step - 1 - versions.min() if versions else 0, "runs": versions.runs,
                       "run_logprob_diff": readout["runs"]}
             if rollout.loss_masks:
                 sample.update(sampled=readout["sampled"], tool_tokens=int((~rollout.loss_mask_T(i)).sum()),

@@ -242,6 +242,7 @@ def test_rollout_select_keeps_ids_and_versions_aligned():
     sub = r.select([1])
     assert sub.sample_ids == ["s1.g1.0"] and sub.token_versions == [[0, 1]]
     assert version_runs([0, 0, 1, 1, 1, 2]) == [[0, 2], [1, 3], [2, 1]]
+    assert threading.active_count() >= 1
 
 
 def test_token_versions_are_runs_that_read_as_per_token_versions():
@@ -269,4 +270,3 @@ def test_token_versions_are_runs_that_read_as_per_token_versions():
     held = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
     assert len(long) == 100_000 and held < 1024, held
-    assert threading.active_count() >= 1
