@@ -35,6 +35,14 @@ CASES = {   # name -> overrides of the e2e recipe
     # a critic (GAE) and a KL reward: with the object store the advantages are computed on rank 0
     "ppo_kl_reward": ["model.path=fixture:tiny-qwen2", "algorithm.name=ppo", "algorithm.kl_coef=0.01",
                       "algorithm.kl_mode=reward", "algorithm.mini_batches=2"],
+    # the agent loop on SmolLM2 with the calculator (configs/agent_calculator.yaml's task, reward and tool):
+    # trajectories joined and put into the object store by the controller, tool tokens masked
+    "agent": ["model.path=fixture:smollm2", "rollout.agent=tools", "rollout.tools=calculator", "rollout.max_turns=2",
+              "rollout.max_prompt_tokens=448", "rollout.max_response_tokens=48", "data.task=calculator",
+              "data.difficulty=1", "data.prompts_per_step=2", "data.reward=calculator_bonus", "trainer.lr=2.0e-5",
+              "trainer.max_tokens_per_micro_batch=1024", "trainer.logprob_diff_threshold=null"],
+    # speculative rollouts (exact): a pool of 3 prompts, 4 a step, so steps 2 and 3 verify drafts
+    "speculative_exact": ["model.path=fixture:tiny-qwen2", "rollout.speculative=exact", "data.num_prompts=3"],
 }
 TIMINGS = ("time/", "throughput/", "timeline/", "sync/seconds", "sync/engine", "sync/vllm_load_seconds",
            "rollout/busy_ratio", "rollout/engine", "memory/", "gpu/")

@@ -79,11 +79,12 @@ class AgentLoop:
     of the policy's tokenizer; ``runner``: a :class:`megarl.agent.tools.ToolRunner`.
     :attr:`metrics`: :func:`agent_metrics` of the last call."""
 
-    def __init__(self, cfg, tokenizer, formatter, runner, fleet: Callable):
+    def __init__(self, cfg, tokenizer, formatter, runner, fleet: Callable, store: bool = True):
         self.cfg, self.tokenizer, self.formatter, self.runner, self.fleet = cfg, tokenizer, formatter, runner, fleet
-        self.store = cfg.trainer.data_plane == "object_store"
+        self.store = store
         """Put each finished trajectory's ids and log-probs into Ray's object store for the ranks
-        (:meth:`_Call.finish`; this process owns them)."""
+        (:meth:`_Call.finish`; this process owns them, having joined the turns); False only for a
+        loop without Ray (unit tests), whose samples carry the arrays alone."""
         self.format = formatter.call_format   # what the prompt taught: the template's tags or Hermes
         self.end_ids = set(formatter.end_of_turn_ids)
         self.metrics: dict = {}

@@ -509,15 +509,6 @@ class TrainerConfig:
     configs/grpo_deepseek_v3_h20x96.yaml). Adam only. The step equals the step without it
     (tests/distributed/test_engine_train.py); ``megarl plan`` counts the host memory and the
     transfer time."""
-    data_plane: Literal["object_store", "controller"] = "object_store"
-    """Where a step's bulky per-sample payloads travel. object_store: MoE routing (the routed
-    experts of rollout routing replay, Lm x K x 2 bytes a token) is put into Ray's object store
-    by the vLLM engine that produced it (and by the training ranks for the routing they record);
-    the controller holds references and each rank fetches its own samples' (megarl/data/store.py).
-    The old-log-prob and reference passes' per-token log-probs and the rollout correction's
-    weights stay in the store too (put by the ranks' DP leaders, which return per-sample
-    read-outs: megarl/trainer/readout.py). controller: these arrays travel inside the samples
-    through the controller (the previous design; perf/bench_dataplane.py's baseline)."""
     mode: Literal["on_policy", "one_step_off", "async"] = "on_policy"
     """on_policy: every step generates with the current weights, then trains. one_step_off: step
     k+1's samples are generated while step k trains (with the weights before step k's update),

@@ -1,6 +1,6 @@
 """Sample payloads in Ray's object store: the controller holds references, the ranks fetch the bytes.
 
-With ``trainer.data_plane: object_store`` (the default) a sample's routed experts (rollout routing
+A sample's routed experts (rollout routing
 replay: ``[P + R, Lm, K]`` int16, Lm x K x 2 bytes a token: 928 B for DeepSeek-V3, by far the
 largest per-token payload of a step) are put into the object store by the process that made them
 and travel as :class:`Stored` handles:
@@ -49,9 +49,6 @@ with its owner: so an engine's :class:`Outbox` puts what it claimed through the 
 while its samples wait in an async buffer, or while a step trains on them, loses nothing). The
 training ranks own what they put (a rank that dies fails the step anyway). A fetch of an object
 whose owner died fails with :class:`RoutingLost`, naming what to do.
-
-``trainer.data_plane: controller`` keeps the previous behaviour (arrays inline in the samples,
-through the controller): the baseline of ``perf/bench_dataplane.py``.
 """
 from __future__ import annotations
 
@@ -223,8 +220,7 @@ def fetch(items: list) -> list:
             f"a sample's stored payload is no longer in Ray's object store ({type(err).__name__}): the process that "
             "owned it (a rollout engine's keeper for a sample's token ids, log-probs or routed experts, lost with its "
             "node; a training rank for recorded routing or a forward pass's log-probs) has died since; the step cannot "
-            "use it. Resume from the "
-            "last checkpoint, or run with trainer.data_plane=controller to keep these payloads on the controller") \
+            "use it. Resume from the last checkpoint") \
             from err
     for i, a in zip(where, arrays):
         out[i] = _tensor(a, items[i].dtype)

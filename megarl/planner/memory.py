@@ -144,44 +144,38 @@ def vllm_weight_bytes(total_params: int, rollout_tp: int, dtype_bytes: int = 2) 
 
 @dataclass(frozen=True)
 class DataPlane:
-    """Bytes one step moves between the engines, the controller and the training ranks. Per token
-    of a sample: token id (int32, prompt and response), the engine's sampling log-prob and the
-    policy version of each response token (fp32, int32): these come back to the single controller
-    and go out again to the ranks (issue 36's open part), the ids and log-probs as they are (4 + 4 B
-    a response token: vLLM's log-probs are float32 numbers) and the rest as runs of equal values
-    (:mod:`megarl.data.wire`): an outcome reward's advantages are one run a sample (8 B), the loss
-    mask one (5 B), the versions none on-policy; per-token advantages (``token_advantages``: a
-    critic's GAE, a per-token KL reward) 4 B a response token. With routing replay
-    (``algorithm.router_replay: r3`` / ``rollout.return_routing``) the experts every MoE layer
-    chose, ``moe_layers x top-k`` int16 per prompt and response token: through Ray's object store
-    from the engines to the ranks (``trainer.data_plane: object_store``), or through the
-    controller too (``controller``). The forward passes before the update (``passes``): an old-log-prob
-    pass gives log-probs and entropies (4 + 4 B a response token), the reference model log-probs
-    (4 B); the update reads the old and reference log-probs and the rollout correction's weights
-    (4 B each). With ``object_store`` they go from the ranks that computed them to the ranks of
-    the update, and the controller gets per-sample read-outs (:data:`READOUT_BYTES` a sample);
-    with ``controller`` they come to it and go out again. Each training rank receives its
-    data-parallel share (every rank of a model-parallel group the same share)."""
+    """Bytes one step moves between the engines, the controller and the training ranks.
+
+    The engines put each sample's token ids (int32, prompt and response) and vLLM's log-probs
+    (float64) into Ray's object store; the controller receives the sample's metadata (its
+    response text, :data:`TEXT_BYTES_PER_TOKEN`, and :data:`METADATA_BYTES`) and two handles, or
+    a copy of the ids and log-probs where a mode keeps them (``samples_copy``: speculative
+    rollouts, the agent loop), and sends each rank its share as handles plus the small per-sample
+    tensors as runs of equal values (:mod:`megarl.data.wire`: an outcome reward's advantages one
+    run a sample, 8 B; the loss mask one, 5 B). Routing replay's experts (``moe_layers x top-k``
+    int16 per prompt and response token) go from the engines to the ranks through the object store.
+    The forward passes before the update (``passes``: old log-probs 4 B a response token, the
+    reference's 4 B, the rollout correction's weights 4 B, a critic's values and returns 8 B) go
+    from the ranks that computed them to the ranks of the update; the controller gets per-sample
+    read-outs (:data:`READOUT_BYTES`). Per-token advantages (a critic's GAE, a KL reward) are
+    computed on rank 0 where their inputs are, and travel as a handle a sample. Each training
+    rank receives its data-parallel share (every rank of a model-parallel group the same)."""
 
     controller_in: int
     controller_out: int
     routing: int
-    """The routing replay's bytes per step (0 without it); in ``controller_in`` and
-    ``controller_out`` only when they pass through the controller."""
+    """The routing replay's bytes per step (0 without it), engines to ranks."""
     passes: int
-    """The forward passes' bytes per step the update's ranks read (old and reference log-probs,
-    correction weights; 0 without the passes); through the controller only with ``controller``."""
+    """The forward passes' bytes per step the update's ranks read (0 without the passes)."""
     per_rank: int
     per_node: int
-    samples_via_store: bool = False
-    """The samples' ids and log-probs go from the engines to the ranks through the object store."""
-    samples_copy: bool = True
+    samples_copy: bool = False
     """The controller receives the samples' ids and log-probs from the engines (else their
     metadata: the response text, its length and digest)."""
     advantages_rank0: int = 0
-    """With the object store and per-token advantages (GAE, a KL reward): what rank 0 reads of
-    the passes to compute them (the whole step's, not a data-parallel share) and writes back
-    (advantages, and returns with a critic); 0 when the controller computes them."""
+    """With per-token advantages (GAE, a KL reward): what rank 0 reads of the passes to compute
+    them (the whole step's, not a data-parallel share) and writes back (advantages, and returns
+    with a critic)."""
 
     @property
     def controller(self) -> int:
@@ -189,8 +183,7 @@ class DataPlane:
 
 
 READOUT_BYTES = 128
-"""What the controller gets of a forward pass per sample with ``trainer.data_plane: object_store``
-(megarl/trainer/readout.py: about a dozen float64 sums, maxima and counts, and a handle)."""
+"""What the controller gets of a forward pass per sample (megarl/trainer/readout.py: about a dozen float64 sums, maxima and counts, and a handle)."""
 
 
 TEXT_BYTES_PER_TOKEN = 4
@@ -210,53 +203,31 @@ owner's address, shape, dtype, size), about."""
 
 
 def data_plane_bytes(*, samples: int, mean_prompt: float, mean_response: float, moe_layers: int, topk: int,
-                     routing: bool, dp: int, ranks_per_node: int, routing_via_store: bool = True,
-                     old_pass: bool = False, reference: bool = False, correction: bool = False,
-                     token_advantages: bool = False, samples_via_store: bool = False, critic: bool = False,
-                     kl_reward: bool = False, samples_copy: bool = True) -> DataPlane:
-    """The step's :class:`DataPlane` (means per sample, sizes in bytes); ``routing_via_store``:
-    ``trainer.data_plane`` is ``object_store`` (the routing and the forward passes' outputs
-    bypass the controller); ``old_pass`` (:func:`megarl.config.passes.needs_old_logprob_pass`),
-    ``reference`` (a reference model) and ``correction`` (a rollout correction's weights, with
-    the old pass): the forward passes before the update; ``token_advantages``: advantages that
-    differ token by token (GAE, a KL reward), else one run a sample; ``samples_via_store``: the
-    engines put each sample's ids and log-probs (float64) into the object store and the ranks fetch
-    them (``object_store``, every mode; the agent loop's by the controller; an async sample resumed
-    after a sync still sends its log-probs inline, not counted), so the controller sends
-    :data:`HANDLE_BYTES` twice a sample instead; ``samples_copy`` False (with
-    ``samples_via_store``): the engines send the controller no copy of the ids and log-probs but
-    the response's text (:data:`TEXT_BYTES_PER_TOKEN`) and :data:`METADATA_BYTES` (a copy comes
-    with speculative rollouts and for the agent loop's trajectories; an async sample resumed after
-    a sync brings its ids and log-probs too, not counted). ``critic``: a PPO critic's values (4 B a
-    response token) come from its values pass, and its update reads them and the returns (4 + 4 B,
-    in ``passes``); ``kl_reward`` (with ``token_advantages``): the advantages read the old and
-    reference log-probs. With the
-    object store rank 0 computes per-token advantages where those inputs are
-    (``advantages_rank0``) and the controller sends a handle a sample in their place."""
+                     routing: bool, dp: int, ranks_per_node: int, old_pass: bool = False, reference: bool = False,
+                     correction: bool = False, token_advantages: bool = False, critic: bool = False,
+                     kl_reward: bool = False, samples_copy: bool = False) -> DataPlane:
+    """The step's :class:`DataPlane` (means per sample, sizes in bytes). ``old_pass``
+    (:func:`megarl.config.passes.needs_old_logprob_pass`), ``reference`` (a reference model) and
+    ``correction`` (a rollout correction's weights, with the old pass): the forward passes before
+    the update; ``token_advantages``: advantages that differ token by token (GAE, a KL reward),
+    else one run a sample; ``critic``: a PPO critic's values pass and update; ``kl_reward`` (with
+    ``token_advantages``): the advantages read the old and reference log-probs; ``samples_copy``:
+    the controller also receives the samples' ids and log-probs (an async sample resumed after a
+    sync brings its own too, not counted)."""
     tokens = mean_prompt + mean_response
     route = samples * tokens * moe_layers * topk * 2 if routing else 0
-    samples_copy = samples_copy or not samples_via_store
     base_in = samples * (4 * tokens + 8 * mean_response if samples_copy else
                          TEXT_BYTES_PER_TOKEN * mean_response + METADATA_BYTES + 2 * HANDLE_BYTES)
     advantages = 4 * mean_response if token_advantages else 4 + 4   # per token, or one run (value, length)
-    on_rank0 = token_advantages and routing_via_store
     small = advantages + 1 + 4                                      # and the loss mask's run
-    small_out = (HANDLE_BYTES if on_rank0 else advantages) + 1 + 4
-    if samples_via_store:   # handles out; the ranks read ids (int32) and log-probs (float64) from the engines
-        base_out = samples * (2 * HANDLE_BYTES + small_out)
-        to_ranks = samples * (4 * tokens + 8 * mean_response + small)
-    else:                   # ids and log-probs (float32 numbers) inline
-        base_out, to_ranks = (samples * (4 * tokens + 4 * mean_response + extra) for extra in (small_out, small))
-    pass_in = samples * mean_response * ((4 + 4) * old_pass + 4 * reference + 4 * critic)
+    small_out = (HANDLE_BYTES if token_advantages else advantages) + 1 + 4
+    base_out = samples * (2 * HANDLE_BYTES + small_out)             # handles on the engines' ids and log-probs
+    to_ranks = samples * (4 * tokens + 8 * mean_response + small)
     passes = samples * mean_response * (4 * old_pass + 4 * reference + 4 * (correction and old_pass) + 8 * critic)
-    if routing_via_store:
-        through_in, through_out = (samples * READOUT_BYTES if old_pass or reference or critic else 0), 0
-    else:
-        through_in, through_out = route + pass_in, route + passes
+    readouts = samples * READOUT_BYTES if old_pass or reference or critic else 0
     # rank 0 reads the old and reference log-probs (a KL reward) and the values, writes advantages and returns
-    rank0 = samples * mean_response * (8 * kl_reward + 4 * critic + 4 + 4 * critic) if on_rank0 else 0
+    rank0 = samples * mean_response * (8 * kl_reward + 4 * critic + 4 + 4 * critic) if token_advantages else 0
     per_rank = int(to_ranks + route + passes) // max(1, dp)
-    return DataPlane(controller_in=int(base_in + through_in), controller_out=int(base_out + through_out),
-                     routing=int(route), passes=int(passes), per_rank=per_rank, per_node=per_rank * ranks_per_node,
-                     samples_via_store=samples_via_store, advantages_rank0=int(rank0),
-                     samples_copy=samples_copy)
+    return DataPlane(controller_in=int(base_in + readouts), controller_out=int(base_out), routing=int(route),
+                     passes=int(passes), per_rank=per_rank, per_node=per_rank * ranks_per_node,
+                     advantages_rank0=int(rank0), samples_copy=samples_copy)

@@ -230,10 +230,9 @@ def make_plan(cfg, recipe: str = "") -> Plan:
     kl_reward = cfg.algorithm.kl_coef > 0 and cfg.algorithm.kl_mode == "reward"
     flow = dict(samples=samples, mean_prompt=mean_prompt, mean_response=mean_response, moe_layers=moe_layers,
                 topk=dims.num_experts_per_tok, dp=topology.dp, ranks_per_node=min(gpn, topology.world_size),
-                routing_via_store=t.data_plane == "object_store", old_pass=old_logprob_pass(cfg),
+                old_pass=old_logprob_pass(cfg),
                 reference=cfg.algorithm.kl_coef > 0, correction=cfg.algorithm.rollout_correction != "none",
                 token_advantages=critic or kl_reward, critic=critic, kl_reward=kl_reward,
-                samples_via_store=t.data_plane == "object_store",
                 samples_copy=r.speculative != "off" or r.agent == "tools")
     replay = cfg.algorithm.router_replay == "r3" or r.return_routing
     plan.data_plane = mem.data_plane_bytes(routing=replay and moe_layers > 0, **flow)
@@ -285,28 +284,22 @@ def _data_plane_lines(plan: Plan, cfg) -> list[str]:
     def gb(n: float) -> str:
         return f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"
 
-    store = cfg.trainer.data_plane == "object_store"
-    where = ("through Ray's object store, engines to ranks" if store
-             else "through the controller, trainer.data_plane=controller")
     lines = [f"  data plane per step: the controller receives {gb(d.controller_in)} from the engines"
              + ("" if d.samples_copy else " (the samples' text and handles, not their ids and log-probs)")
-             + (", the forward passes' read-outs from the ranks," if d.passes and store else
-                " and the ranks' forward passes" if d.passes else "")
-             + f" and sends {gb(d.controller_out)} to the training ranks ("
-             + ("handles on the engines' ids and log-probs, " if d.samples_via_store else "ids, log-probs, versions, ")
+             + (", the forward passes' read-outs from the ranks," if d.passes else "")
+             + f" and sends {gb(d.controller_out)} to the training ranks (handles on the engines' ids and log-probs, "
              + "advantages, masks)"
-             + (f"; routing replay {gb(d.routing)} ({where})" if d.routing else "")
+             + (f"; routing replay {gb(d.routing)} (through Ray's object store, engines to ranks)" if d.routing else "")
              + (f"; forward passes (old/reference log-probs, correction weights, critic values and returns) "
-                f"{gb(d.passes)} "
-                f"({'through the object store, rank to rank' if store else 'through the controller'})"
-                if d.passes else "")
+                f"{gb(d.passes)} (through the object store, rank to rank)" if d.passes else "")
              + (f"; per-token advantages computed on rank 0 from the stored passes ({gb(d.advantages_rank0)} "
                 "read and written there)" if d.advantages_rank0 else "")
              + f"; a training rank receives {gb(d.per_rank)}, a node {gb(d.per_node)}"]
     if plan.data_plane_replay is not None:
         e = plan.data_plane_replay
         lines.append(f"  with routing replay (algorithm.router_replay=r3): {gb(e.routing)} more of routing "
-                     f"({where}), the controller {gb(e.controller)} in all, a node {gb(e.per_node)}")
+                     f"(through Ray's object store, engines to ranks), the controller {gb(e.controller)} in all, "
+                     f"a node {gb(e.per_node)}")
     return lines
 
 

@@ -40,13 +40,13 @@ its prefill). A partial sample carries the routing of what was computed so far; 
 (:mod:`megarl.compat.vllm_cpu`, V4) and fetched from the workers after each engine step that
 finished requests (:class:`RoutingReader`); on GPU they come from vLLM's own
 ``CompletionOutput.routed_experts`` (``enable_return_routed_experts``), converted. An engine actor
-with ``trainer.data_plane: object_store`` keeps each sample's array in its
+keeps each sample's array in its
 :class:`megarl.data.store.Outbox` and streams a key; the controller claims the handle
 (:meth:`EngineActor.take_stored`: the claimed arrays are put into Ray's object store then; why
 not stream a reference: :mod:`megarl.data.store`): the
 routing goes from the engine's node to the training ranks without passing through the controller.
 
-The same plane puts what the training ranks read of each finished sample of
+It puts what the training ranks read of each finished sample of
 :meth:`EngineActor.generate_stream`: its token ids (prompt + response, int32, ``stored_ids``) and
 vLLM's log-probs (float64, ``stored_logprobs``). The sample then carries neither array to the
 controller (``token_ids`` and ``logprobs`` None) but its metadata: the response's length (the
@@ -246,7 +246,7 @@ class RoutingReader:
 
         self.llm, self.gpu = llm, cuda_available()
         self.outbox = None
-        """An engine actor with ``trainer.data_plane: object_store``: its
+        """In an engine actor: its
         :class:`megarl.data.store.Outbox`; each sample's routing is put into Ray's object store
         and the sample carries its :class:`~megarl.data.store.Pending` key (the controller claims
         the handle) instead of the array."""
@@ -451,29 +451,21 @@ class EngineActor:
         from megarl.data.store import Outbox
 
         self.outbox = Outbox(keeper)   # arrays for the object store, until the controller claims them
-        self.stash = False       # set_data_plane
         self.llm = make_rollout_llm(cfg, str(resolve_model_path(cfg.model.path)), cores)
-        self.set_data_plane(cfg.trainer.data_plane)
+        # an EngineActor built in a script's own process has no controller to claim what it would put
+        self.stash = _in_ray_actor()
+        # the controller gets a stored sample's metadata (length, text, digest), not the ids and log-probs the ranks
+        # read from the store -- except with speculative rollouts, whose drafts are the samples themselves
+        self.inline = not self.stash or cfg.rollout.speculative != "off"
+        self._tokenizer = None
+        if (reader := routing_reader(self.llm)) is not None and self.stash:
+            reader.outbox = self.outbox
         heap.trim()   # the loader's freed copies: SmolLM2 fp32 2455 -> 2263 MiB PSS (megarl/compat/heap.py)
         if cfg.rollout.weight_noise_std > 0:
             from megarl.rollout.worker_ext import SET_WEIGHT_NOISE
 
             self.llm.collective_rpc(SET_WEIGHT_NOISE, args=(cfg.rollout.weight_noise_std, cfg.trainer.seed,
                                                             cfg.rollout.weight_noise_match))
-
-    def set_data_plane(self, plane: str) -> None:
-        """``trainer.data_plane``: ``object_store`` puts each sample's routing, and each finished
-        sample's token ids and log-probs of :meth:`generate_stream`, into Ray's object store (the
-        sample carries their keys, the controller claims the handles: :meth:`take_stored`),
-        ``controller`` returns the arrays inline only (so does an engine outside a Ray actor)."""
-        # an EngineActor built in a script's own process has no controller to claim what it would put
-        self.stash = plane == "object_store" and _in_ray_actor()
-        # the controller gets a stored sample's metadata (length, text, digest), not the ids and log-probs the ranks
-        # read from the store -- except with speculative rollouts, whose drafts are the samples themselves
-        self.inline = not self.stash or self.cfg.rollout.speculative != "off"
-        self._tokenizer = None
-        if (reader := routing_reader(self.llm)) is not None:
-            reader.outbox = self.outbox if self.stash else None
 
     def take_stored(self, keys: list) -> list:
         """The :class:`megarl.data.store.Stored` handles of the arrays streamed as ``keys``
@@ -487,8 +479,8 @@ class EngineActor:
 
     def _stash(self, pairs: list, prompt_ids: list) -> list:
         """``pairs`` (``[(prompt index, samples)]``) with each sample's ``stored_ids`` (prompt +
-        response, int32) and ``stored_logprobs`` (float64) put into the object store, when the
-        plane is ``object_store``; see the module docstring. The arrays then leave the sample
+        response, int32) and ``stored_logprobs`` (float64) put into the object store (in a Ray
+        actor); see the module docstring. The arrays then leave the sample
         (``token_ids`` and ``logprobs`` None: the controller gets no copy) and its metadata takes
         their place: ``response_length``, ``text`` (the response decoded as the rewards read it,
         special tokens skipped, by the model's own tokenizer as the controller's) and ``digest``
@@ -664,7 +656,7 @@ class EngineActor:
         :meth:`generate_stream`. Capturing routing, done and partial samples carry
         ``routed_experts`` (a partial's: what was computed before the abort).
 
-        A request with ``"store": True`` (the async producer's): on the ``object_store`` plane its
+        A request with ``"store": True`` (the async producer's): in an engine actor its
         finished sample carries ``stored_ids`` (the request's prompt, which holds the sample's
         earlier tokens, + what it generated here) and ``stored_logprobs`` (those of this call's
         tokens) like :meth:`generate_stream`'s, and then, unless the request says ``"inline": True``

@@ -143,7 +143,7 @@ class Rollout:
     model; false: inserted tool-result tokens, whose ``sample_logprobs`` are NaN); empty: every
     response token does."""
     stored_ids: list = field(default_factory=list)
-    """``trainer.data_plane: object_store``: per sample, a handle on its token ids (prompt +
+    """Per sample, a handle on its token ids (prompt +
     response, int32) in Ray's object store, put by the engine that sampled it
     (:class:`megarl.data.store.Stored`; the micro-batches carry it and the ranks fetch it), or
     None (the ids go inline); empty: none stored."""
@@ -380,8 +380,8 @@ def advantages_with_metrics(rollout: Rollout | AdvantageInputs, adv_fn, adv_opts
 
 def stored_advantages(inputs: AdvantageInputs, adv_fn, adv_opts: dict, kl_coef: float | None = None,
                       old_lp: list | None = None, ref_lp: list | None = None, values: list | None = None) -> dict:
-    """:func:`advantages_with_metrics` on a training rank, where the per-token inputs are
-    (``trainer.data_plane: object_store``): ``values`` and, with ``kl_coef``, ``old_lp`` and
+    """:func:`advantages_with_metrics` on a training rank, where the per-token inputs are:
+    ``values`` and, with ``kl_coef``, ``old_lp`` and
     ``ref_lp`` are per-sample :class:`megarl.data.store.Rows`, fetched here in one ``ray.get``; the
     same function on the same bits as on the controller, so the same numbers.
 
@@ -430,7 +430,7 @@ def micro_batches_for(rollout: Rollout, plan, dp_rank: int, per_sample: dict[str
                 if k == "mask_T":
                     extras[k] = extras[k] & loss_mask
         extras.setdefault("mask_T", loss_mask)
-        # a Stored handle (trainer.data_plane=object_store) is fetched by the rank (megarl/data/store.py)
+        # a Stored handle is fetched by the rank (megarl/data/store.py)
         mb_routing = [routing[i] if isinstance(routing[i], Stored) else torch.as_tensor(routing[i]) for i in indices] \
             if routing is not None else None
         out.append(SequenceBatch(ids, [len(rollout.prompt_ids[i]) for i in indices], extras, routing=mb_routing))

@@ -24,7 +24,7 @@ unfinished prompts again, with the same seeds: the call's samples are those it w
 returned without the fault. Beyond that the error, naming the engine, fails the step, and the run
 can resume from its last checkpoint (``megarl train --resume``).
 
-Routing in the object store (``trainer.data_plane: object_store``): a message's samples carry
+Payloads in the object store: a message's samples carry
 keys of what their engine put (:class:`megarl.data.store.Pending`); each message's handles are
 claimed from that engine as it arrives (:func:`megarl.data.store.claim`), before anyone sees the
 samples; so are the token ids and log-probs it put for the training ranks (``stored_ids``,

@@ -159,20 +159,18 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
 
 @dataclass
 class ForwardPasses:
-    """What the forward passes before the update give; None for a pass that does not run."""
+    """What the forward passes before the update give; None for a pass that does not run. The
+    per-token outputs stay on the ranks: the controller holds a handle per sample
+    (:class:`megarl.data.store.Rows`) and the per-sample read-outs."""
 
     plan: object
     """The step's micro-batch plan (:meth:`WorkerGroup.plan`)."""
-    old_lp: Optional[list] = None
-    """Per sample: a tensor, or with ``trainer.data_plane: object_store`` where it is
-    (:class:`megarl.data.store.Rows`), as ``ref_lp``."""
-    entropy: Optional[list] = None
+    old: Optional[dict] = None
+    """The old-log-prob pass (:meth:`WorkerGroup.logprobs`): per sample, ``old_logprobs_T``, its
+    ``readouts``, the rollout correction's ``is_weights_T`` and ``mask_T``, and a routing
+    comparison's sums (``routing``)."""
     ref_lp: Optional[list] = None
     values: Optional[list] = None
-    old_kept: Optional[dict] = None
-    """With the object store: what the old pass's ranks computed from the tokens they keep
-    (per sample: ``readouts``, the rollout correction's ``is_weights_T`` and ``mask_T``, and a
-    routing comparison's sums ``routing``)."""
     routing_out: dict = field(default_factory=dict)
     """The routing the old log-prob pass recorded (MoE routing actions)."""
 
@@ -197,8 +195,6 @@ class StepRunner:
         self.adv_fn, self.adv_opts, _ = resolve(cfg.algorithm)
         self.old_pass = needs_old_logprob_pass(cfg)
         self.correct_in_forward = not self.old_pass and correction_in_forward(cfg.algorithm)
-        self.keep_on_ranks = cfg.trainer.data_plane == "object_store"
-        """The forward passes' per-token outputs stay on the ranks and in the object store (issue 36)."""
         self.window_start = time.monotonic()
         """Where the next step's timeline window starts (where the last one ended)."""
 
@@ -252,38 +248,29 @@ class StepRunner:
             if group.has_reference:
                 self.reference_logprobs(rollout, out)
             if group.has_critic:
-                out.values = group.values(rollout, out.plan, keep=self.keep_on_ranks)
+                out.values = group.values(rollout, out.plan)
         m["actor/old_logprob_pass"] = int(self.old_pass)
         return out
 
     def old_logprobs(self, step: int, rollout: Rollout, out: ForwardPasses) -> None:
-        """The policy's log-probs before the update, into ``out``. With the object store the
-        tokens stay on the ranks (``out.old_lp``: handles) and their read-outs come back
-        (``out.old_kept``); else the tokens and entropies come to the controller."""
+        """The policy's log-probs before the update, into ``out.old``: the tokens stay on the
+        ranks, their read-outs come back."""
         from megarl.trainer.readout import forward_readout_inputs
 
-        if self.keep_on_ranks:
-            out.old_kept = self.group.logprobs(rollout, out.plan, reference=False, keep={"version": step - 1},
-                                               per_sample=forward_readout_inputs(rollout, step - 1, False),
-                                               **self.routing.old_pass(rollout))[0]
-            out.old_lp = out.old_kept.pop("old_logprobs_T")
-        else:
-            out.old_lp, out.entropy = self.group.logprobs(rollout, out.plan, reference=False,
-                                                          **self.routing.old_pass(rollout))
+        out.old = self.group.logprobs(rollout, out.plan, reference=False, version=step - 1,
+                                      per_sample=forward_readout_inputs(rollout, step - 1, False),
+                                      **self.routing.old_pass(rollout))
         out.routing_out = self.group.routing_out
 
     def reference_logprobs(self, rollout: Rollout, out: ForwardPasses) -> None:
-        """The reference model's log-probs, into ``out.ref_lp``. With the object store they stay on
-        the ranks, which add each sample's k1 sum (old - reference) to the old pass's read-outs."""
-        if not self.keep_on_ranks:
-            out.ref_lp = self.group.logprobs(rollout, out.plan, reference=True,
-                                             **self.routing.reference_pass(rollout))[0]
-            return
-        ref = self.group.logprobs(rollout, out.plan, reference=True, keep={"kl": self.old_pass},
-                                  per_sample={"old_logprobs_T": out.old_lp} if self.old_pass else None,
-                                  **self.routing.reference_pass(rollout))[0]
+        """The reference model's log-probs, into ``out.ref_lp`` (handles). After an old pass the
+        ranks add each sample's k1 sum (old - reference) to its read-outs."""
+        with_kl = out.old is not None
+        ref = self.group.logprobs(rollout, out.plan, reference=True, with_kl=with_kl,
+                                  per_sample={"old_logprobs_T": out.old["old_logprobs_T"]} if with_kl else None,
+                                  **self.routing.reference_pass(rollout))
         out.ref_lp = ref["ref_logprobs_T"]
-        for readout, kl in zip(out.old_kept["readouts"] if self.old_pass else (), ref.get("kl", ())):
+        for readout, kl in zip(out.old["readouts"] if with_kl else (), ref.get("kl", ())):
             readout["kl"] = kl
 
     def read_logprobs(self, step: int, rollout: Rollout, readouts: list[dict], m: dict) -> None:
@@ -303,50 +290,40 @@ class StepRunner:
         m.update(got)
 
     def advantages(self, step: int, rollout: Rollout, passes: ForwardPasses, m: dict) -> tuple[dict, list]:
-        """The update's per-sample tensors (old and reference log-probs, the rollout correction or
+        """The update's per-sample inputs (old and reference log-probs, the rollout correction or
         vLLM's log-probs for the update's forward to read, advantages) and the critic's returns.
 
-        With an old-log-prob pass its log-probs are here: read (alarm, metrics, sample log) before
-        the update, and the source of the rollout correction's weights and of a KL reward. Without
-        one the update's forward reads its own on the ranks (:mod:`megarl.trainer.readout`): they
-        get vLLM's log-probs (float64, NaN where none), the tokens' versions when some are older
-        than the policy trained, and with token-level tis the tokens it weighs (``mask_T``).
+        With an old-log-prob pass its read-outs are here: read (alarm, metrics, sample log, KL
+        controller) before the update. Without one the update's forward reads its own log-probs on
+        the ranks (:mod:`megarl.trainer.readout`): they get vLLM's log-probs, the tokens' versions
+        when some are older than the policy trained, and with token-level tis the tokens it weighs.
 
-        The advantages are computed where their per-token inputs are: with the object store and a
-        critic's values or a KL reward, on rank 0 (:meth:`WorkerGroup.advantages`: handles and
-        scalar metrics come back); else here."""
-        from megarl.algorithms.offpolicy import correct_rollout
-        from megarl.trainer.readout import controller_readouts, forward_readout_inputs
+        Advantages from per-token inputs (a critic's values, a KL reward's old and reference
+        log-probs) are computed on rank 0, where those inputs are (:meth:`WorkerGroup.advantages`);
+        outcome-reward advantages (one value a sample) here."""
+        from megarl.trainer.readout import forward_readout_inputs
 
-        cfg, per_sample, lp = self.cfg, {}, passes.old_lp
-        # -beta * k1 as a per-token reward: the advantages read both passes' tokens
-        kl_reward = self.old_pass and passes.ref_lp is not None and cfg.algorithm.kl_mode == "reward"
-        if self.old_pass and passes.old_kept is not None:   # computed on the ranks, the tokens in the object store
-            self.read_logprobs(step, rollout, passes.old_kept["readouts"], m)   # with the rollout_corr/* sums
-            m.update(self.routing.metrics_from_sums(passes.routing_out, passes.old_kept.get("routing", [])))
-            per_sample.update(old_logprobs_T=lp, **{k: passes.old_kept[k] for k in ("is_weights_T", "mask_T")
-                                                    if k in passes.old_kept})
-        elif self.old_pass:
-            readouts = controller_readouts(rollout, lp, passes.entropy, passes.ref_lp, step - 1)
-            self.read_logprobs(step, rollout, readouts, m)
-            m.update(self.routing.metrics(rollout, lp, passes.routing_out, step - 1))
-            corrected, m_corr = correct_rollout(lp, rollout.vllm_logprobs(), cfg.algorithm)
-            m.update(m_corr)
-            per_sample.update(old_logprobs_T=lp, **corrected)
+        cfg, per_sample, old = self.cfg, {}, passes.old
+        if old is not None:
+            self.read_logprobs(step, rollout, old["readouts"], m)   # with the rollout_corr/* sums
+            m.update(self.routing.metrics_from_sums(passes.routing_out, old.get("routing", [])))
+            per_sample.update({k: old[k] for k in ("old_logprobs_T", "is_weights_T", "mask_T") if k in old})
         else:
             per_sample.update(forward_readout_inputs(rollout, step - 1, self.correct_in_forward))
         if passes.ref_lp is not None:
             per_sample["ref_logprobs_T"] = passes.ref_lp
-        if self.keep_on_ranks and (kl_reward or passes.values is not None):
-            # the per-token inputs are in the object store: rank 0 computes them there, the metrics come back
-            got = self.group.advantages(rollout, self.adv_fn, self.adv_opts, self.kl_ctl.value if kl_reward else None,
-                                        lp, passes.ref_lp, passes.values)
+        # -beta * k1 as a per-token reward: the advantages read both passes' tokens
+        kl_coef = self.kl_ctl.value if old is not None and passes.ref_lp is not None and \
+            cfg.algorithm.kl_mode == "reward" else None
+        old_lp = old["old_logprobs_T"] if old is not None else None
+        if kl_coef is not None or passes.values is not None:
+            got = self.group.advantages(rollout, self.adv_fn, self.adv_opts, kl_coef, old_lp, passes.ref_lp,
+                                        passes.values)
             per_sample["advantages_T"], returns = got["advantages_T"], got["returns_T"]
             m.update(got["metrics"])
             return per_sample, returns
         per_sample["advantages_T"], returns, m_adv = advantages_with_metrics(
-            rollout, self.adv_fn, self.adv_opts, self.kl_ctl.value if kl_reward else None, lp, passes.ref_lp,
-            passes.values)
+            rollout, self.adv_fn, self.adv_opts, None, old_lp, passes.ref_lp, passes.values)
         m.update(m_adv)
         return per_sample, returns
 

@@ -21,7 +21,7 @@ checkpoint of step v holds). Step k trains the policy of version k - 1 into vers
   rollouts); it syncs the new weights, and the producer resumes every unfinished sample with its
   generated prefix appended to the prompt and the remaining token budget. Each token records the
   version that generated it (:attr:`megarl.trainer.batch.Rollout.token_versions`), so a sample may
-  hold tokens of several versions. On the ``object_store`` plane the engine that finishes a sample
+  hold tokens of several versions. The engine that finishes a sample
   puts its ids (the whole sample: the request's prompt holds its earlier tokens) and, for a sample
   generated in one call, its log-probs for the ranks, as in the synchronous modes (owned by the
   engine's keeper: a restart of the engine loses none of them); a sample generated in one call

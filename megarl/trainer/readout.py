@@ -6,24 +6,19 @@ log (``samples.jsonl``) -- need sums, maxima and counts per sample, never the to
 :func:`sample_readout` holds them for one sample; :func:`readout_metrics` and
 :func:`check_alarm` add up a step's.
 
-Where it is computed follows where the tokens are:
+They are computed on the training ranks, where the tokens are; only read-outs come back:
 
 - no old-log-prob pass (one update a step: :func:`megarl.config.passes.needs_old_logprob_pass`):
-  the update's own forward gives the log-probs, on the training ranks. Each DP leader computes
-  its samples' read-outs there (:func:`micro_batch_readouts`, from the micro-batch's extras:
-  vLLM's ``rollout_logprobs_T``, the loss mask, ``versions_T`` when some token is of another
-  version than the one trained, ``ref_logprobs_T`` with a reference model), and only those return
-  to the controller: a few numbers a sample, where the per-token log-probs and entropies were
-  8 bytes a token (issue 36: the controller handles metadata, not tensors);
-- with the pass and ``trainer.data_plane: object_store``, its DP leaders do the same on the
-  pass's log-probs (:func:`old_pass_outputs`: read-outs, and the rollout correction's weights and
-  kept tokens, per sequence) and put the tokens into Ray's object store; the reference pass adds
-  each sample's k1 sum (:func:`reference_pass_outputs`). The controller holds handles, which the
-  update's ranks fetch, and a KL reward's advantages are computed from them on rank 0
-  (:func:`megarl.trainer.batch.stored_advantages`); a routing comparison's misses become
-  per-sample sums there too (:func:`megarl.trainer.routing.routing_sums`);
-- with ``trainer.data_plane: controller`` the pass's tokens come to the controller, which
-  computes the same read-outs with the same function (:func:`controller_readouts`).
+  each DP leader reads the update's own forward (:func:`micro_batch_readouts`, from the
+  micro-batch's extras: vLLM's ``rollout_logprobs_T``, the loss mask, ``versions_T`` when some
+  token is of another version than the one trained, ``ref_logprobs_T`` with a reference model);
+- with the pass, its DP leaders read the pass's log-probs (:func:`old_pass_outputs`: read-outs,
+  the rollout correction's weights and kept tokens per sequence, a routing comparison's sums) and
+  put the tokens into Ray's object store for the update's ranks; the reference pass adds each
+  sample's k1 sum (:func:`reference_pass_outputs`).
+
+:func:`controller_readouts` computes the same read-outs from per-token tensors in one process:
+the oracle the tests hold the ranks' numbers against, and what :func:`megarl.trainer.loop.alarm_metrics` uses.
 
 Sums are float64 whatever the log-probs' dtype; a mean is the step's sum over its count.
 """
@@ -107,8 +102,7 @@ def micro_batch_readouts(lp_R: torch.Tensor, entropy_R: torch.Tensor | None, bat
 
 def old_pass_outputs(lp_R: torch.Tensor, entropy_R: torch.Tensor | None, batch, version: int | None,
                      cfg_algorithm, miss_R: torch.Tensor | None = None) -> dict:
-    """What a DP leader gives of an old-log-prob pass's micro-batch with ``trainer.data_plane:
-    object_store``: the log-probs into the object store (``old_logprobs_T``: one object, a
+    """What a DP leader gives of an old-log-prob pass's micro-batch: the log-probs into the object store (``old_logprobs_T``: one object, a
     :class:`~megarl.data.store.Rows` per sample) and, per sample, the read-outs (the alarm, the
     sample log, ``actor/entropy``, and the mismatch sums of ``rollout_corr/*``). With a
     ``rollout_correction`` its weights and kept tokens are computed here, per sequence as on the
@@ -140,8 +134,7 @@ def old_pass_outputs(lp_R: torch.Tensor, entropy_R: torch.Tensor | None, batch, 
 
 
 def reference_pass_outputs(ref_R: torch.Tensor, batch, with_kl: bool) -> dict:
-    """What a DP leader gives of a reference pass's micro-batch with ``trainer.data_plane:
-    object_store``: the log-probs into the object store (``ref_logprobs_T``) and, after an old pass
+    """What a DP leader gives of a reference pass's micro-batch: the log-probs into the object store (``ref_logprobs_T``) and, after an old pass
     (``with_kl``: its log-probs in the extras' ``old_logprobs_T``), each sample's k1 sum ``kl``
     (:func:`k1_sum`, as :func:`sample_readout`'s)."""
     from megarl.data.store import put_rows
@@ -157,8 +150,9 @@ def reference_pass_outputs(ref_R: torch.Tensor, batch, with_kl: bool) -> dict:
 
 def controller_readouts(rollout, lp: list, entropy: list | None, ref_lp: list | None,
                         version: int | None) -> list[dict]:
-    """The read-outs of a step's samples from per-token tensors on the controller (an
-    old-log-prob pass); the mismatch metrics come with the rollout correction there."""
+    """The read-outs of a step's samples from per-token tensors in this process (the oracle of
+    :func:`old_pass_outputs`' read-outs); the mismatch metrics come with
+    :func:`megarl.algorithms.offpolicy.correct_rollout`."""
     out, vllm = [], rollout.vllm_logprobs()
     for i, lp_R in enumerate(lp):
         versions = rollout.token_versions[i] if rollout.token_versions else None

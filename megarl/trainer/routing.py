@@ -97,9 +97,10 @@ class StepRouting:
         return None
 
     def metrics(self, rollout: Rollout, train_lp: list, routing_out: dict, version: int | None) -> dict:
-        """routing/* of the old log-prob pass (empty without vLLM routing to compare), from the
-        per-token log-probs and ``routing_out["misses"]`` on the controller
-        (``trainer.data_plane: controller``)."""
+        """routing/* of the old log-prob pass (empty without vLLM routing to compare) from
+        per-token log-probs and per-token misses (``routing_out["misses"]``): the same numbers the
+        ranks' per-sample :func:`routing_sums` give through :meth:`metrics_from_sums` (the oracle
+        the tests compare them with)."""
         misses = routing_out.get("misses")
         if misses is None:
             return {}
@@ -111,8 +112,8 @@ class StepRouting:
 
     @staticmethod
     def metrics_from_sums(routing_out: dict, sums: list[dict]) -> dict:
-        """routing/* from the pass's report and per-sample :func:`routing_sums` (the ranks' with
-        ``trainer.data_plane: object_store``, in sample order: the same numbers either way)."""
+        """routing/* from the pass's report and the ranks' per-sample :func:`routing_sums`, in
+        sample order."""
         report = routing_out.get("report") or {}
         if "routing_agree" not in report:
             return {}

@@ -193,36 +193,29 @@ class HybridWorker:
             e.onload()
 
     # ------------------------------------------------------------------ training (collective)
-    def logprobs(self, micro_batches, reference: bool = False, with_entropy: bool = False,
-                 routing: str | None = None, record_routing: bool = False, keep: dict | None = None):
-        """DP leaders: ``([(log-probs, entropy, routing misses, recorded routing)] per micro-batch,
-        the routing report)`` (:meth:`megarl.engine.policy.PolicyEngine.forward_logprobs`); else None.
-
-        ``keep`` (``trainer.data_plane: object_store``): the per-token outputs stay off the
-        controller. In place of the log-probs and entropy, a dict per micro-batch: the old pass's
-        (``keep["version"]``: the policy version it reads the alarm of)
-        :func:`megarl.trainer.readout.old_pass_outputs`, the reference pass's
-        (``keep["kl"]``: the micro-batches carry the old pass's log-probs)
-        :func:`megarl.trainer.readout.reference_pass_outputs`."""
+    def logprobs(self, micro_batches, reference: bool, routing: str | None = None, record_routing: bool = False,
+                 version: int | None = None, with_kl: bool = False):
+        """A forward pass before the update; DP leaders: ``([(outputs, recorded routing)] per
+        micro-batch, the routing report)``, else None. The per-token outputs stay on this rank and
+        in the object store: ``outputs`` is, for the policy's old-log-prob pass,
+        :func:`megarl.trainer.readout.old_pass_outputs` (``version``: the policy version whose
+        alarm it reads), for the reference pass :func:`megarl.trainer.readout.reference_pass_outputs`
+        (``with_kl``: the micro-batches carry the old pass's log-probs). The recorded routing
+        (``record_routing``) is put into the object store, owned here."""
         from megarl.data.store import put_all
         from megarl.trainer.readout import old_pass_outputs, reference_pass_outputs
 
         engine = self.ref if reference else self.policy
         receive(micro_batches)
-        outs = engine.forward_logprobs(micro_batches, with_entropy=with_entropy, routing=routing,
+        outs = engine.forward_logprobs(micro_batches, with_entropy=not reference, routing=routing,
                                        record_routing=record_routing)
         if not self.info()["dp_leader"]:
             return None
-        # recorded routing stays in the object store (owned here) unless the data plane is the controller
-        stay = (lambda x: x) if self.cfg.trainer.data_plane == "controller" else (
-            lambda x: put_all(x) if x is not None else None)
-        if keep is None:
-            return [(o.logprobs_R, o.entropy_R, o.routing_miss_R, stay(o.routing)) for o in outs], engine.routing_report
-        kept = [reference_pass_outputs(o.logprobs_R, b, keep["kl"]) if reference
-                else old_pass_outputs(o.logprobs_R, o.entropy_R, b, keep["version"], self.cfg.algorithm,
-                                      o.routing_miss_R)
+        kept = [reference_pass_outputs(o.logprobs_R, b, with_kl) if reference
+                else old_pass_outputs(o.logprobs_R, o.entropy_R, b, version, self.cfg.algorithm, o.routing_miss_R)
                 for o, b in zip(outs, micro_batches)]   # the routing misses: in the old pass's sums
-        return [(k, None, None, stay(o.routing)) for k, o in zip(kept, outs)], engine.routing_report
+        return ([(k, put_all(o.routing) if o.routing is not None else None) for k, o in zip(kept, outs)],
+                engine.routing_report)
 
     def reward_scores(self, micro_batches):
         """The reward model's score of each sequence, per micro-batch ``[N]`` (DP leaders; else
@@ -251,18 +244,17 @@ class HybridWorker:
         dist.all_reduce(vals, group=self.groups.pgs.dp)
         return dict(zip(names, vals.tolist()))
 
-    def values(self, micro_batches, keep: bool = False):
-        """The critic's values of the response tokens, per micro-batch (DP leaders; else None).
-        ``keep`` (``trainer.data_plane: object_store``): put into the object store instead, one
-        object per micro-batch, a :class:`megarl.data.store.Rows` per sample
-        (:func:`megarl.data.store.put_rows`)."""
+    def values(self, micro_batches):
+        """The critic's values of the response tokens, put into the object store by the DP leaders
+        (one object per micro-batch, a :class:`megarl.data.store.Rows` per sample:
+        :func:`megarl.data.store.put_rows`); None on the other ranks."""
         from megarl.data.store import put_rows
 
         receive(micro_batches)
         outs = self.critic.forward_values(micro_batches)
         if not self.info()["dp_leader"]:
             return None
-        return [put_rows(o, b.response_lengths) for o, b in zip(outs, micro_batches)] if keep else outs
+        return [put_rows(o, b.response_lengths) for o, b in zip(outs, micro_batches)]
 
     def advantages(self, inputs, adv_fn, adv_opts: dict, kl_coef: float | None, old_lp, ref_lp, values) -> dict:
         """The step's advantages from the per-token inputs in the object store

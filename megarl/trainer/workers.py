@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from megarl.config.schema import MegaRLConfig
-from megarl.trainer.batch import Rollout, micro_batches_for, scatter_back, scatter_sequences
+from megarl.trainer.batch import Rollout, micro_batches_for, scatter_sequences
 
 FAILURE_GRACE_S = 5.0
 """After a call raised on one worker: how long the other workers' calls may still take before the
@@ -154,8 +154,6 @@ class WorkerGroup:
         self.has_reference, self.has_critic = cfg.algorithm.kl_coef > 0, needs_critic(cfg.algorithm)
         self.skipped_in_a_row = {"actor": 0, "critic": 0}
         self._all("set_config", cfg)
-        if self.fleet is not None:
-            self._wait_fleet("set_data_plane", cfg.trainer.data_plane)
 
     def shutdown(self) -> None:
         """Stop the engines and actors, remove the placement group, stop Ray if the run started it."""
@@ -262,43 +260,35 @@ class WorkerGroup:
 
     def logprobs(self, rollout: Rollout, plan, reference: bool, routing: list | None = None,
                  routing_action: str | None = None, record_routing: bool = False, per_sample: dict | None = None,
-                 keep: dict | None = None):
-        """Per sample, the response tokens' log-probs and (policy) entropy. MoE routing
-        (:mod:`megarl.engine.replay`): ``routing`` per sample ``[P + R, Lm, K]`` is compared with
-        (``routing_action`` ``compare``) or replayed in (``replay``) the model's own;
-        ``record_routing`` returns the model's own. What comes back of it is in
-        :attr:`routing_out`: ``misses`` (per sample ``[R]``: MoE layers whose own routing differed),
-        ``recorded`` (per sample ``[P + R, Lm, K]``) and ``report`` (agreement).
+                 version: int | None = None, with_kl: bool = False) -> dict:
+        """A forward pass before the update (the policy's old log-probs, or with ``reference`` the
+        reference model's); its per-token outputs stay on the ranks and in the object store
+        (:meth:`megarl.trainer.worker.HybridWorker.logprobs`). Returns per sample what the DP
+        leaders made of them: a dict of per-sample lists (``old_logprobs_T`` / ``ref_logprobs_T``
+        as :class:`megarl.data.store.Rows`; the old pass adds ``readouts``, ``is_weights_T`` and
+        ``mask_T`` of the rollout correction and a routing comparison's ``routing`` sums; the
+        reference pass with ``with_kl`` adds ``kl``). ``per_sample``: the micro-batches' extras
+        (vLLM's log-probs, versions, the old pass's log-probs); ``version``: the policy version
+        whose alarm the old pass reads.
 
-        ``keep`` (``trainer.data_plane: object_store``, :meth:`megarl.trainer.worker.HybridWorker.logprobs`):
-        the tokens stay in the object store and the first item returned is a dict of per-sample
-        lists instead (``old_logprobs_T`` / ``ref_logprobs_T``, ``is_weights_T`` and ``mask_T``
-        as :class:`megarl.data.store.Rows`; ``readouts``, ``kl``, and ``routing``: the routing
-        comparison's per-sample sums, in place of ``routing_out["misses"]``), the second None;
-        ``per_sample`` are the micro-batches' extras the ranks read (vLLM's log-probs, versions,
-        the old pass's log-probs)."""
-        with_entropy = not reference
-        by_rank = self._forward("logprobs", rollout, plan, reference, with_entropy, routing_action, record_routing,
-                                keep, routing=routing if routing_action else None, per_sample=per_sample)
-        report = next(iter(by_rank.values()))[1]
+        MoE routing (:mod:`megarl.engine.replay`): ``routing`` per sample ``[P + R, Lm, K]`` is
+        compared with (``routing_action`` ``compare``) or replayed in (``replay``) the model's own;
+        ``record_routing`` keeps the model's own. :attr:`routing_out` then holds ``recorded`` (per
+        sample, a handle on ``[P + R, Lm, K]``) and ``report`` (agreement)."""
+        by_rank = self._forward("logprobs", rollout, plan, reference, routing_action, record_routing, version,
+                                with_kl, routing=routing if routing_action else None, per_sample=per_sample)
         outs = {r: o for r, (o, _) in by_rank.items()}
-        column = lambda k: scatter_back(rollout, plan, {r: [x[k] for x in o] for r, o in outs.items()})  # noqa: E731
-        self.routing_out = {"misses": column(2) if routing_action and keep is None else None, "report": report,
-                            "recorded": scatter_sequences(rollout, plan, {r: [x[3] for x in o] for r, o in outs.items()})
-                            if record_routing else None}
-        if keep is not None:
-            names = next(iter(outs.values()))[0][0].keys()
-            return {k: scatter_sequences(rollout, plan, {r: [x[0][k] for x in o] for r, o in outs.items()})
-                    for k in names}, None
-        return column(0), column(1) if with_entropy else None
+        per_rank = lambda i: {r: [x[i] for x in o] for r, o in outs.items()}  # noqa: E731
+        self.routing_out = {"report": next(iter(by_rank.values()))[1],
+                            "recorded": scatter_sequences(rollout, plan, per_rank(1)) if record_routing else None}
+        kept = per_rank(0)
+        names = next(iter(kept.values()))[0].keys()
+        return {k: scatter_sequences(rollout, plan, {r: [x[k] for x in o] for r, o in kept.items()}) for k in names}
 
-    def values(self, rollout: Rollout, plan, keep: bool = False) -> list:
-        """The critic's value of every response token, per sample: a tensor, or with ``keep``
-        (``trainer.data_plane: object_store``) a :class:`megarl.data.store.Rows` (the DP leaders
-        put them)."""
-        if keep:
-            return scatter_sequences(rollout, plan, self._forward("values", rollout, plan, True))
-        return scatter_back(rollout, plan, self._forward("values", rollout, plan))
+    def values(self, rollout: Rollout, plan) -> list:
+        """The critic's value of every response token, per sample: a :class:`megarl.data.store.Rows`
+        (the DP leaders put them)."""
+        return scatter_sequences(rollout, plan, self._forward("values", rollout, plan))
 
     def advantages(self, rollout: Rollout, adv_fn, adv_opts: dict, kl_coef: float | None, old_lp: list | None,
                    ref_lp: list | None, values: list | None) -> dict:

@@ -61,17 +61,16 @@ class ScriptedFleet:
 
 
 def make_loop(tokenizer, script, overrides=(), tools=None, store=False):
-    """``store``: the trajectories' ids and log-probs go into the object store (the default
-    ``trainer.data_plane``; a test that asks for it has the ``store`` fixture)."""
-    plane = "object_store" if store else "controller"
-    cfg = load_config("configs/agent_calculator.yaml", ["rollout.n=1", f"trainer.data_plane={plane}", *overrides])
+    """``store``: the trajectories' ids and log-probs go into the object store (as in a run; a
+    test that asks for it has the ``store`` fixture)."""
+    cfg = load_config("configs/agent_calculator.yaml", ["rollout.n=1", *overrides])
     registry = build_registry(["calculator"], timeout_s=5, memory_mb=256, output_limit=1024)
     for tool in tools or []:
         registry.register(tool)
     runner = ToolRunner(registry, workers=4, timeout_s=5)
     fmt = TurnFormatter(tokenizer, registry.schemas())
     fleet = ScriptedFleet(tokenizer, fmt.end_of_turn_ids[0], script)
-    return AgentLoop(cfg, tokenizer, fmt, runner, lambda: fleet), fleet, fmt
+    return AgentLoop(cfg, tokenizer, fmt, runner, lambda: fleet, store=store), fleet, fmt
 
 
 def test_tool_turn_ids_inserted_exactly_and_masked(tokenizer, store):

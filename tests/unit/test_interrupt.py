@@ -105,11 +105,21 @@ class FakeGroup:
     routing_out: dict = {}          # a dense model: no routing compared or recorded
     moe_tokens_per_expert = None
 
-    def logprobs(self, rollout, plan, reference: bool, **routing):
+    def logprobs(self, rollout, plan, reference: bool, per_sample=None, version=None, with_kl=False, **routing):
+        """What the ranks return of a pass (megarl.trainer.worker.HybridWorker.logprobs), computed
+        here from constant log-probs: KL 0.2 per token, so the adaptive KL coefficient moves every step."""
+        from megarl.trainer.readout import controller_readouts, k1_sum
+
         self.passes.append("reference" if reference else "old")
         self._phase("ref_logprobs" if reference else "logprobs")
-        lp = -1.2 if reference else -1.0   # KL 0.2 per token: the adaptive KL coefficient moves every step
-        return [torch.full((2,), lp) for _ in range(len(rollout))], [torch.ones(2) for _ in range(len(rollout))]
+        n = len(rollout)
+        if reference:
+            ref = [torch.full((2,), -1.2) for _ in range(n)]
+            return {"ref_logprobs_T": ref,
+                    **({"kl": [k1_sum(old, r) for old, r in zip(per_sample["old_logprobs_T"], ref)]} if with_kl else {})}
+        old = [torch.full((2,), -1.0) for _ in range(n)]
+        return {"old_logprobs_T": old,
+                "readouts": controller_readouts(rollout, old, [torch.ones(2) for _ in range(n)], None, version)}
 
     FORWARD_LP = -1.0   # the training forward's log-probs (returned with own_old_logprobs)
 
@@ -186,9 +196,7 @@ def fake_run(tmp_path, monkeypatch):
         monkeypatch.setattr(FakeGroup, "SIGNALS", signals)
         cfg = load_config(None, [f"trainer.run_dir={tmp_path / 'run'}", "trainer.steps=4", "checkpoint.save_every=3",
                                  "algorithm.kl_coef=0.1", "algorithm.kl_target=0.01", "logging.tensorboard=false",
-                                 "logging.stdout=false", "logging.progress=false",
-                                 # the fake group returns the passes' tokens (no object store here)
-                                 "trainer.data_plane=controller", *overrides])
+                                 "logging.stdout=false", "logging.progress=false", *overrides])
         before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
         stopped = None
         try:

@@ -1,7 +1,6 @@
-"""Issue 36: the old-log-prob and reference passes' per-token outputs stay on the training ranks
-(``trainer.data_plane: object_store``). What a DP leader computes of a micro-batch
-(megarl/trainer/readout.py: ``old_pass_outputs``, ``reference_pass_outputs``) equals what the
-controller computed from the same tokens (``correct_rollout``, ``controller_readouts``), and the
+"""The old-log-prob and reference passes' per-token outputs stay on the training ranks. What a DP
+leader computes of a micro-batch (megarl/trainer/readout.py: ``old_pass_outputs``,
+``reference_pass_outputs``) equals the one-process oracle on the same tokens (``correct_rollout``, ``controller_readouts``), and the
 update's micro-batches, which regroup the samples, get back exactly each sample's tensors
 (megarl/data/store.py: ``Rows``, ``Column``, ``fetch_batches``). Ray's put/get are replaced by a
 dict here (the real object store, 2 ranks and 2 engines: tests/e2e/test_dataplane_e2e.py)."""

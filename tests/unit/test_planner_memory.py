@@ -186,70 +186,51 @@ def test_data_plane_bytes_by_hand():
     d = mem.data_plane_bytes(samples=512, mean_prompt=128, mean_response=700, moe_layers=58, topk=8, routing=True,
                              dp=16, ranks_per_node=8)
     routing = 512 * 828 * 58 * 8 * 2
-    assert d.routing == routing and routing / (512 * 828) == 928          # the issue's 928 B/token
-    # trainer.data_plane=object_store (default): the routing goes from the engines to the ranks
-    assert d.controller_in == 512 * (4 * 828 + 8 * 700)
-    # out: ids of every token and log-probs of the response's (4 + 4 B: float32 numbers), an outcome advantage and
-    # the loss mask as one run of equal values a sample each (value + int32 length: 8 + 5 B; megarl.data.wire)
-    assert d.controller_out == 512 * (4 * 828 + 4 * 700 + 8 + 5)
-    # per-token advantages (GAE, a KL reward): with the object store rank 0 computes them where their inputs are
-    # and the controller sends a handle a sample; through the controller, 4 B a token
+    assert d.routing == routing and routing / (512 * 828) == 928          # 928 B a token
+    # the engines send each sample's text (about 4 B a token), its digest, length and two handles; the routing goes
+    # from the engines to the ranks
+    assert d.controller_in == 512 * (4 * 700 + 32 + 2 * mem.HANDLE_BYTES) and not d.samples_copy
+    # out: two handles a sample, an outcome advantage and the loss mask as one run of equal values a sample each
+    # (value + int32 length: 8 + 5 B; megarl.data.wire)
+    assert d.controller_out == 512 * (2 * mem.HANDLE_BYTES + 8 + 5)
+    # a rank reads the ids and the float64 log-probs from the engines' nodes, and its share of the routing
+    assert d.per_rank == (512 * (4 * 828 + 8 * 700 + 8 + 5) + routing) // 16 and d.per_node == 8 * d.per_rank
+    assert d.advantages_rank0 == 0
+    # with a copy of the ids and log-probs on the controller (speculative rollouts, the agent loop)
+    copy = mem.data_plane_bytes(samples=512, mean_prompt=128, mean_response=700, moe_layers=58, topk=8, routing=True,
+                                dp=16, ranks_per_node=8, samples_copy=True)
+    assert copy.controller_in == 512 * (4 * 828 + 8 * 700) and copy.controller_out == d.controller_out
+    assert copy.per_rank == d.per_rank
+    # per-token advantages (GAE, a KL reward): rank 0 computes them where their inputs are and the controller
+    # sends a handle a sample
     gae = mem.data_plane_bytes(samples=512, mean_prompt=128, mean_response=700, moe_layers=58, topk=8, routing=True,
                                dp=16, ranks_per_node=8, token_advantages=True)
     assert gae.controller_out == d.controller_out + 512 * (mem.HANDLE_BYTES - 8)
     assert gae.per_rank == d.per_rank + 512 * (4 * 700 - 8) // 16 and gae.advantages_rank0 == 512 * 700 * 4
-    gae_inline = mem.data_plane_bytes(samples=512, mean_prompt=128, mean_response=700, moe_layers=58, topk=8,
-                                      routing=True, dp=16, ranks_per_node=8, token_advantages=True,
-                                      routing_via_store=False)
-    assert gae_inline.controller_out == d.controller_out + 512 * (4 * 700 - 8) + routing
-    assert gae_inline.advantages_rank0 == 0 and d.advantages_rank0 == 0
-    # the engines' objects (on_policy, one_step_off): the controller sends two handles a sample, the ranks read
-    # the ids and the float64 log-probs from the engines' nodes
-    via = mem.data_plane_bytes(samples=512, mean_prompt=128, mean_response=700, moe_layers=58, topk=8, routing=True,
-                               dp=16, ranks_per_node=8, samples_via_store=True)
-    assert via.controller_out == 512 * (2 * mem.HANDLE_BYTES + 8 + 5) and via.controller_in == d.controller_in
-    # ... and without the controller's copy of the ids and log-probs (no speculative rollouts, not async, no agent
-    # loop): the engines send each sample's text (about 4 B a token), its digest, length and two handles
-    ids_only = mem.data_plane_bytes(samples=512, mean_prompt=128, mean_response=700, moe_layers=58, topk=8,
-                                    routing=True, dp=16, ranks_per_node=8, samples_via_store=True, samples_copy=False)
-    assert ids_only.controller_in == 512 * (4 * 700 + 32 + 2 * mem.HANDLE_BYTES) and not ids_only.samples_copy
-    assert ids_only.controller_out == via.controller_out and ids_only.per_rank == via.per_rank
-    assert via.per_rank == (512 * (4 * 828 + 8 * 700 + 8 + 5) + routing) // 16
-    assert d.per_rank == (d.controller_out + routing) // 16 and d.per_node == 8 * d.per_rank
-    inline = mem.data_plane_bytes(samples=512, mean_prompt=128, mean_response=700, moe_layers=58, topk=8,
-                                  routing=True, dp=16, ranks_per_node=8, routing_via_store=False)
-    assert inline.controller_in == d.controller_in + routing and inline.controller_out == d.controller_out + routing
-    assert inline.per_rank == d.per_rank
     plain = mem.data_plane_bytes(samples=512, mean_prompt=128, mean_response=700, moe_layers=58, topk=8,
                                  routing=False, dp=16, ranks_per_node=8)
     assert plain.routing == 0 and plain.controller_in == d.controller_in
+    assert plain.per_rank == d.per_rank - routing // 16
 
 
 def test_data_plane_bytes_of_the_forward_passes():
-    """An old-log-prob pass, a reference model and a rollout correction (issue 36): with the
-    object store their per-token outputs go rank to rank and the controller gets per-sample
-    read-outs; with the controller plane they come in (log-probs + entropies, reference
-    log-probs: 12 B a response token) and go out (old, reference, weights: 12 B)."""
+    """An old-log-prob pass, a reference model and a rollout correction: their per-token outputs go
+    rank to rank (old, reference, weights: 12 B a response token) and the controller gets
+    per-sample read-outs."""
     kw = dict(samples=512, mean_prompt=128, mean_response=700, moe_layers=58, topk=8, routing=False, dp=16,
               ranks_per_node=8, old_pass=True, reference=True, correction=True)
     plain = mem.data_plane_bytes(**{**kw, "old_pass": False, "reference": False, "correction": False})
     store = mem.data_plane_bytes(**kw)
-    inline = mem.data_plane_bytes(**kw, routing_via_store=False)
-    assert plain.passes == 0 and store.passes == inline.passes == 512 * 700 * 12
+    assert plain.passes == 0 and store.passes == 512 * 700 * 12
     assert store.controller_in == plain.controller_in + 512 * mem.READOUT_BYTES
     assert store.controller_out == plain.controller_out
-    assert inline.controller_in == plain.controller_in + 512 * 700 * 12
-    assert inline.controller_out == plain.controller_out + 512 * 700 * 12
-    assert store.per_rank == inline.per_rank == (plain.controller_out + store.passes) // 16
-    # a PPO critic with a KL reward: the values come in (4 B a token) and its update reads them and the returns
-    # (8 B); with the object store they stay off the controller and rank 0 reads old, reference and values
-    # (12 B a token) to write advantages and returns (8 B)
-    ppo = {**kw, "token_advantages": True, "critic": True, "kl_reward": True}
-    ppo_store, ppo_inline = mem.data_plane_bytes(**ppo), mem.data_plane_bytes(**ppo, routing_via_store=False)
-    assert ppo_store.passes == ppo_inline.passes == 512 * 700 * 20
-    assert ppo_store.controller_in == store.controller_in and ppo_store.advantages_rank0 == 512 * 700 * 20
-    assert ppo_inline.controller_in == inline.controller_in + 512 * 700 * 4 and ppo_inline.advantages_rank0 == 0
-    assert ppo_store.controller_out == store.controller_out + 512 * (mem.HANDLE_BYTES - 8)
-    # the reference pass alone (one update a step): its log-probs, 4 B a token
-    ref = mem.data_plane_bytes(**{**kw, "old_pass": False, "correction": True}, routing_via_store=False)
-    assert ref.passes == 512 * 700 * 4 and ref.controller_in == plain.controller_in + 512 * 700 * 4
+    assert store.per_rank == plain.per_rank + store.passes // 16
+    # a PPO critic with a KL reward: its update reads the values and the returns (8 B a token); rank 0 reads old,
+    # reference and values (12 B a token) to write advantages and returns (8 B)
+    ppo = mem.data_plane_bytes(**{**kw, "token_advantages": True, "critic": True, "kl_reward": True})
+    assert ppo.passes == 512 * 700 * 20 and ppo.advantages_rank0 == 512 * 700 * 20
+    assert ppo.controller_in == store.controller_in
+    assert ppo.controller_out == store.controller_out + 512 * (mem.HANDLE_BYTES - 8)
+    # the reference pass alone (one update a step): its log-probs, 4 B a token, and the read-outs
+    ref = mem.data_plane_bytes(**{**kw, "old_pass": False})
+    assert ref.passes == 512 * 700 * 4 and ref.controller_in == store.controller_in

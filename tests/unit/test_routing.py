@@ -59,7 +59,7 @@ def test_rollout_carries_routing_through_selection_and_micro_batches():
 
 
 def test_stored_routing_handles_pass_through_the_controller_as_metadata():
-    """trainer.data_plane=object_store: the samples carry handles (megarl/data/store.py); the
+    """The samples carry handles (megarl/data/store.py); the
     controller checks their row counts, plans and hands them to the ranks without the arrays
     (the ranks' fetch and the handles' lifetime: tests/e2e/test_fleet_controller.py)."""
     import pickle
@@ -81,8 +81,9 @@ def test_stored_routing_handles_pass_through_the_controller_as_metadata():
         Rollout.from_generations([[1, 2, 3]], ["a"], bad)
     with pytest.raises(ValueError, match=r"routing of shape \(4, 2, 2\); expected \[5, MoE layers, top-k\]"):
         SequenceBatch([torch.arange(5)], [3], routing=[handle(4)])
-    with pytest.raises(ConfigError, match="trainer.data_plane"):
-        load_config(None, ["trainer.data_plane=disk"])
+    # one data plane: the key of a second one is refused, named
+    with pytest.raises(ConfigError, match="unknown config key 'trainer.data_plane'"):
+        load_config(None, ["trainer.data_plane=controller"])
 
 
 def test_each_pass_gets_the_routing_of_its_mode(tmp_path):
