@@ -56,105 +56,145 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
           after_sync: Optional[Callable] = None, group=None) -> Path:
     """Run ``cfg``; ``verbose`` shows third-party output on the terminal instead of
     <run_dir>/logs/. ``after_sync(group, step)``, when given, runs after each step's weight sync
-    (e.g. to probe the engines; :class:`megarl.trainer.workers.WorkerGroup`). On any exception too, the failed step's metrics so far are written and the
-    reward workers, vLLM engines, Ray actors and (when started here) Ray are stopped. On
-    SIGINT/SIGTERM the run stops at the next safe point, writes a checkpoint of the last completed
-    step when it has none (``checkpoint.save_on_interrupt``) and raises :class:`RunInterrupted`
-    once everything is released; a second signal stops it at once.
+    (e.g. to probe the engines; :class:`megarl.trainer.workers.WorkerGroup`). On any exception
+    too, the failed step's metrics so far are written and the reward workers, vLLM engines, Ray
+    actors and (when started here) Ray are stopped. On SIGINT/SIGTERM the run stops at the next
+    safe point, writes a checkpoint of the last completed step when it has none
+    (``checkpoint.save_on_interrupt``) and raises :class:`RunInterrupted` once everything is
+    released; a second signal stops it at once.
 
     ``group``: an existing :class:`megarl.trainer.workers.WorkerGroup` to run on instead of
     starting one (:meth:`WorkerGroup.reuse_for` checks it fits ``cfg``); it is neither released
     nor shut down here, also on error: its owner does that."""
-    from megarl.algorithms import build_kl_controller
     from megarl.config import save_resolved
+
+    run_dir = Path(cfg.trainer.run_dir)
+    save_resolved(cfg, run_dir)
+    megarl_log = logging.getLogger("megarl")
+    with contextlib.ExitStack() as cleanup:   # unwinds in reverse order, on success, error and interrupt
+        run = start_run(cfg, cleanup, resume, verbose, after_sync, group)
+        steps, stop, group = run.steps, run.steps.stop, run.steps.group
+        stop.last_step = run.start
+        steps.window_start = time.monotonic()   # a step's timeline window starts where the last one ended
+        for step in range(run.start + 1, cfg.trainer.steps + 1):
+            if stop.requested:                                 # safe point between steps
+                break
+            kl_at_start = steps.kl_ctl.value
+            try:
+                with steps.log.step(step) as m:                # written also if the step raises
+                    steps.run(step, m)
+            except StepAbandoned as abandoned:
+                steps.kl_ctl.value = kl_at_start               # its KL update belongs to the abandoned step
+                megarl_log.info(str(abandoned))
+                break
+            stop.last_step = step
+            if cfg.checkpoint.save_every and (step % cfg.checkpoint.save_every == 0 or step == cfg.trainer.steps):
+                run.save(step)
+        if stop.requested and (done := stop.last_step) < cfg.trainer.steps:
+            megarl_log.info(f"stopping after step {done} (interrupt)")
+            stop.step, stop.phase = 0, "checkpoint and shutdown"
+            if cfg.checkpoint.save_on_interrupt and done > 0 and done not in dict(run.ckpt.complete()):
+                megarl_log.info(f"writing the checkpoint of step {done} (checkpoint.save_on_interrupt)")
+                run.save(done)
+            raise RunInterrupted(stop.signum, done, hard=False)
+    return run_dir
+
+
+@dataclass
+class Run:
+    """What :func:`train` loops over: the step runner with the run's parts, the checkpoint
+    manager and the step the run starts after (0, or the resumed checkpoint's)."""
+
+    steps: "StepRunner"
+    ckpt: object
+    start: int
+
+    def save(self, step: int) -> None:
+        """The checkpoint of ``step``: the workers' shards, the controller's state and, with
+        speculative rollouts, the draft store."""
+        drafts = self.steps.rollouts.drafts
+        self.steps.group.save_checkpoint(self.ckpt, step, self.steps.checkpoint_metadata(),
+                                         drafts.save if drafts is not None else None)
+
+
+def start_run(cfg: MegaRLConfig, cleanup: contextlib.ExitStack, resume: bool, verbose: bool,
+              after_sync: Optional[Callable], group) -> Run:
+    """Everything a run needs, registered with ``cleanup`` in the order it must be released:
+    the console, the stop request, the workers and engines (unless ``group`` is given), the
+    metrics sinks, the reward workers and the mode's sample source; resumed from the newest
+    intact checkpoint when asked."""
+    from megarl.algorithms import build_kl_controller
     from megarl.observability import MetricsLogger
     from megarl.observability.console import run_console
     from megarl.observability.generations import GenerationLog
-    from megarl.rewards import RewardPool
     from megarl.observability.timeline import Timeline
+    from megarl.rewards import RewardPool
     from megarl.rewards.model import RewardModelTerm
     from megarl.rewards.spec import model_term, parse_reward
-    from megarl.trainer.checkpoint import CheckpointManager, load_plain
+    from megarl.trainer.checkpoint import CheckpointManager
     from megarl.trainer.modes import SampleLog, make_source
     from megarl.trainer.rollout import Rollouts
     from megarl.trainer.routing import StepRouting
     from megarl.trainer.workers import WorkerGroup
 
     run_dir = Path(cfg.trainer.run_dir)
-    save_resolved(cfg, run_dir)
-    megarl_log = logging.getLogger("megarl")
-    with contextlib.ExitStack() as cleanup:   # unwinds in reverse order, on success, error and interrupt
-        console = cleanup.enter_context(run_console(run_dir / "logs", cfg.logging.level, verbose))
-        stop = cleanup.enter_context(StopRequest(console))   # restores the signal handlers once all is released
-        if group is None:
-            group = WorkerGroup(cfg, None if verbose else run_dir / "logs", verbose)
-            cleanup.callback(_release, group, stop)
-        else:
-            group.reuse_for(cfg)
-        stop.arm()                                           # after ray.init, which installs a SIGTERM handler
-        megarl_log.info(precision_line(group.precision(), cfg))
-        rollouts = Rollouts(cfg, group.generate)
-        ckpt = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)
-        kl_ctl = build_kl_controller("adaptive", init_kl_coef=cfg.algorithm.kl_coef, target_kl=cfg.algorithm.kl_target,
-                                     horizon=10000) if cfg.algorithm.kl_target else \
-            build_kl_controller("fixed", init_kl_coef=cfg.algorithm.kl_coef)
-        start, source_state, reward_model_state = 0, None, None
-        # newest checkpoint that verifies and loads; damaged ones are skipped with a warning
-        if (resume or cfg.checkpoint.resume) and \
-                (found := ckpt.newest_intact(group.load_checkpoint, group.hash_checkpoint_files)) is not None:
-            start, folder = found
-            kl_ctl.value = ckpt.metadata(folder).get("kl_coef", kl_ctl.value)
-            source_state = ckpt.metadata(folder).get("rollout_source")
-            reward_model_state = ckpt.metadata(folder).get("reward_model")
-            logging.getLogger("megarl").info(f"resumed from {folder} (step {start})")
-            if rollouts.drafts is not None and rollouts.drafts.load(folder, load_plain):
-                megarl_log.info(f"speculative rollouts: {len(rollouts.drafts)} prompts' drafts restored "
-                                f"({rollouts.drafts.bytes / 2**20:.1f} MiB)")
-        ckpt.clean_partials()
-        timeline = Timeline(run_dir / "timeline.jsonl", resume_step=start + 1)
-        group.timeline = timeline
-        sample_log = SampleLog(run_dir, resume_step=start + 1)
-        routing = StepRouting(cfg, run_dir, resume_step=start + 1)
-        log = cleanup.enter_context(MetricsLogger(
-            run_dir, stdout=cfg.logging.stdout, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
-            progress=cfg.logging.progress, total_steps=cfg.trainer.steps, resume_step=start + 1, stream=console))
-        generations = GenerationLog(run_dir, rollouts.tokenizer, cfg.logging.samples_per_step, start + 1, log.add_text)
-        rewards = cleanup.enter_context(RewardPool(num_workers=1, timeout_s=cfg.data.reward_timeout_s))
-        source = make_source(cfg, rollouts, group, rewards, timeline, start, source_state)
-        cleanup.callback(source.close)   # before the engines stop: the producer must not see them die
-        reward_model = None
-        if model_term(parse_reward(cfg.data.reward)) is not None:   # scored on the training workers
-            reward_model = RewardModelTerm(cfg, reward_model_state)
+    console = cleanup.enter_context(run_console(run_dir / "logs", cfg.logging.level, verbose))
+    stop = cleanup.enter_context(StopRequest(console))   # restores the signal handlers once all is released
+    if group is None:
+        group = WorkerGroup(cfg, None if verbose else run_dir / "logs", verbose)
+        cleanup.callback(_release, group, stop)
+    else:
+        group.reuse_for(cfg)
+    stop.arm()                                           # after ray.init, which installs a SIGTERM handler
+    logging.getLogger("megarl").info(precision_line(group.precision(), cfg))
+    rollouts = Rollouts(cfg, group.generate)
+    ckpt = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)
+    kl_ctl = build_kl_controller("adaptive", init_kl_coef=cfg.algorithm.kl_coef, target_kl=cfg.algorithm.kl_target,
+                                 horizon=10000) if cfg.algorithm.kl_target else \
+        build_kl_controller("fixed", init_kl_coef=cfg.algorithm.kl_coef)
+    start, state = resume_from(cfg, resume, ckpt, group, rollouts, kl_ctl)
+    ckpt.clean_partials()
+    timeline = Timeline(run_dir / "timeline.jsonl", resume_step=start + 1)
+    group.timeline = timeline
+    log = cleanup.enter_context(MetricsLogger(
+        run_dir, stdout=cfg.logging.stdout, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
+        progress=cfg.logging.progress, total_steps=cfg.trainer.steps, resume_step=start + 1, stream=console))
+    rewards = cleanup.enter_context(RewardPool(num_workers=1, timeout_s=cfg.data.reward_timeout_s))
+    source = make_source(cfg, rollouts, group, rewards, timeline, start, state.get("rollout_source"))
+    cleanup.callback(source.close)   # before the engines stop: the producer must not see them die
+    reward_model = None
+    if model_term(parse_reward(cfg.data.reward)) is not None:   # scored on the training workers
+        reward_model = RewardModelTerm(cfg, state.get("reward_model"))
+    steps = StepRunner(cfg, group=group, rollouts=rollouts, source=source, stop=stop, log=log, timeline=timeline,
+                       generations=GenerationLog(run_dir, rollouts.tokenizer, cfg.logging.samples_per_step,
+                                                 start + 1, log.add_text),
+                       sample_log=SampleLog(run_dir, resume_step=start + 1),
+                       routing=StepRouting(cfg, run_dir, resume_step=start + 1), rewards=rewards,
+                       reward_model=reward_model, kl_ctl=kl_ctl, after_sync=after_sync)
+    return Run(steps, ckpt, start)
 
-        save_drafts = rollouts.drafts.save if rollouts.drafts is not None else None
-        steps = StepRunner(cfg, group=group, rollouts=rollouts, source=source, stop=stop, log=log,
-                           timeline=timeline, generations=generations, sample_log=sample_log, routing=routing,
-                           rewards=rewards, reward_model=reward_model, kl_ctl=kl_ctl, after_sync=after_sync)
 
-        stop.last_step = start
-        steps.window_start = time.monotonic()   # a step's timeline window starts where the last one ended
-        for step in range(start + 1, cfg.trainer.steps + 1):
-            if stop.requested:                                 # safe point between steps
-                break
-            kl_at_start = kl_ctl.value
-            try:
-                with log.step(step) as m:                      # written also if the step raises
-                    steps.run(step, m)
-            except StepAbandoned as abandoned:
-                kl_ctl.value = kl_at_start                     # its KL update belongs to the abandoned step
-                megarl_log.info(str(abandoned))
-                break
-            stop.last_step = step
-            if cfg.checkpoint.save_every and (step % cfg.checkpoint.save_every == 0 or step == cfg.trainer.steps):
-                group.save_checkpoint(ckpt, step, steps.checkpoint_metadata(), save_drafts)
-        if stop.requested and (done := stop.last_step) < cfg.trainer.steps:
-            megarl_log.info(f"stopping after step {done} (interrupt)")
-            stop.step, stop.phase = 0, "checkpoint and shutdown"
-            if cfg.checkpoint.save_on_interrupt and done > 0 and done not in dict(ckpt.complete()):
-                megarl_log.info(f"writing the checkpoint of step {done} (checkpoint.save_on_interrupt)")
-                group.save_checkpoint(ckpt, done, steps.checkpoint_metadata(), save_drafts)
-            raise RunInterrupted(stop.signum, done, hard=False)
-    return run_dir
+def resume_from(cfg: MegaRLConfig, resume: bool, ckpt, group, rollouts, kl_ctl) -> tuple[int, dict]:
+    """With ``resume`` (or ``checkpoint.resume``): the newest checkpoint that verifies and loads
+    (damaged ones are skipped with a warning) into the workers, the KL coefficient and the draft
+    store. Returns its step (0: none) and its metadata (the sample source's and reward model's
+    state)."""
+    from megarl.trainer.checkpoint import load_plain
+
+    if not (resume or cfg.checkpoint.resume):
+        return 0, {}
+    found = ckpt.newest_intact(group.load_checkpoint, group.hash_checkpoint_files)
+    if found is None:
+        return 0, {}
+    start, folder = found
+    meta = ckpt.metadata(folder)
+    kl_ctl.value = meta.get("kl_coef", kl_ctl.value)
+    log = logging.getLogger("megarl")
+    log.info(f"resumed from {folder} (step {start})")
+    if rollouts.drafts is not None and rollouts.drafts.load(folder, load_plain):
+        log.info(f"speculative rollouts: {len(rollouts.drafts)} prompts' drafts restored "
+                 f"({rollouts.drafts.bytes / 2**20:.1f} MiB)")
+    return start, meta
 
 
 @dataclass
