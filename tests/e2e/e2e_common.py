@@ -1,6 +1,5 @@
 """Helpers of the end-to-end tests: a tied tiny model, a training subprocess, its metrics."""
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -12,6 +11,8 @@ from pathlib import Path
 import psutil
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parent))   # tests/helpers.py, for scripts that import this file too (perf/ab_commits.py)
+from helpers import read_jsonl  # noqa: E402
 RECIPE = """
 model:
   path: {{model}}
@@ -115,8 +116,7 @@ def run(tmp_path: Path, name: str, recipe_text: str, *extra: str, timeout: int =
 
 
 def metrics(run_dir) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return read_jsonl(Path(run_dir) / "metrics.jsonl", missing_ok=True)
 
 
 # multiprocessing's resource tracker (started by the reward pool's spawn context) serves the

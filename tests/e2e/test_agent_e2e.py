@@ -4,7 +4,6 @@ token the model sampled, in every turn, the trainer's log-prob equals vLLM's sam
 (fp32, < 1e-4): no decode/re-encode drift, and the inserted tool-result tokens shift nothing.
 That tool-result tokens carry no loss is checked on the micro-batches in
 tests/unit/test_agent_loop.py; here their count is checked against the metrics."""
-import json
 import math
 import os
 import subprocess
@@ -12,6 +11,7 @@ import sys
 from pathlib import Path
 
 from e2e_common import HERE, metrics, ray_tmpdir
+from helpers import read_jsonl, smollm2_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-4   # fp32 vLLM vs Megatron log-probs of the same tokens (measured ~1e-5, see the note)
@@ -29,8 +29,7 @@ def test_agent_trajectories_keep_token_fidelity(tmp_path):
         rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=1200).returncode
     assert rc == 0, log.read_text()[-5000:]
     [m] = metrics(run_dir)
-    samples = [s for line in (run_dir / "samples.jsonl").read_text().splitlines()
-               for s in json.loads(line)["samples"]]
+    samples = [s for row in read_jsonl(run_dir / "samples.jsonl") for s in row["samples"]]
     assert len(samples) == 8
     multi = [s for s in samples if s["tool_tokens"] > 0]
     assert multi, f"no trajectory with a tool turn: {m}"
@@ -54,12 +53,8 @@ def check_generations(run_dir: Path, samples: list[dict]) -> None:
     turn's text is the decode of its ids, the turns' ids are the trained token ids (their counts
     equal samples.jsonl's sampled / tool tokens of the same sample), and the tool results, which the
     loop tokenized from their text, re-encode to the same ids."""
-    from transformers import AutoTokenizer
-
-    from megarl.models.fixtures import resolve_model_path
-
-    tok = AutoTokenizer.from_pretrained(resolve_model_path("fixture:smollm2"))
-    [line] = [json.loads(x) for x in (run_dir / "generations.jsonl").read_text().splitlines()]
+    tok = smollm2_tokenizer(auto=True)
+    [line] = read_jsonl(run_dir / "generations.jsonl")
     logged = {s["id"]: s for s in line["samples"]}
     assert len(logged) == 8 and set(logged) == {s["id"] for s in samples}
     for s in samples:

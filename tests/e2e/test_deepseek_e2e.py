@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from e2e_common import HERE, metrics, ray_tmpdir
+from helpers import read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 RECIPE = Path(__file__).resolve().parents[2] / "configs" / "deepseek_v3_mini_cpu.yaml"
@@ -67,7 +68,7 @@ def test_rollout_routing_is_replayed_every_step(run):
         assert r["rollout/logprob_diff_mean"] < 1e-5, r["rollout/logprob_diff_mean"]
         assert r["actor/routing_replayed"] == (r["actor/num_tokens"] - r["actor/num_sequences"]) * 2, r
         assert r["actor/routing_replay_mismatch"] == 0
-    moe = [json.loads(line) for line in (run_dir / "moe.jsonl").read_text().splitlines()]
+    moe = read_jsonl(run_dir / "moe.jsonl")
     assert [m["step"] for m in moe] == list(range(1, STEPS + 1))
     assert all(sum(layer) == r["actor/num_tokens"] * 4 for m, r in zip(moe, rows) for layer in m["tokens_per_expert"])
 

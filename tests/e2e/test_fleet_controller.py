@@ -356,14 +356,13 @@ def test_async_mode_holds_at_most_its_buffer_and_frees_every_group(ray_local):
     nothing is left once the source is closed."""
     from types import SimpleNamespace
 
+    from helpers import AlternatingRewards, PrefixTokenizer   # test_modes' stand-ins: no model, no reward code
+
     from megarl.data.store import Stored
     from megarl.observability.timeline import Timeline
     from megarl.trainer.fleet import Fleet
     from megarl.trainer.modes import AsyncSource
     from megarl.trainer.rollout import Rollouts
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "unit"))
-    from test_modes import Rewards, Tokenizer   # the async source's unit tests' stand-ins (no model, no reward code)
 
     cfg = load_config(None, ["rollout.n=2", f"rollout.engine_timeout_s={TIMEOUT_S}", "rollout.max_response_tokens=12",
                              "rollout.dp=2", "topology.world_size=2", "trainer.mode=async", "trainer.max_staleness=1",
@@ -372,8 +371,8 @@ def test_async_mode_holds_at_most_its_buffer_and_frees_every_group(ray_local):
     engines = [actor.remote(k, 2, 0.01) for k in range(2)]
     try:
         fleet = Fleet(cfg, engines, ray_local.get([e.info.remote() for e in engines]))
-        rollouts = Rollouts(cfg, sample_fn=None, tokenizer=Tokenizer())
-        src = AsyncSource(cfg, rollouts, SimpleNamespace(fleet=fleet), Rewards(), Timeline(None), 0, {})
+        rollouts = Rollouts(cfg, sample_fn=None, tokenizer=PrefixTokenizer())
+        src = AsyncSource(cfg, rollouts, SimpleNamespace(fleet=fleet), AlternatingRewards(), Timeline(None), 0, {})
         owned = lambda: sum(ray_local.get([e.owned.remote() for e in engines]))  # noqa: E731
         # the buffer's samples, plus one group's: the last message of an engine stream (already
         # taken into the buffer) lives in Ray's deserializer until the next one arrives

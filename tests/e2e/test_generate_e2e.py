@@ -4,13 +4,13 @@ Checked: one JSONL row per prompt x ``rollout.n`` with the reward of the configu
 which reads a column of the prompts file (``bonus``: extra columns reach the reward as keywords),
 and a quiet terminal (megarl's own lines; vLLM's output is in <run_dir>/logs/driver.log).
 """
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 from e2e_common import HERE, ray_tmpdir, recipe, write_recipe
+from helpers import read_jsonl, write_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -19,15 +19,14 @@ def test_generate_writes_scored_samples_quietly(tmp_path):
     path = write_recipe(tmp_path, "gen", recipe("  name: grpo", steps=1))
     bonus = {f"What is {i} + {i}?": 10.0 * i for i in range(3)}   # the last 2 rows are the held-out prompts
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": q, "answer": "0", "data_source": "e2e", "bonus": b}) + "\n"
-                            for q, b in bonus.items()))
+    write_jsonl(data, [{"prompt": q, "answer": "0", "data_source": "e2e", "bonus": b} for q, b in bonus.items()])
     env = dict(os.environ, PYTHONPATH=f"{HERE}:{os.environ.get('PYTHONPATH', '')}", RAY_TMPDIR=ray_tmpdir())
     proc = subprocess.run([sys.executable, "-m", "megarl.cli", "generate", str(path), f"data.task={data}",
                            "data.reward=rewards_for_tests:column_reward", "--num-prompts", "2"],
                           capture_output=True, text=True, env=env, timeout=900)
     terminal = proc.stdout + proc.stderr
     assert proc.returncode == 0, terminal[-5000:]
-    rows = [json.loads(line) for line in (tmp_path / "gen" / "generations.jsonl").read_text().splitlines()]
+    rows = read_jsonl(tmp_path / "gen" / "generations.jsonl")
     assert len(rows) == 2 * 4 and all(r["num_tokens"] > 0 for r in rows), rows
     # column_reward: the row's bonus column (with data_source, in the reward worker) + response length parity
     assert [r["reward"] for r in rows] == [bonus[r["prompt"]] + len(r["response"]) % 2 for r in rows], rows

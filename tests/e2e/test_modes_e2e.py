@@ -22,7 +22,6 @@ Three ``megarl train`` launches:
    version match the trainer's recomputed log-probs (a correct sync, fp32: < 1e-4 mean), while
    those recorded as older differ (the policy moved one update since: > 10x more).
 """
-import json
 import math
 import os
 import signal
@@ -30,6 +29,7 @@ import time
 
 import pytest
 from e2e_common import ProcessWatch, metrics, recipe, start
+from helpers import read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -44,7 +44,7 @@ ASYNC = recipe("  rollout_correction: tis\n  correction_cap: 2.0", steps=3, save
 
 
 def samples(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    return read_jsonl(run_dir / "samples.jsonl")
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import math
 
 import pytest
 from e2e_common import run
+from helpers import read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -151,12 +152,12 @@ def test_rlhf_rewards_are_the_reward_models_scores(pipeline):
     pad = model.config.pad_token_id
     checked = 0
     with torch.no_grad():
-        for line in (pipeline["tmp"] / "rlhf" / "generations.jsonl").read_text().splitlines():
-            for s in json.loads(line)["samples"]:
+        for row in read_jsonl(pipeline["tmp"] / "rlhf" / "generations.jsonl"):
+            for s in row["samples"]:
                 ids = trim_pads(s["prompt_ids"] + s["response_ids"], len(s["prompt_ids"]), pad)
                 hf = float(model(torch.tensor([ids])).logits[0, 0])
                 assert abs(hf - s["reward"]) < 1e-4, (hf, s["reward"])
                 checked += 1
     assert checked == 16
-    spans = [json.loads(x) for x in (pipeline["tmp"] / "rlhf" / "timeline.jsonl").read_text().splitlines()]
+    spans = read_jsonl(pipeline["tmp"] / "rlhf" / "timeline.jsonl")
     assert any(s.get("phase") == "reward_scores" for s in spans), spans[:3]

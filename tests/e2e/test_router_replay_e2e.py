@@ -31,10 +31,10 @@ without rollout replay (0.45 on agreeing tokens, 1.04 on the others) vs 0.50 wit
 left: the noisy gates' probabilities of the same experts); r3 replayed 2368 token-layers = (1200
 tokens - 16 sequences) x 2 layers, r2 2400 (every token), 0 mismatched.
 """
-import json
 
 import pytest
 from e2e_common import metrics, ray_tmpdir
+from helpers import read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 NOISE_STD = 0.5
@@ -84,7 +84,7 @@ def runs(tmp_path_factory):
             recipe = tmp / f"{name}.yaml"
             recipe.write_text(RECIPE.format(noise=NOISE_STD, mode=name, run_dir=tmp / name))
             train(load_config(recipe))
-            moe = [json.loads(line) for line in (tmp / name / "moe.jsonl").read_text().splitlines()]
+            moe = read_jsonl(tmp / name / "moe.jsonl")
             out[name] = {"rows": metrics(tmp / name), "moe": moe}
     finally:
         monkeypatch.undo()

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from helpers import smollm2_tokenizer
 
 from megarl.agent.loop import AgentLoop
 from megarl.agent.parse import TurnFormatter
@@ -21,11 +22,7 @@ CALL = '<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from transformers import AutoTokenizer
-
-    from megarl.models.fixtures import resolve_model_path
-
-    return AutoTokenizer.from_pretrained(resolve_model_path("fixture:smollm2"))
+    return smollm2_tokenizer(auto=True)
 
 
 class ScriptedFleet:

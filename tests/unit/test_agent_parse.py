@@ -12,6 +12,7 @@ import pickle
 import random
 
 import pytest
+from helpers import smollm2_tokenizer
 
 from megarl.agent.parse import (HERMES, ParsedTurn, ToolCall, ToolCallFormat, TurnFormatter, parse_tool_calls,
                                 tool_call_format)
@@ -61,10 +62,7 @@ QWEN3_STYLE = r"""
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from transformers import PreTrainedTokenizerFast  # no torch import, unlike AutoTokenizer (~3 s)
-
-    from megarl.models.fixtures import resolve_model_path
-    return PreTrainedTokenizerFast.from_pretrained(resolve_model_path("fixture:smollm2"))
+    return smollm2_tokenizer()
 
 
 def with_template(tokenizer, template):

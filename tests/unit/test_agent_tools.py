@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from helpers import write_jsonl
 
 from megarl.agent.tools import (
     CALC_MAX_CHARS,
@@ -155,7 +156,7 @@ def test_search_ranks_the_relevant_document_first(tmp_path):
     assert registry.call("search", {"query": "paris", "k": 0}).content == "error: k must be between 1 and 10, got 0"
     # the same corpus from a .txt and a .jsonl file
     (tmp_path / "c.txt").write_text("\n\n".join(DOCS) + "\n")
-    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    write_jsonl(tmp_path / "c.jsonl", [{"text": d} for d in DOCS])
     for path in ("c.txt", "c.jsonl"):
         tool = search_tool(tmp_path / path)
         assert tool.fn({"query": "eiffel tower", "k": 1}) == f"1. {DOCS[0]}"

@@ -6,6 +6,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from helpers import flat_sorted
 
 from megarl.data.balance import (balance_partitions, branch_and_bound, flops_cost_coefficients,
                                  flops_cost_coefficients_from_config, imbalance, karmarkar_karp,
@@ -16,16 +17,12 @@ SETTINGS = settings(max_examples=80, deadline=None)
 costs_st = st.lists(st.integers(min_value=0, max_value=20000), min_size=0, max_size=60)
 
 
-def _flat(parts):
-    return sorted(i for p in parts for i in p)
-
-
 @SETTINGS
 @given(costs=costs_st, k=st.integers(1, 9), equal=st.booleans())
 def test_kk_every_item_exactly_once(costs, k, equal):
     parts = karmarkar_karp(costs, k, equal_counts=equal)
     assert len(parts) == k
-    assert _flat(parts) == list(range(len(costs)))
+    assert flat_sorted(parts) == list(range(len(costs)))
     assert all(p == sorted(p) for p in parts)
     if equal:
         sizes = [len(p) for p in parts]
@@ -39,7 +36,7 @@ def test_kk_every_item_exactly_once(costs, k, equal):
 def test_refine_never_worse_and_keeps_items(costs, k, equal):
     kk = karmarkar_karp(costs, k, equal_counts=equal)
     ref = refine_partitions(costs, kk, equal_counts=equal)
-    assert _flat(ref) == list(range(len(costs)))
+    assert flat_sorted(ref) == list(range(len(costs)))
     assert max(partition_loads(costs, ref), default=0) <= max(partition_loads(costs, kk), default=0)
     if equal:
         assert sorted(len(p) for p in ref) == sorted(len(p) for p in kk)
@@ -56,7 +53,7 @@ def test_refine_respects_capacity_and_min_items(costs, k):
     if any(sum(tokens[i] for i in p) > cap for p in parts):
         return  # the start must be feasible for this property
     ref = refine_partitions(costs, parts, tokens_N=tokens, capacity=cap, min_items=1)
-    assert _flat(ref) == list(range(len(costs)))
+    assert flat_sorted(ref) == list(range(len(costs)))
     assert all(sum(tokens[i] for i in p) <= cap for p in ref)
     assert all(p for p, q in zip(ref, parts) if q)
 
@@ -127,7 +124,7 @@ def test_groups_stay_together(sizes, k, seed):
     rng.shuffle(group_ids)
     costs = [rng.randint(1, 5000) for _ in group_ids]
     parts = balance_partitions(costs, k, group_ids_N=group_ids)
-    assert _flat(parts) == list(range(len(costs)))
+    assert flat_sorted(parts) == list(range(len(costs)))
     owner = {}
     for p, part in enumerate(parts):
         for i in part:
@@ -203,7 +200,7 @@ def test_branch_and_bound_valid_and_better(costs, k, equal):
     parts = branch_and_bound(costs, k, upper=upper, equal_counts=equal, node_budget=5000)
     if parts is None:
         return
-    assert _flat(parts) == list(range(len(costs)))
+    assert flat_sorted(parts) == list(range(len(costs)))
     assert max(partition_loads(costs, parts)) < upper
     if len(costs) >= k:
         assert all(parts)

@@ -2,11 +2,11 @@
 computed answers): step 1 is left out of every average, tokens/s/GPU counts prompt + response
 tokens, MFU divides the model FLOPs of the step by the GPUs' bf16 peak; the JSONL and markdown
 files it writes."""
-import json
 import os
 import sys
 
 import pytest
+from helpers import read_jsonl, write_jsonl
 
 PERF = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "perf")
 sys.path.insert(0, PERF)
@@ -33,7 +33,7 @@ def run_dir(tmp_path):
     save_resolved(cfg, tmp_path)
     rows = [_step(1, 40.0, 30.0, 9999), _step(2, 2.0, 3.0, 3200, response=70.0),
             _step(3, 3.0, 2.0, 3000, response=50.0)]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_jsonl(tmp_path / "metrics.jsonl", rows)
     return tmp_path
 
 
@@ -78,7 +78,7 @@ def test_results_are_appended_and_tabulated(run_dir, tmp_path):
     results = tmp_path / "out" / "bench.jsonl"
     for label in ("first", "second"):
         bench_grpo.write_results(bench_grpo.summarise(run_dir, gpu=None, label=label), results)
-    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    rows = read_jsonl(results)
     assert [r["label"] for r in rows] == ["first", "second"]
     table = results.with_suffix(".md").read_text().splitlines()
     header = next(i for i, line in enumerate(table) if line.startswith("| date"))

@@ -1,12 +1,12 @@
 """perf/bench_grpo_cpu.py's own parts: the prompts both sides get, the PSS sampler, the report.
 (The benchmark itself runs megarl and TRL for ~30 min: perf/, never a test.)"""
-import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers import read_jsonl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
 import bench_grpo_cpu as bench   # noqa: E402
@@ -17,7 +17,7 @@ def test_trl_gets_the_batches_megarl_draws_in_order(tmp_path):
     from megarl.trainer.rollout import PromptSource
 
     bench.write_prompts(tmp_path / "p.jsonl", steps=3, prompts=4, level=2, seed=5)
-    rows = [json.loads(x) for x in (tmp_path / "p.jsonl").read_text().splitlines()]
+    rows = read_jsonl(tmp_path / "p.jsonl")
     source = PromptSource(DataConfig(task="arithmetic", difficulty=2, prompts_per_step=4, seed=5))
     expected = [r for step in (1, 2, 3) for r in source.batch(step, 4)]
     assert [(r["prompt"], r["answer"]) for r in rows] == [(r.prompt, r.answer) for r in expected]

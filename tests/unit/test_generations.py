@@ -2,7 +2,8 @@
 record holds (decoded prompt and response with special tokens, ids, reward, length, version gap;
 agent turns in order), the printout's order, and resume."""
 import io
-import json
+
+from helpers import read_jsonl
 
 from megarl.observability.generations import GenerationLog, main, pick_samples
 from megarl.trainer.batch import Rollout, TokenVersions
@@ -33,7 +34,7 @@ def test_records_turns_cli_and_resume(tmp_path):
     texts = []
     log = GenerationLog(tmp_path, Tok(), 2, resume_step=1, text_sink=lambda tag, text, step: texts.append((tag, step)))
     log.write(2, rollout([0.5, 1.0, 0.0]))
-    [line] = [json.loads(x) for x in (tmp_path / "generations.jsonl").read_text().splitlines()]
+    [line] = read_jsonl(tmp_path / "generations.jsonl")
     assert line["step"] == 2 and [s["id"] for s in line["samples"]] == ["s2.g0.1", "s2.g0.2"]
     best = line["samples"][0]
     assert best == {"id": "s2.g0.1", "reward": 1.0, "length": 2, "gap": 0, "prompt": "<s>ab", "response": "dd",
@@ -54,7 +55,7 @@ def test_records_turns_cli_and_resume(tmp_path):
     assert main(str(tmp_path), step=9, stream=io.StringIO()) == 1
     # resume from step 3: step 3's line is dropped, step 2's kept
     GenerationLog(tmp_path, Tok(), 2, resume_step=3)
-    assert [json.loads(x)["step"] for x in (tmp_path / "generations.jsonl").read_text().splitlines()] == [2]
+    assert [row["step"] for row in read_jsonl(tmp_path / "generations.jsonl")] == [2]
     # off
     GenerationLog(tmp_path / "off", Tok(), 0, resume_step=1).write(1, rollout([1.0]))
     assert not (tmp_path / "off" / "generations.jsonl").exists()

@@ -2,13 +2,13 @@
 and the real loop (``megarl.trainer.loop.train``) over an in-process fake worker group whose
 phases send the signals, so that each case lands in a known phase of step 2. The real engines,
 Ray and a terminal's Ctrl-C to the process group are in tests/e2e/test_faults_e2e.py."""
-import json
 import os
 import signal
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_jsonl
 
 from megarl.config import load_config
 from megarl.trainer.batch import Rollout
@@ -204,8 +204,7 @@ def fake_run(tmp_path, monkeypatch):
         except RunInterrupted as err:
             stopped = err
         assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
-        path = tmp_path / "run" / "metrics.jsonl"
-        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        rows = read_jsonl(tmp_path / "run" / "metrics.jsonl", missing_ok=True)
         ckpt = CheckpointManager(tmp_path / "run" / "checkpoints")
         return stopped, rows, {step: ckpt.metadata(folder) for step, folder in ckpt.complete()}, FakeGroup.instances[-1]
 
@@ -291,7 +290,7 @@ def test_one_update_per_step_takes_the_old_log_probs_from_the_update_and_alarms_
     monkeypatch.setattr(FakeGroup, "FORWARD_LP", -1.5)
     with pytest.raises(WeightSyncAlarm, match="trainer.logprob_diff_threshold=0.1"):
         fake_run({}, "algorithm.kl_target=null", "trainer.logprob_diff_threshold=0.1")
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1] and rows[0]["rollout/logprob_diff_mean"] == 0.5
     assert rows[0]["actor/loss"] == 0.0 and FakeGroup.instances[-1].trained != []   # updated, then stopped
 

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from helpers import AlternatingRewards, PrefixTokenizer
 
 from megarl.config.schema import MegaRLConfig
 from megarl.data.store import Stored, fetch
@@ -44,7 +45,7 @@ class ScriptedFleet:
             sample["stored_ids"] = Stored.put(np.asarray(request["prompt_ids"] + tokens, np.int32))
             sample["stored_logprobs"] = Stored.put(np.asarray(sample["logprobs"], np.float64))
             if not request.get("inline"):
-                to_metadata([sample], Tokenizer())
+                to_metadata([sample], PrefixTokenizer())
         return sample
 
     def generate_requests(self, requests, pause=None, on_done=None):
@@ -75,19 +76,6 @@ class ScriptedFleet:
         self.resumed += 1
 
 
-class Tokenizer:
-    def __call__(self, text):
-        return SimpleNamespace(input_ids=[ord(c) % 50 for c in text[:6]])
-
-    def batch_decode(self, ids, skip_special_tokens=True):
-        return ["x" * len(t) for t in ids]
-
-
-class Rewards:
-    def score(self, name, texts, answers, extras=None):
-        return SimpleNamespace(rewards=[float(i % 2) for i in range(len(texts))], n_errors=0, n_timeouts=0)
-
-
 def source(fleet, start=0, state=None, **trainer):
     cfg = MegaRLConfig()
     cfg.trainer.mode = "async"
@@ -95,8 +83,9 @@ def source(fleet, start=0, state=None, **trainer):
     cfg.rollout.n, cfg.rollout.max_response_tokens = 2, 20
     for k, v in trainer.items():
         setattr(cfg.trainer, k, v)
-    rollouts = Rollouts(cfg, sample_fn=None, tokenizer=Tokenizer())
-    return AsyncSource(cfg, rollouts, SimpleNamespace(fleet=fleet), Rewards(), Timeline(None), start, state or {})
+    rollouts = Rollouts(cfg, sample_fn=None, tokenizer=PrefixTokenizer())
+    return AsyncSource(cfg, rollouts, SimpleNamespace(fleet=fleet), AlternatingRewards(), Timeline(None), start,
+                       state or {})
 
 
 def no_stop():

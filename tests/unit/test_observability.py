@@ -1,6 +1,5 @@
 """Metrics sinks, the run console and plots."""
 import io
-import json
 import logging
 import os
 import subprocess
@@ -8,6 +7,7 @@ import sys
 import warnings
 
 import pytest
+from helpers import write_jsonl
 
 from megarl.observability import MetricsLogger, PhaseTimer, gpu_stats, read_jsonl
 from megarl.observability.plot import plot_run
@@ -125,9 +125,8 @@ def test_phase_timer_accumulates():
 
 
 def test_plot_writes_png(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(
-        {"step": s, "reward/mean": s / 10, "response_length/mean": 30 + s, "time/generate_s": 1.0}) + "\n"
-        for s in range(1, 6)))
+    write_jsonl(tmp_path / "metrics.jsonl", [
+        {"step": s, "reward/mean": s / 10, "response_length/mean": 30 + s, "time/generate_s": 1.0} for s in range(1, 6)])
     png = plot_run(tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 

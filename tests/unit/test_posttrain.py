@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers import smollm2_tokenizer, write_jsonl
 
 from megarl.posttrain import data as D
 from megarl.algorithms.posttrain import bt_loss, eval_sums, make_loss_fn, pair_metrics, sft_loss, summarize
@@ -13,15 +14,7 @@ from megarl.algorithms.posttrain import bt_loss, eval_sums, make_loss_fn, pair_m
 
 @pytest.fixture(scope="module")
 def tok():
-    from transformers import PreTrainedTokenizerFast
-
-    from megarl.models.fixtures import resolve_model_path
-    return PreTrainedTokenizerFast.from_pretrained(resolve_model_path("fixture:smollm2"))
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return str(path)
+    return smollm2_tokenizer()
 
 
 def load(path, kind, tok, **kw):

@@ -10,6 +10,7 @@ from collections import namedtuple
 from pathlib import Path
 
 import pytest
+from helpers import write_jsonl
 
 from megarl.config import ConfigError, load_config
 from megarl.models.dims import ModelDims
@@ -28,11 +29,6 @@ def model_dir(tmp_path: Path, name: str = "model", **changes) -> Path:
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({**LLAMA, **changes}))
     return folder
-
-
-def write_jsonl(path: Path, rows) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
 
 
 def write_recipe(tmp_path: Path, **sections) -> Path:

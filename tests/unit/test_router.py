@@ -3,12 +3,9 @@
 import random
 
 import pytest
+from helpers import flat_sorted
 
 from megarl.rollout.router import LengthRouter, busy_ratio, lpt, round_robin
-
-
-def _flat(parts):
-    return sorted(i for p in parts for i in p)
 
 
 def test_lpt_known_case_two_engines():
@@ -65,7 +62,7 @@ def test_deterministic_and_every_prompt_once():
             b.load_state_dict(a.state_dict())
             parts = a.assign(lens, keys)
             assert len(parts) == num_engines
-            assert _flat(parts) == list(range(num_prompts))
+            assert flat_sorted(parts) == list(range(num_prompts))
             assert all(p == sorted(p) for p in parts)
             assert b.assign(lens, keys) == parts == a.assign(lens, keys)
 

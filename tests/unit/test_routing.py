@@ -3,13 +3,13 @@ Rollout and micro-batches, which pass gets which routing, the routing metrics an
 router-only weight noise. (The engine side: tests/distributed/test_engine_train.py; vLLM's
 capture: tests/e2e/test_vllm_parity.py; the loop: tests/e2e/test_router_replay_e2e.py and
 tests/e2e/test_deepseek_e2e.py.)"""
-import json
 import math
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from helpers import read_jsonl
 
 from megarl.config import ConfigError, load_config
 from megarl.trainer.batch import Rollout, TokenVersions, micro_batches_for, scatter_sequences
@@ -124,7 +124,7 @@ def test_metrics_split_the_gap_by_agreement_and_moe_jsonl_survives_resume(tmp_pa
         routing.write(step, [[4, 0], [2, 2]], out)
     routing.write(4, None, out)   # a dense model writes nothing
     StepRouting(SimpleNamespace(algorithm=SimpleNamespace(router_replay="off")), tmp_path, 3)   # resumed at 3
-    rows = [json.loads(line) for line in (tmp_path / "moe.jsonl").read_text().splitlines()]
+    rows = read_jsonl(tmp_path / "moe.jsonl")
     assert [row["step"] for row in rows] == [1, 2] and rows[0]["routing_agree_per_layer"] == [1.0, 0.5]
 
 

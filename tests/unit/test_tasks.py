@@ -5,15 +5,11 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import write_jsonl
 
 from megarl.rewards.math import extract_gsm8k_answer, format_reward, gsm8k_reward
 from megarl.tasks import LEVELS, PromptRecord, generate_arithmetic, load_prompt_dataset, save_prompt_dataset
 from megarl.tasks.arithmetic import _evaluate
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return str(path)
 
 
 GOOD = {"prompt": "What is 2 + 2?", "answer": "4", "data_source": "arithmetic"}

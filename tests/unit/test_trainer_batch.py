@@ -62,8 +62,9 @@ def test_extra_columns_reach_the_reward_through_dynamic_sampling(tmp_path, monke
     # A jsonl column `bonus` reaches rewards_for_tests.column_reward (bonus + parity of the response
     # length), with data_source, in the spawned reward workers; the `note` column is left out (the
     # function does not take it). DAPO keeps the informative group of each round: select + concat.
-    import json
     from pathlib import Path
+
+    from helpers import write_jsonl
 
     from megarl.config import load_config
     from megarl.rewards import RewardPool
@@ -71,8 +72,8 @@ def test_extra_columns_reach_the_reward_through_dynamic_sampling(tmp_path, monke
 
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "e2e"))   # rewards_for_tests, for the workers too
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": "", "data_source": "t", "bonus": 10 * i,
-                                        "note": "unused"}) + "\n" for i in range(4)))
+    write_jsonl(data, [{"prompt": f"q{i}", "answer": "", "data_source": "t", "bonus": 10 * i, "note": "unused"}
+                       for i in range(4)])
     cfg = load_config(None, [f"data.task={data}", "data.reward=rewards_for_tests:column_reward", "rollout.n=2",
                              "data.prompts_per_step=2", "data.use_chat_template=false", "algorithm.name=dapo",
                              "rollout.max_response_tokens=10"])

@@ -14,7 +14,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from engine_common import fixture, groups_for, init, make_batch, report
+from engine_common import dp_share, fixture, groups_for, init, make_batch, report
 from megarl.algorithms.losses import value_loss
 from megarl.engine import ModelOptions, OptimOptions, PolicyEngine, SequenceBatch
 
@@ -48,9 +48,7 @@ def set_head(engine, w, b):
 
 
 def my_micro_batches(engine, ids, prompts, returns):
-    dp, dp_rank = engine.groups.topology.dp, engine.groups.dp_rank
-    per = len(ids) // dp
-    sel = list(range(dp_rank * per, (dp_rank + 1) * per))
+    sel = dp_share(engine, len(ids))
     return [SequenceBatch([ids[i] for i in sel[s:s + 2]], [prompts[i] for i in sel[s:s + 2]],
                           extras={"returns_T": torch.cat([returns[i] for i in sel[s:s + 2]])})
             for s in range(0, len(sel), 2)], sel

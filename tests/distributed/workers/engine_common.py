@@ -121,5 +121,24 @@ def report(out: dict):
         print("RESULT " + json.dumps(out), flush=True)
 
 
+def dp_share(engine, n: int) -> list:
+    """Global indices of this DP rank's sequences: its contiguous ``n // dp`` of the ``n``."""
+    dp, dp_rank = engine.groups.topology.dp, engine.groups.dp_rank
+    per = n // dp
+    return list(range(dp_rank * per, (dp_rank + 1) * per))
+
+
+def export(engine) -> dict:
+    """A copy of the engine's weights, by HF name."""
+    return {k: v.detach().clone() for k, v in engine.export_hf()}
+
+
+def max_diff(a, b) -> float:
+    """The largest absolute difference between two weight dicts of the same names."""
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:5]
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
 __all__ = ["init", "parse_layout", "make_batch", "micro_batches", "hf_logprobs", "deeper_variant",
-           "remove_dir", "fixture", "groups_for", "report", "ModelOptions", "SEQS"]
+           "remove_dir", "fixture", "groups_for", "report", "dp_share", "export", "max_diff", "ModelOptions",
+           "SEQS"]

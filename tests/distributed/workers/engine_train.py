@@ -34,7 +34,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine_common import deeper_variant, fixture, groups_for, init, make_batch, remove_dir, report
+from engine_common import (deeper_variant, dp_share, export, fixture, groups_for, init, make_batch, max_diff,
+                           remove_dir, report)
 from megarl.algorithms.losses import ppo_policy_loss
 from megarl.engine import ModelOptions, OptimOptions, PolicyEngine, SequenceBatch, reference_engine
 
@@ -50,9 +51,7 @@ def global_batch(vocab):
 
 def my_sequences(engine, n):
     """Global indices of this DP rank's sequences, per micro-batch of 2 sequences."""
-    dp, dp_rank = engine.groups.topology.dp, engine.groups.dp_rank
-    per = n // dp
-    sel = list(range(dp_rank * per, (dp_rank + 1) * per))
+    sel = dp_share(engine, n)
     return [sel[start:start + 2] for start in range(0, len(sel), 2)]
 
 
@@ -75,15 +74,6 @@ def loss_fn(logprobs_R, batch):
     e = batch.extras
     return ppo_policy_loss(logprobs_R, e["old_logprobs_T"], e["advantages_T"], e["mask_T"], batch.cu_seqlens_N1,
                            agg_mode="token-mean", num_tokens=batch.num_global_tokens)
-
-
-def export(engine):
-    return {k: v.detach().clone() for k, v in engine.export_hf()}
-
-
-def max_diff(a, b):
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:5]
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def random_routing(lengths, num_moe_layers, top_k, num_experts, seed=29):

@@ -18,7 +18,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from engine_common import fixture, groups_for, init, make_batch, report
+from engine_common import dp_share, export, fixture, groups_for, init, make_batch, max_diff, report
 from megarl.engine import ModelOptions, OptimOptions, PolicyEngine, SequenceBatch
 from megarl.algorithms.posttrain import make_loss_fn
 
@@ -38,21 +38,10 @@ def batch(path):
 
 def my_micro_batches(engine, ids, prompts, per_mb=2, extras=None):
     """This DP rank's share of the 4 sequences, ``per_mb`` sequences per micro-batch."""
-    dp, dp_rank = engine.groups.topology.dp, engine.groups.dp_rank
-    per = len(ids) // dp
-    sel = list(range(dp_rank * per, (dp_rank + 1) * per))
+    sel = dp_share(engine, len(ids))
     groups = [sel[s:s + per_mb] for s in range(0, len(sel), per_mb)]
     return [SequenceBatch([ids[i] for i in g], [prompts[i] for i in g], dict(extras(g)) if extras else {})
             for g in groups], groups
-
-
-def export(engine):
-    return {k: v.detach().clone() for k, v in engine.export_hf()}
-
-
-def max_diff(a, b):
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:5]
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def against_tp1(out, key, ref, weights, loss, before):
