@@ -157,10 +157,10 @@ class PolicyEngine:
         projection, the logits' copies and the log-softmax over every position take ~a quarter of
         a bf16 training step. A forward pre-hook on the last stage's output layer keeps the rows
         of :attr:`PackedMicroBatch.response_positions_R` (set by :meth:`_run` per micro-batch);
-        the other rows get a zero gradient, which is what unread logits would give. Not with context parallelism (a rank holds chunks of
-        sequences), a sequence-parallel output layer (its input is this rank's slice of the row) or
-        multi-token prediction (its layers read the same hidden states): those read every
-        position. True when installed."""
+        the other rows get a zero gradient, which is what unread logits would give. Not with
+        context parallelism (a rank holds chunks of sequences), a sequence-parallel output layer
+        (its input is this rank's slice of the row) or multi-token prediction (its layers read the
+        same hidden states): those read every position. True when installed."""
         topo = self.groups.topology
         if topo.cp > 1 or (topo.sp and topo.tp > 1) or getattr(self.config, "mtp_num_layers", None):
             return False
