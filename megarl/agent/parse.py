@@ -1,42 +1,19 @@
 """Tool calls in the model's own chat-template format, and the token ids of tool results.
 
-A multi-turn agent trajectory is append-only: the prompt ids, then each model turn's exact sampled
-ids, then the ids this module inserts (tool results and the next generation prompt), and so on.
-The model's own tokens are never decoded and re-encoded (that can change them: BPE is not a
-bijection on arbitrary id sequences), and earlier turns are never re-rendered.
+A multi-turn trajectory is append-only: prompt ids, each model turn's exact sampled ids, then the
+ids this module inserts (tool results and the next generation prompt). The model's tokens are
+never decoded and re-encoded (BPE is not a bijection) and earlier turns are never re-rendered.
 
-Parsing (:func:`parse_tool_calls`): a tool call is a block ``<start>{json}<end>`` in the turn's
-text, with the JSON object ``{"name": str, "arguments": {...}}`` (Hermes format, used by
-Qwen2.5/Qwen3 and Hermes templates). :func:`tool_call_format` takes the tags from the chat template
-when it writes a recognisable pair (``<tool_call>``/``</tool_call>``, ``<|tool_call|>``/
-``<|/tool_call|>``, ``<|tool_call_begin|>``/``<|tool_call_end|>``, ...), else the Hermes tags.
-Templates whose calls are not a JSON object between two tags (Llama 3.1's bare JSON, Mistral's
-``[TOOL_CALLS]``, DeepSeek's ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>name`` form) are not
-parsed by this module.
+Parsing (:func:`parse_tool_calls`): a call is ``<start>{"name": ..., "arguments": {...}}<end>``
+(Hermes format); :func:`tool_call_format` takes the tag pair from the chat template when it writes
+a recognisable one, else the Hermes tags. Templates without a JSON object between two tags (Llama
+3.1, Mistral's ``[TOOL_CALLS]``, DeepSeek) are not parsed here.
 
-Inserted ids (:class:`TurnFormatter`): computed by rendering the template on a dummy conversation
-``[user, assistant D]`` and ``[user, assistant D, tool...]`` (with the generation prompt) and
-taking the text difference, which must be a true suffix: the first rendering must be a prefix of
-the second, and the assistant text ``D`` must be rendered verbatim right after the generation
-prompt. Only the inserted text is tokenized. Tool output that contains special-token strings
-(``<|im_end|>``...) is tokenized with special tokens split, so a tool cannot forge turn structure.
-
-Known limitation: templates that render an earlier turn differently once later messages follow
-(Qwen3 adds an empty ``<think></think>`` to the last assistant turn only; reasoning templates strip
-``<think>`` from old turns) break that prefix equality. The dummy turn is tried plainly and with a
-reasoning block (which Qwen3 keeps on every turn after the last user query); when neither gives a
-prefix, the formatter raises unless ``strict=False``, in which case only the text after the
-assistant content must agree (the trajectory is append-only, so earlier turns are never
-re-rendered: the model is trained on exactly what it saw while generating, which can differ from
-what the template would render for the finished conversation). Qwen3 with
-``template_kwargs={"enable_thinking": False}`` needs ``strict=False``: its generation prompt ends in
-an empty think block that the template drops from earlier turns.
-
-Tokenizing the inserted text alone gives the same ids as tokenizing it in context because it
-always follows the end-of-turn token, which the probe requires to be a special token (BPE merges
-never cross a special token). Template text around a tool result and the result itself are
-tokenized in one piece, as the template's own tokenization does; only a result holding
-special-token text is cut out and tokenized separately, where merges at its two edges can differ.
+Inserted ids (:class:`TurnFormatter`): the text difference between the template rendered on a
+dummy ``[user, assistant]`` and ``[user, assistant, tool...]``, which must be a true suffix; with
+``strict=False`` (needed e.g. by Qwen3 without thinking) only the text after the assistant content
+must agree. The inserted text follows a special end-of-turn token, so tokenizing it alone gives
+the in-context ids; tool output holding special-token text is tokenized with specials split.
 """
 
 from __future__ import annotations

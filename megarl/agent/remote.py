@@ -1,18 +1,13 @@
-"""The python tool on a remote code-execution service instead of the local bubblewrap sandbox.
+"""The python tool on a remote SandboxFusion code-execution service, not the local sandbox.
 
 ``rollout.tools: calculator,megarl.agent.remote:sandbox_fusion_python`` gives the model a tool
-named ``python`` whose code runs on a SandboxFusion server (the sandbox service that RL frameworks
-call for code execution; run it on a machine or container of its own), so that model-written code
-never runs on the training hosts. The endpoint is ``MEGARL_SANDBOX_URL`` (default
-``http://127.0.0.1:8080/run_code``); the request is SandboxFusion's ``run_code`` JSON
-(``code``, ``language``, ``run_timeout``), the answer's ``run_result`` (``stdout``, ``stderr``,
-``return_code``, ``status``) becomes the tool result the same way as the local sandbox's:
-output truncated at ``output_limit`` bytes with a marker, ``[exit status N]`` on failure,
-``[timeout after T s: process killed]`` when the service reports ``TimeLimitExceeded``. A
-service that cannot be reached, answers with an HTTP error or with ``SandboxError`` gives an
-``error: ...`` result (counted, like any tool error), never an exception in the rollout.
+named ``python`` whose code runs on a SandboxFusion server (``MEGARL_SANDBOX_URL``, default
+``http://127.0.0.1:8080/run_code``), so model-written code never runs on the training hosts. The
+answer becomes a tool result as the local sandbox's does (output truncated at ``output_limit``,
+``[exit status N]``, ``[timeout after T s: process killed]``); an unreachable service or an HTTP
+or ``SandboxError`` answer gives an ``error: ...`` result, never an exception in the rollout.
 
-Any other service plugs in the same way: a module-level factory
+Any other service plugs in the same way: a factory
 ``factory(*, timeout_s, memory_mb, output_limit) -> megarl.agent.tools.Tool`` named by its dotted
 path in ``rollout.tools`` (docs/security.md).
 """

@@ -1,66 +1,19 @@
 """The python tool's sandbox: model-written code under bubblewrap, with rlimits and a deadline.
 
-Code that the policy writes is untrusted twice over: it may be hostile, and RL optimises for
-whatever raises the reward, so any file the code can read (the prompt file with its answers, the
-reward code, the model cache) is a reward-hacking channel, and any file it can leave behind is a
-channel between trajectories. The file-system view, the namespaces and the device nodes are
-therefore bubblewrap's (``bwrap``, the sandbox Flatpak builds on; Debian package ``bubblewrap``),
-not hand-written namespace code; what stays here is what bwrap does not do: the resource limits,
-the wall clock, the output cap and the clean-up.
+Model-written code is untrusted, and RL turns any file it can read (answers, reward code) or leave
+behind into a reward-hacking channel. The file-system view, namespaces and device nodes are
+therefore bubblewrap's (``bwrap``); this module adds what bwrap does not do: resource limits, the
+wall clock, the output cap and clean-up. docs/security.md lists what the code sees and what is
+tested. Each call runs bwrap (leader of a new session) -> a prelude ``python -I -c`` as pid 1 of a
+new PID namespace (``--as-pid-1``, so bwrap reaps it and no zombie is left), which drops
+privileges, sets the limits and forks the code; when it exits the kernel kills the namespace.
 
-Each call runs three processes:
-
-  bwrap (our child, leader of a new session; reaps the next one and passes its exit status on)
-    -> ``python -I -u -c _PRELUDE <json>`` as pid 1 of a new PID namespace (bwrap's
-       ``--as-pid-1``): reads the code from stdin, drops privileges, forks, and reaps until the
-       code's process ends; when it exits, the kernel kills whatever is left in the namespace
-       -> the code (limits set), and whatever it forks
-
-(bwrap's own init would exit without being reaped by bwrap, and this host's PID 1 does not reap
-orphans: every call would leave a zombie. With the prelude as pid 1, bwrap waits for it.)
-
-What the code sees (a mount namespace built by bwrap on an empty tmpfs root; nothing else of the
-host is mounted):
-
-- the interpreter's installation (``sys.base_prefix`` of the configured python, so a virtual
-  environment's packages are not visible) and the system libraries it links (``/usr/lib``,
-  ``/usr/lib64``, the ``/lib*`` links), read-only; the directories above the prefix are empty
-  stand-ins (mode 0755), so the rest of ``/root`` or ``/home`` is not there;
-- ``/scratch`` (its working directory and ``HOME``) and ``/tmp``: tmpfs, each capped at
-  ``scratch_mb``, mode 1777, gone when the call ends (a write past the cap fails with ENOSPC);
-- ``/proc`` of its own PID namespace (it sees its own processes only);
-- ``/dev/null``, ``/dev/zero`` and ``/dev/urandom`` (bind-mounted; no other device node).
-
-Namespaces: PID, network (a loopback of its own and nothing else: the host's 127.0.0.1 is not
-reachable), IPC, UTS and cgroup (where the kernel allows). A root parent runs bwrap without a
-user namespace and the prelude drops to uid/gid 65534 ("nobody") with no supplementary groups,
-no capability and no_new_privs: Linux does not apply ``RLIMIT_NPROC`` to uid 0 (``copy_process``),
-and a user namespace would map the code back to uid 0 outside, so a real unprivileged uid is what
-bounds a fork bomb. A non-root parent has bwrap make a user namespace (unprivileged user
-namespaces must be allowed) and the code keeps the caller's uid; since kernel 5.14 the process
-count is then per (namespace, uid). The tests run as root, so the non-root path is untested.
-
-Limits (set by the prelude on itself before the code runs, inherited by its children):
-
-- wall clock: at ``timeout_s`` every process of bwrap's session except bwrap itself is SIGKILLed
-  (found by ``/proc/<pid>/stat`` session id); that includes the namespace's pid 1, and the kernel
-  then kills the whole PID namespace, also processes that called ``setsid``. bwrap is spared so
-  that it reaps its child; it is killed too if it has not exited ``_KILL_GRACE_S`` later. bwrap's ``--die-with-parent`` ends the sandbox if megarl dies.
-- processes: ``RLIMIT_NPROC`` (the tasks uid 65534 has now plus ``max_processes`` plus the
-  namespace's pid 1; threads count). Concurrent calls under root share uid 65534's count: a fork
-  bomb in one call can make forks in another fail until it is killed;
-- CPU: niceness +``nice``; ``RLIMIT_CPU`` = ceil(timeout) + 1 s per process;
-- memory and files: ``RLIMIT_AS`` = ``memory_mb`` (address space: an allocation past it raises
-  MemoryError in the code), ``RLIMIT_FSIZE`` = ``file_size_mb``, ``RLIMIT_CORE`` = 0,
-  ``RLIMIT_NOFILE`` = 256; the tmpfs caps above bound what it can store;
-- output: stdout and stderr share one pipe, read without deadlock by a selector loop; the first
-  ``output_limit`` bytes are kept and the rest counted in a marker
-  ``...[output truncated: N more bytes]``; past ``_output_cap()`` bytes the process is killed.
-
-Where bwrap is missing, or cannot create its namespaces (user namespaces disabled, a container
-that forbids them), :class:`PythonSandbox` refuses to start with the fix (:func:`sandbox_problem`);
-there is no weaker fallback. Not covered: a kernel exploit from inside the sandbox, a CPU share
-beyond the niceness (use cgroups outside), side channels. docs/security.md has the whole picture.
+A root parent runs bwrap without a user namespace and the prelude drops to uid 65534 with no
+capability and no_new_privs, because ``RLIMIT_NPROC`` does not apply to uid 0 and is what bounds a
+fork bomb; a non-root parent gets a user namespace and keeps its uid (untested: tests run as root).
+At ``timeout_s`` every process of the session but bwrap is SIGKILLed; output past
+``output_limit`` is counted in a marker. Where bwrap is missing or cannot make its namespaces,
+:class:`PythonSandbox` refuses to start (:func:`sandbox_problem`): there is no weaker fallback.
 """
 from __future__ import annotations
 

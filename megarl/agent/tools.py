@@ -1,23 +1,17 @@
 """Tools for multi-turn agent rollouts: a registry, three built-in tools and a bounded pool.
 
-The agent loop parses a tool call ``{"name": ..., "arguments": {...}}`` from the model's output
-and hands it to :meth:`ToolRegistry.call` (or :meth:`ToolRunner.submit` to run many at once). A
-call never raises: a bad call (unknown tool, missing or mistyped argument) or a failing tool comes
-back as ``ToolResult(content="error: ...", error=True)``, which the model sees like any result.
+The agent loop hands each parsed call ``{"name": ..., "arguments": {...}}`` to
+:meth:`ToolRegistry.call` (or :meth:`ToolRunner.submit` for many at once). A call never raises: a
+bad call or a failing tool comes back as ``ToolResult(content="error: ...", error=True)``.
 
 Built-in tools (``rollout.tools``):
 
-- ``calculator``: arithmetic on Python's ``ast`` (no ``eval``): numbers, ``+ - * / // % **``,
-  unary signs, parentheses. Integers stay exact (``2**100``, ``6/3 == 2``); an inexact division
-  gives a float printed with 12 significant digits. Exponents at most :data:`CALC_MAX_EXPONENT`
-  in magnitude and results at most :data:`CALC_MAX_INT_BITS` bits, so ``9**9**9`` is an error,
-  not a hang.
-- ``python``: runs code under bubblewrap with resource limits and a deadline
-  (:class:`megarl.agent.sandbox.PythonSandbox`: no host files, no network, its own PID namespace).
+- ``calculator``: arithmetic on Python's ``ast`` (no ``eval``); integers stay exact, exponents and
+  result sizes are bounded (:data:`CALC_MAX_EXPONENT`, :data:`CALC_MAX_INT_BITS`) so nothing hangs.
+- ``python``: code under bubblewrap with limits and a deadline (:mod:`megarl.agent.sandbox`).
 - ``search``: BM25 over a small local corpus (:class:`SearchIndex`).
-- any other entry of ``rollout.tools`` is a dotted path ``package.module:factory`` to a function
-  that returns a :class:`Tool` (e.g. one that sends code to a remote sandbox service;
-  docs/security.md).
+- any other entry is a dotted path ``package.module:factory`` to a function returning a
+  :class:`Tool` (e.g. a remote sandbox service; docs/security.md).
 """
 
 from __future__ import annotations

@@ -1,41 +1,19 @@
 """Advantage estimators over packed response tokens: GRPO, Dr.GRPO, RLOO, REINFORCE++ (and its
-group-baseline variant), GAE, and at the end of the file pass@k GRPO, OPO, GPG, ReMax and the
-Optimal Token Baseline, each documented on its function.
+group-baseline variant), GAE, pass@k GRPO, OPO, GPG, ReMax and the Optimal Token Baseline; each
+function states its formula and where it deviates from the paper.
 
-Layout (see :mod:`megarl.algorithms.packed`): per-token tensors are packed 1-D over all response
-tokens of the batch (``_T``), sequence boundaries are ``cu_seqlens_N1``, ``mask_T`` marks the
-tokens that count, ``group_ids_N`` labels the prompt each sequence was sampled from (any integers;
-sequences of one prompt share a label, groups need not be contiguous or equally sized).
-
-Every estimator has the registry signature::
+Layout (:mod:`megarl.algorithms.packed`): per-token tensors are packed 1-D over the batch's
+response tokens (``_T``), sequence boundaries are ``cu_seqlens_N1``, ``mask_T`` marks the tokens
+that count, ``group_ids_N`` labels each sequence's prompt (any integers; groups need not be
+contiguous or equally sized). Registry signature::
 
     fn(*, rewards_N, cu_seqlens_N1, mask_T, group_ids_N,
        token_rewards_T=None, values_T=None, **options) -> AdvantageResult(advantages_T, returns_T)
 
-``rewards_N`` is the outcome score of each sequence (the verifiable reward). ``token_rewards_T``,
-when given, adds dense per-token rewards (typically the KL penalty from
-:func:`megarl.algorithms.kl.kl_reward_penalty`). The outcome estimators (GRPO, RLOO) score a
-sequence by ``rewards_N + sum of its masked token rewards``; the per-token ones (REINFORCE++, GAE)
-place ``rewards_N`` on the last masked-in token and add ``token_rewards_T``.
-Advantages are 0 outside ``mask_T``.
-
-Algorithms and deviations:
-- GRPO (Shao et al. 2024, DeepSeekMath): A_i = (r_i - mean_g) / (std_g + eps), the unbiased
-  (n - 1) std as in verl. Dr.GRPO (Liu et al. 2025) drops the std division (``norm_by_std=False``).
-  A group whose rewards are all equal gets exactly 0 (no float residue from the mean), and a group
-  of one sequence gets 0.
-- RLOO (Ahmadian et al. 2024): A_i = r_i - mean of the other n - 1 rewards of its group; a group of
-  one has no baseline and gets 0 (the paper assumes n >= 2).
-- REINFORCE++ (Hu 2025): per-token discounted returns G_t = r_t + gamma * G_{t+1}, then whitened
-  over all masked tokens of the batch (unbiased std). ``group_baseline=True`` first subtracts the
-  group mean from the outcome rewards ("REINFORCE++-baseline"). Masked-out tokens inside a response
-  neither receive reward nor discount: the return passes through them unchanged.
-- GAE (Schulman et al. 2016) with a critic's ``values_T``: delta_t = r_t + gamma V_{t+1} - V_t,
-  A_t = delta_t + gamma lam A_{t+1}, V = 0 after the last token (no bootstrap: responses end or are
-  truncated, and truncated ones are treated as terminal, as in verl/OpenRLHF). Masked-out tokens
-  are skipped by the recursion (value and advantage carry over them). Returns are A + V before
-  whitening; advantages are whitened over the batch unless ``whiten=False``.
-
+``rewards_N`` is each sequence's outcome score; ``token_rewards_T`` adds dense rewards (typically
+the KL penalty of :func:`megarl.algorithms.kl.kl_reward_penalty`). Outcome estimators score a
+sequence by ``rewards_N`` plus its masked token rewards; per-token ones put ``rewards_N`` on the
+last masked-in token. Advantages are 0 outside ``mask_T``.
 Shape legend: N sequences, T packed response tokens, L longest response, G groups, N1 = N + 1.
 """
 
@@ -129,7 +107,9 @@ def grpo_advantages(
     norm_by_std: bool = True,
     eps: float = 1e-6,
 ) -> AdvantageResult:
-    """GRPO group-relative advantage, broadcast to the sequence's tokens (``values_T`` is unused)."""
+    """GRPO (Shao et al. 2024): A_i = (r_i - mean_g) / (std_g + eps) with the unbiased (n - 1) std as
+    in verl, broadcast to the sequence's tokens (``values_T`` is unused). A group whose rewards are
+    all equal gets exactly 0 (no float residue from the mean), and so does a group of one."""
     _validate(rewards_N, cu_seqlens_N1, mask_T, group_ids_N)
     scores_N = _sequence_scores(rewards_N, token_rewards_T, mask_T, cu_seqlens_N1)
     index_N, count_G, sum_G, constant_G = _group_stats(scores_N, group_ids_N)
@@ -143,7 +123,8 @@ def grpo_advantages(
 
 
 def drgrpo_advantages(**kwargs) -> AdvantageResult:
-    """Dr.GRPO: GRPO without the std division (pair it with ``seq-mean-token-sum-norm``)."""
+    """Dr.GRPO (Liu et al. 2025): GRPO without the std division (``norm_by_std=False``; pair it with
+    ``seq-mean-token-sum-norm``)."""
     kwargs.setdefault("norm_by_std", False)
     return grpo_advantages(**kwargs)
 
@@ -157,7 +138,8 @@ def rloo_advantages(
     token_rewards_T: torch.Tensor | None = None,
     values_T: torch.Tensor | None = None,
 ) -> AdvantageResult:
-    """RLOO: reward minus the mean reward of the other samples of the same prompt."""
+    """RLOO (Ahmadian et al. 2024): reward minus the mean reward of the other n - 1 samples of the
+    same prompt; a group of one has no baseline and gets 0 (the paper assumes n >= 2)."""
     _validate(rewards_N, cu_seqlens_N1, mask_T, group_ids_N)
     scores_N = _sequence_scores(rewards_N, token_rewards_T, mask_T, cu_seqlens_N1)
     index_N, count_G, sum_G, constant_G = _group_stats(scores_N, group_ids_N)
@@ -214,7 +196,10 @@ def reinforce_pp_advantages(
     group_baseline: bool = False,
     eps: float = 1e-6,
 ) -> AdvantageResult:
-    """REINFORCE++: discounted per-token returns, whitened over the whole batch."""
+    """REINFORCE++ (Hu 2025): discounted per-token returns, whitened over all masked tokens of the
+    batch (unbiased std). ``group_baseline=True`` first subtracts the group mean from the outcome
+    rewards ("REINFORCE++-baseline"). Masked-out tokens inside a response neither receive reward
+    nor discount: the return passes through them unchanged."""
     _validate(rewards_N, cu_seqlens_N1, mask_T, group_ids_N)
     rewards_N = _float(rewards_N)
     if group_baseline:
@@ -240,7 +225,11 @@ def gae_advantages(
     whiten: bool = True,
     eps: float = 1e-6,
 ) -> AdvantageResult:
-    """Generalised advantage estimation for PPO with a critic (``values_T`` required)."""
+    """Generalised advantage estimation (Schulman et al. 2016) for PPO with a critic (``values_T``
+    required): delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1}, V = 0 after
+    the last token (no bootstrap: truncated responses count as terminal, as in verl/OpenRLHF).
+    Masked-out tokens are skipped by the recursion (value and advantage carry over them). Returns
+    are A + V before whitening; advantages are whitened over the batch unless ``whiten=False``."""
     _validate(rewards_N, cu_seqlens_N1, mask_T, group_ids_N)
     if values_T is None:
         raise ValueError("gae needs values_T (the critic's per-token values); got None")

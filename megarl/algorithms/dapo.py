@@ -1,21 +1,13 @@
 """DAPO extras (Yu et al. 2025): dynamic sampling and overlong reward shaping.
 
-Dynamic sampling. A group whose rewards are all equal (all correct or all wrong) has zero
-group-relative advantage and contributes no gradient, only noise in the normaliser. DAPO drops such
-groups and keeps generating until the batch holds the wanted number of informative groups.
-:func:`dynamic_sampling` takes a ``sample_fn()`` callback that returns a list of new groups (so it
-runs without an engine), keeps the informative ones, and stops when ``num_groups`` are collected
-or after ``max_tries`` calls. Deviation: the paper (and verl) aborts when the cap is hit; here the
-default returns the partial batch with ``exhausted=True`` and a warning (a step on fewer groups
-beats a dead run); ``allow_partial=False`` raises instead. Extra groups from the last call are
-discarded, as in DAPO, so the batch size stays fixed.
+Dynamic sampling: a group whose rewards are all equal has zero group-relative advantage and adds
+only noise to the normaliser, so DAPO drops such groups and generates more until the batch holds
+enough informative ones. :func:`dynamic_sampling` takes a ``sample_fn()`` callback (so it runs
+without an engine) and, unlike the paper, returns a partial batch at ``max_tries`` by default.
 
-Overlong reward shaping ("soft overlong punishment"), with L_max the response limit and
-L_cache the buffer:
-  0                                  if |y| <= L_max - L_cache
-  ((L_max - L_cache) - |y|) / L_cache  if L_max - L_cache < |y| <= L_max
-  -1                                 if |y| > L_max
-scaled by ``penalty_factor`` and added to the task reward.
+Overlong reward shaping (:func:`overlong_penalty`): the "soft overlong punishment", a penalty that
+grows linearly over the last ``buffer_length`` tokens before the response limit, added to the
+task reward.
 
 Shape legend: N sequences, G groups.
 """
@@ -89,7 +81,10 @@ def dynamic_sampling(
     """Call ``sample_fn()`` until ``num_groups`` informative groups are collected or ``max_tries`` calls.
 
     ``sample_fn`` returns a list of groups; ``rewards_of(group)`` gives a group's rewards (default:
-    ``group["rewards"]`` for mappings, else ``group.rewards``).
+    ``group["rewards"]`` for mappings, else ``group.rewards``). Extra groups from the last call are
+    discarded, as in DAPO, so the batch size stays fixed. Deviation: the paper (and verl) aborts at
+    the cap; here the default returns the partial batch with ``exhausted=True`` and a warning (a
+    step on fewer groups beats a dead run); ``allow_partial=False`` raises instead.
     """
     if num_groups <= 0:
         raise ValueError(f"num_groups must be > 0, got {num_groups}")
@@ -131,7 +126,11 @@ def overlong_penalty(
     buffer_length: int,
     penalty_factor: float = 1.0,
 ) -> torch.Tensor:
-    """DAPO soft overlong punishment per sequence (float32, values in [-penalty_factor, 0])."""
+    """DAPO soft overlong punishment per sequence (float32, values in [-penalty_factor, 0]).
+
+    With L_max = ``max_response_length`` and L_cache = ``buffer_length``, before the factor:
+    0 if |y| <= L_max - L_cache, ((L_max - L_cache) - |y|) / L_cache up to L_max, -1 beyond.
+    """
     if max_response_length <= 0:
         raise ValueError(f"max_response_length must be > 0, got {max_response_length}")
     if not 0 < buffer_length <= max_response_length:

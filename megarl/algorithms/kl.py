@@ -6,18 +6,12 @@ estimators of KL(pi || pi_ref) from Schulman, "Approximating KL divergence" (202
   k2 = d^2 / 2                   biased, low variance, >= 0
   k3 = exp(-d) - 1 + d           unbiased, low variance, >= 0 ("low_var_kl" in verl)
 Two uses:
-- as a loss term (GRPO style): :func:`kl_loss` aggregates k(logp, ref) with the policy loss's
-  aggregation mode; gradients flow through ``logprobs_T``. Note that the gradient of k3 is not an
-  unbiased KL gradient (it is the gradient of the reverse-direction estimate); this is the common
-  practice (DeepSeekMath, verl) and is kept.
+- as a loss term (GRPO style): :func:`kl_loss`, gradients through ``logprobs_T``. The gradient of
+  k3 is not an unbiased KL gradient; it is kept as common practice (DeepSeekMath, verl).
 - as a reward penalty (PPO/REINFORCE++ style, Ziegler et al. 2019): :func:`kl_reward_penalty`
-  returns detached per-token rewards -beta * k, to pass as ``token_rewards_T`` to an estimator.
-The log-ratio is clamped to [-20, 20] before exp (k3), so a stray token cannot produce inf.
-
-Coefficient beta: :class:`FixedKLController` or :class:`AdaptiveKLController` (Ziegler et al. 2019):
-  e = clip(KL / target - 1, -0.2, 0.2);  beta <- beta * (1 + e * n_steps / horizon)
-where n_steps is the number of samples (or steps) since the last update.
-
+  gives detached per-token rewards -beta * k, the ``token_rewards_T`` of an estimator.
+The log-ratio is clamped to [-20, 20] before exp (k3), so a stray token cannot produce inf. The
+coefficient beta comes from :class:`FixedKLController` or :class:`AdaptiveKLController`.
 Shape legend: T packed response tokens, N1 = N + 1 sequence boundaries.
 """
 
@@ -110,7 +104,9 @@ class FixedKLController:
 
 
 class AdaptiveKLController:
-    """Adaptive KL coefficient of Ziegler et al. (2019), tracking ``target_kl`` over ``horizon`` samples."""
+    """Adaptive KL coefficient of Ziegler et al. (2019), tracking ``target_kl`` over ``horizon`` samples:
+    e = clip(KL / target - 1, -0.2, 0.2); beta <- beta * (1 + e * n_steps / horizon), n_steps the
+    samples (or steps) since the last update."""
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: float):
         if init_kl_coef <= 0:

@@ -6,38 +6,12 @@ Layout: packed 1-D per-token tensors (``_T``) with ``cu_seqlens_N1`` and ``mask_
     fn(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_seqlens_N1, **options)
         -> (loss: 0-dim tensor, metrics: dict[str, 0-dim detached tensor])
 
-Common options: ``agg_mode`` (see :data:`AGG_MODES`), ``clip_eps_low``, ``clip_eps_high``,
-``entropy_T`` + ``entropy_coef`` (entropy bonus: the loss gets ``- coef * agg(entropy_T)``),
-``max_response_length`` (for ``seq-mean-token-sum-norm``) and ``num_tokens`` / ``num_seqs``.
-The last two replace the local token / sequence counts in the aggregation denominators: pass the
-global counts of a step when it is split into micro-batches, so that summing the micro-batch
-losses gives the loss of the whole step (verl's "global token" normalisation).
-``is_weights_T`` (policy losses): per-token importance weights of the rollout-training mismatch
-correction (:mod:`megarl.algorithms.offpolicy`), detached, multiplying the per-token loss before
-aggregation; the tokens the correction drops are left out of ``mask_T`` (and of the counts).
-
-Algorithms and deviations:
-- PPO (Schulman et al. 2017) per token: r = exp(logp - logp_old),
-  l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)). Separate epsilons are DAPO's
-  clip-higher (Yu et al. 2025). Dual-clip (Ye et al. 2020, c > 1): for A < 0 the loss is further
-  capped at -A c, so a huge ratio on a bad token cannot blow up the update.
-  The log-ratio is clamped to [-20, 20] before exp (finite in fp32; verl does the same).
-- GSPO (Zheng et al. 2025): the sequence ratio s_i = exp(mean over tokens of the log-ratio), the
-  geometric mean of token ratios, is clipped instead of token ratios. It is computed in the
-  "GSPO-token" form s_i,t = sg[s_i] * pi_t / sg[pi_t], which has the value s_i and the gradient of
-  the paper's sequence-level objective when advantages are constant within a sequence. Dual-clip
-  does not apply. The paper's epsilons (3e-4 / 4e-4) and ``seq-mean-token-mean`` are the defaults.
-- Aggregation: ``token-mean`` = sum(l m) / sum(m); ``seq-mean-token-sum`` = mean over sequences of
-  sum(l m); ``seq-mean-token-mean`` = mean over sequences of the per-sequence token mean;
-  ``seq-mean-token-sum-norm`` (Dr.GRPO, Liu et al. 2025) = sum(l m) / (N * max_response_length),
-  a constant normaliser with no length bias. The sequence means count only sequences with at least
-  one masked-in token (an all-masked sequence would otherwise dilute the mean).
-- Metrics: ``clip_frac`` (tokens whose clipped term was active), ``dual_clip_frac``,
-  ``approx_kl`` = mean of k3 = (r - 1) - log r (Schulman's low-variance KL(old || new) estimate,
-  non-negative; verl reports the k1 mean instead), ``ratio_mean/min/max`` over masked tokens.
-- Value loss (PPO critic): 0.5 * max((V - R)^2, (V_clip - R)^2) with
-  V_clip = V_old + clamp(V - V_old, -clip, clip).
-
+Common options: ``agg_mode`` (:func:`aggregate_loss`), ``clip_eps_low`` / ``clip_eps_high``,
+``entropy_T`` + ``entropy_coef`` (the loss gets ``- coef * agg(entropy_T)``), and ``num_tokens`` /
+``num_seqs``: the step's global counts as aggregation denominators, so that the micro-batch losses
+of a split step sum to the step's loss (verl's "global token" normalisation). ``is_weights_T``: the
+detached per-token weights of the rollout correction (:mod:`megarl.algorithms.offpolicy`); tokens
+it drops are left out of ``mask_T``. Log-ratios are clamped to [-20, 20] before exp.
 Shape legend: N sequences, T packed response tokens, V vocabulary, N1 = N + 1.
 """
 
@@ -70,7 +44,12 @@ def aggregate_loss(
     num_tokens: float | None = None,
     num_seqs: float | None = None,
 ) -> torch.Tensor:
-    """Reduce a per-token loss to a scalar with one of :data:`AGG_MODES` (see module docstring)."""
+    """Reduce a per-token loss l with mask m to a scalar with one of :data:`AGG_MODES`:
+    ``token-mean`` = sum(l m) / sum(m); ``seq-mean-token-sum`` = mean over sequences of sum(l m);
+    ``seq-mean-token-mean`` = mean over sequences of the per-sequence token mean;
+    ``seq-mean-token-sum-norm`` (Dr.GRPO, Liu et al. 2025) = sum(l m) / (N * max_response_length),
+    a constant normaliser with no length bias. The sequence means count only sequences with at
+    least one masked-in token (an all-masked sequence would dilute the mean)."""
     mask_f = mask_T.to(loss_T.dtype)
     masked_T = loss_T * mask_f
     if agg_mode == "token-mean":
@@ -155,7 +134,13 @@ def ppo_policy_loss(
     num_seqs: float | None = None,
     is_weights_T: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate per token; ``clip_eps_high=None`` means symmetric (= ``clip_eps_low``)."""
+    """PPO clipped surrogate per token (Schulman et al. 2017): r = exp(logp - logp_old),
+    l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)); ``clip_eps_high=None`` means symmetric
+    (= ``clip_eps_low``), separate epsilons are DAPO's clip-higher. Dual-clip (Ye et al. 2020,
+    c > 1) further caps the loss of A < 0 tokens at -A c, so a huge ratio on a bad token cannot
+    blow up the update. Metrics: ``clip_frac``, ``dual_clip_frac``, ``approx_kl`` (mean of k3 =
+    (r - 1) - log r, Schulman's KL(old || new) estimate; verl reports the k1 mean) and
+    ``ratio_mean/min/max`` over masked tokens."""
     _check_shapes(mask_T, cu_seqlens_N1, old_logprobs_T=old_logprobs_T, advantages_T=advantages_T, entropy_T=entropy_T,
                   logprobs_T=logprobs_T, is_weights_T=is_weights_T)
     clip_eps_high = _check_eps(clip_eps_low, clip_eps_high)
@@ -196,7 +181,11 @@ def gspo_policy_loss(
     num_seqs: float | None = None,
     is_weights_T: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GSPO: clip the length-normalised sequence ratio exp(mean_t log r_t) instead of token ratios."""
+    """GSPO (Zheng et al. 2025): clip the length-normalised sequence ratio exp(mean_t log r_t)
+    instead of token ratios, in the "GSPO-token" form s_i,t = sg[s_i] * pi_t / sg[pi_t] (the value
+    s_i, and the gradient of the sequence-level objective when advantages are constant within a
+    sequence). Dual-clip does not apply; the defaults are the paper's epsilons (3e-4 / 4e-4) and
+    ``seq-mean-token-mean``."""
     _check_shapes(mask_T, cu_seqlens_N1, old_logprobs_T=old_logprobs_T, advantages_T=advantages_T, entropy_T=entropy_T,
                   logprobs_T=logprobs_T, is_weights_T=is_weights_T)
     clip_eps_high = _check_eps(clip_eps_low, clip_eps_high)
@@ -231,7 +220,8 @@ def value_loss(
     num_tokens: float | None = None,
     num_seqs: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value loss for the PPO critic; ``clip_range=None`` disables clipping."""
+    """Clipped value loss for the PPO critic, 0.5 * max((V - R)^2, (V_clip - R)^2) with
+    V_clip = V_old + clamp(V - V_old, -clip, clip); ``clip_range=None`` disables clipping."""
     _check_shapes(mask_T, cu_seqlens_N1, values_T=values_T, old_values_T=old_values_T, returns_T=returns_T)
     returns_T, old_values_T = returns_T.detach(), old_values_T.detach()
     loss_T = (values_T - returns_T) ** 2

@@ -1,54 +1,19 @@
 """Rollout-training mismatch: importance weights, masks and metrics for samples the trainer did not draw.
 
-The samples of a step come from the rollout engine (vLLM), whose distribution mu differs from
-the trained policy pi even with the same weights (other kernels, another precision, a different
-reduction order) and more so off-policy (``trainer.mode`` one_step_off / async: an older policy
-version). The policy-gradient objective is an expectation under pi; a sample drawn from mu
-estimates it without bias only when weighted by w = pi(y) / mu(y):
+A step's samples come from the rollout engine (vLLM), whose distribution mu differs from the
+trained policy pi even with the same weights (other kernels, precision, reduction order) and more
+so off-policy (``trainer.mode`` one_step_off / async). This is decoupled PPO (Hilton et al. 2022;
+AReaL): the PPO ratio and its clip stay against the trainer's own proximal policy (its log-probs
+recomputed before the update, ``old_logprobs_T``, by the same kernels as the update), and a
+detached importance weight pi_prox / mu corrects the behaviour policy that drew the samples.
 
-    grad E_pi[f] = E_mu[ w(y) f(y) grad log pi(y) ].
-
-Target and behaviour. ``train_logprobs`` are the trainer's log-probs recomputed before the update
-(``old_logprobs_T``), ``rollout_logprobs`` vLLM's of the same sampled tokens. This is decoupled PPO
-(Hilton et al. 2022; AReaL): the PPO ratio pi_theta / pi_prox and its clip stay against the
-trainer's own *proximal* policy (the one the clip range was tuned for, and whose log-probs are
-computed by the same kernels as the update), and the importance weight pi_prox / mu corrects the
-*behaviour* policy that drew the samples into the proximal one. Weighting against vLLM's
-log-probs inside the PPO ratio instead would clip the trust region around a policy the trainer
-never computes. The weights are constants of the step (detached): they re-weight the samples,
-they do not take gradients.
-
-Methods (``algorithm.rollout_correction``), w = exp(train - rollout) per token, log-ratio clamped
-to [-20, 20] as in :mod:`megarl.algorithms.losses`; a sequence's ratio is the product of its token
-ratios, exp(sum of masked token log-ratios):
-
-- ``tis``: truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
-  brings you off-policy RL training"): weight min(w, cap), per token or, at ``sequence`` level,
-  the sequence's min(prod w, cap) on all its tokens. No sample is dropped.
-- ``mask``: masked importance sampling, i.e. rejection: tokens (``token``) or whole sequences
-  (``sequence``) whose ratio leaves [low, high] are dropped from the loss, the rest weighted 1.
-  Sequence-level masked IS (rejecting whole samples the trainer finds far too unlikely or too
-  likely under its own policy): Liu et al. 2025, "When speed kills stability: demystifying RL
-  collapse from the training-inference mismatch".
-- ``icepop``: IcePop (inclusionAI Ling team, Ring-1T, 2025): two-sided token masking with
-  weighting, M(w) = w inside [low, high] and 0 outside (the token leaves the loss). Token level
-  only: a product of many token ratios almost never stays inside such a band.
-- ``none``: weight 1, nothing dropped; the metrics are still computed.
-
-Bias and variance. Only the untruncated, unmasked weight w (token level for a per-token
-objective, sequence level for a sequence objective) is unbiased; its variance is unbounded where
-mu puts little mass on what pi favours, and a sequence's product of token ratios grows
-exponentially with length. Truncation (tis) removes the part of the gradient above the cap:
-biased towards mu on the tokens pi likes far more than mu does, with weights bounded by cap.
-Masking drops the tokens or sequences outside the band: biased (the expectation runs over the
-band only), with bounded variance, and robust to a few samples whose log-probs are broken (a
-numerically diverged token gets no gradient at all instead of a capped one). Token-level weights
-are themselves a (standard) approximation for sequences: they correct each token's marginal
-without the ratio of the prefix that led to it. ``mismatch_metrics`` shows how far apart the two
-distributions are and how much each method drops.
-
-Layout: packed 1-D per-token tensors, see :mod:`megarl.algorithms.packed`.
-Shape legend: N sequences, T packed response tokens, N1 = N + 1.
+Methods (``algorithm.rollout_correction``, :func:`correction_weights`): ``tis`` (truncate the
+weight at a cap), ``mask`` (drop tokens or sequences whose ratio leaves a band), ``icepop`` (weight
+inside the band, drop outside), ``none``. Only the untruncated weight is unbiased, and its variance
+is unbounded (a sequence's ratio grows exponentially with length); truncation and masking trade
+bias for bounded variance, masking also giving no gradient to numerically broken tokens.
+:func:`mismatch_metrics` shows how far apart the distributions are and how much each method drops.
+Layout: packed 1-D per-token tensors (:mod:`megarl.algorithms.packed`); N sequences, T tokens.
 """
 
 from __future__ import annotations
@@ -87,8 +52,19 @@ def correction_weights(
     high: float = 2.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights_T, keep_T): detached per-token loss weights (dtype of ``train_logprobs_T``) and the
-    corrected mask ``mask_T & kept`` (bool). Weights are 0 outside ``keep_T``. See the module
-    docstring for the modes; ``cap`` is tis's, ``low`` / ``high`` the band of mask and icepop."""
+    corrected mask ``mask_T & kept`` (bool). Weights are 0 outside ``keep_T``. With
+    w = exp(train - rollout) per token and, at ``sequence`` level, a sequence's ratio the product
+    of its token ratios:
+
+    - ``tis``: truncated IS (Yao et al. 2025, "Your efficient RL framework secretly brings you
+      off-policy RL training"): weight min(w, ``cap``), per token or the sequence's on all its
+      tokens; nothing is dropped.
+    - ``mask``: rejection (sequence level: Liu et al. 2025, "When speed kills stability"): tokens
+      or whole sequences whose ratio leaves [``low``, ``high``] are dropped, the rest weighted 1.
+    - ``icepop``: IcePop (inclusionAI, Ring-1T, 2025): w inside [``low``, ``high``], dropped
+      outside; token level only (a product of many token ratios almost never stays in a band).
+    - ``none``: weight 1, nothing dropped.
+    """
     if mode not in CORRECTION_MODES:
         raise ValueError(f"unknown rollout correction mode {mode!r}; known: {list(CORRECTION_MODES)}")
     if level not in CORRECTION_LEVELS:

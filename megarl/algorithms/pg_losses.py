@@ -4,33 +4,9 @@ Same layout and registry signature as :mod:`megarl.algorithms.losses` (packed ``
 ``cu_seqlens_N1``, ``mask_T``; ``agg_mode``, ``num_tokens`` / ``num_seqs`` for the step's global
 counts, ``entropy_T`` + ``entropy_coef``, ``is_weights_T`` of the rollout correction). r is the
 token ratio pi / pi_old = exp(logp - logp_old) (log-ratio clamped to [-20, 20]), A the advantage.
-
-- SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization"): the hard clip becomes a smooth
-  gate, per token l = -A * f(r), f(r) = sigmoid(tau (r - 1)) * 4 / tau, tau = ``tau_pos`` for
-  A > 0 and ``tau_neg`` for A < 0 (paper: 1.0 and 1.05). df/dr = 4 s (1 - s) is 1 at r = 1 (the
-  plain policy gradient on-policy) and decays smoothly as r leaves 1, faster for negative
-  advantages. Metric ``gate_mean``: the mean df/dr over tokens.
-- CISPO (MiniMax-M1, 2025): l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * logp: the importance
-  weight is clipped and detached, so every token keeps a gradient (PPO zeroes clipped tokens). The
-  paper imposes no lower bound (``clip_eps_low`` = 1: weight >= 0) and tunes the upper one.
-  Metric ``clip_frac``: tokens whose weight was clipped.
-- GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization"): per sequence the geometric mean of
-  the token terms, l_i = -A_i * exp(mean_t s_t), s_t = min(log r_t, clip(log r_t, -eps_low,
-  eps_high)) for A_i > 0 and max(...) for A_i < 0 (the token-level clip in log space, paper's
-  eps 0.4 both sides: r in [e^-0.4, e^0.4]). The loss is the mean of l_i over sequences (it is a
-  sequence-level objective: ``agg_mode`` does not apply; ``num_seqs`` does). Metric
-  ``clip_frac``: tokens whose log-ratio was clipped.
-- Clip-Cov and KL-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for
-  Reasoning Language Models"): the per-token covariance Cov_t = (logp_t - mean logp) (A_t - mean A)
-  (means over the micro-batch's masked tokens; the paper's are over the batch) marks the tokens
-  that drive entropy collapse. Base term -r A (no clip). Clip-Cov: ``cov_clip_ratio`` x tokens
-  (paper 2e-4, at least one when any qualifies), drawn at random (``generator``) from those with
-  Cov in [``cov_low``, ``cov_high``] (paper 1 and 5), get no gradient. KL-Cov: the top
-  ``kl_cov_ratio`` x tokens by Cov (paper 2e-3) get the penalty ``kl_cov_coef`` x |log r| (paper
-  beta = 1; |log r| is the per-token size of the KL between old and new policy on the sampled
-  token). Metrics ``cov_selected_frac`` (the share of tokens selected) and ``cov_mean``.
-- GPG (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline"): l = -A * logp,
-  no ratio and no clip (pair it with the gpg advantage, which carries the paper's scaling).
+Each function states its loss, its paper's settings and its metrics. Clip-Cov and KL-Cov act on
+the per-token covariance (:func:`token_covariance`), which marks the tokens that drive entropy
+collapse.
 
 Shape legend: N sequences, T packed response tokens, N1 = N + 1.
 """
@@ -60,7 +36,11 @@ def _weighted(loss_T, is_weights_T):
 def sapo_policy_loss(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_seqlens_N1, *, tau_pos: float = 1.0,
                      tau_neg: float = 1.05, agg_mode: str = "token-mean", entropy_T=None, entropy_coef: float = 0.0,
                      max_response_length=None, num_tokens=None, num_seqs=None, is_weights_T=None):
-    """SAPO: a sigmoid gate sigmoid(tau (r - 1)) * 4 / tau instead of the hard clip (module docstring)."""
+    """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization"): a smooth gate instead of the hard
+    clip, l = -A * f(r), f(r) = sigmoid(tau (r - 1)) * 4 / tau, tau = ``tau_pos`` for A > 0 and
+    ``tau_neg`` for A < 0 (paper: 1.0 and 1.05). df/dr is 1 at r = 1 (the plain policy gradient
+    on-policy) and decays as r leaves 1, faster for negative advantages. Metric ``gate_mean``: the
+    mean df/dr over tokens."""
     advantages_T, log_ratio_T, ratio_T = _inputs(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_seqlens_N1,
                                                  entropy_T, is_weights_T)
     if not (tau_pos > 0 and tau_neg > 0):
@@ -78,7 +58,10 @@ def cispo_policy_loss(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_seqle
                       clip_eps_low: float = 1.0, clip_eps_high: float | None = 3.0, agg_mode: str = "token-mean",
                       entropy_T=None, entropy_coef: float = 0.0, max_response_length=None, num_tokens=None,
                       num_seqs=None, is_weights_T=None):
-    """CISPO: -sg(clip(r)) * A * logp (module docstring)."""
+    """CISPO (MiniMax-M1, 2025): l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * logp: the weight
+    is clipped and detached, so every token keeps a gradient (PPO zeroes clipped tokens). The paper
+    has no lower bound (``clip_eps_low`` = 1: weight >= 0). Metric ``clip_frac``: tokens whose
+    weight was clipped."""
     advantages_T, log_ratio_T, ratio_T = _inputs(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_seqlens_N1,
                                                  entropy_T, is_weights_T)
     clip_eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
@@ -97,7 +80,11 @@ def geo_mean_policy_loss(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_se
                          clip_eps_low: float = 0.4, clip_eps_high: float | None = 0.4, agg_mode: str = "token-mean",
                          entropy_T=None, entropy_coef: float = 0.0, max_response_length=None, num_tokens=None,
                          num_seqs=None, is_weights_T=None):
-    """GMPO: -A_i * exp(mean_t of the sign-aware clipped log-ratios), averaged over sequences."""
+    """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization"): l_i = -A_i * exp(mean_t s_t),
+    s_t = min(log r_t, clip(log r_t, -eps_low, eps_high)) for A_i > 0 and max(...) for A_i < 0
+    (paper: eps 0.4 both sides), averaged over sequences: a sequence-level objective, so
+    ``agg_mode`` does not apply (``num_seqs`` does). Metric ``clip_frac``: tokens whose log-ratio
+    was clipped."""
     advantages_T, log_ratio_T, ratio_T = _inputs(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_seqlens_N1,
                                                  entropy_T, is_weights_T)
     clip_eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
@@ -146,7 +133,11 @@ def clip_cov_policy_loss(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_se
                          generator: torch.Generator | None = None, agg_mode: str = "token-mean", entropy_T=None,
                          entropy_coef: float = 0.0, max_response_length=None, num_tokens=None, num_seqs=None,
                          is_weights_T=None):
-    """Clip-Cov: -r A, with a random share of the high-covariance tokens cut from the gradient."""
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning Language Models"): -r A
+    (no clip), with ``cov_clip_ratio`` x tokens (paper 2e-4, at least one when any qualifies) drawn
+    at random (``generator``) from those with covariance in [``cov_low``, ``cov_high``] (paper 1
+    and 5) cut from the gradient. Covariance means are over the micro-batch (the paper's over the
+    batch). Metrics ``cov_selected_frac`` and ``cov_mean``."""
     advantages_T, log_ratio_T, ratio_T = _inputs(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_seqlens_N1,
                                                  entropy_T, is_weights_T)
     if not (0 < cov_clip_ratio <= 1 and cov_low < cov_high):
@@ -171,7 +162,9 @@ def kl_cov_policy_loss(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_seql
                        kl_cov_ratio: float = 2e-3, kl_cov_coef: float = 1.0, agg_mode: str = "token-mean",
                        entropy_T=None, entropy_coef: float = 0.0, max_response_length=None, num_tokens=None,
                        num_seqs=None, is_weights_T=None):
-    """KL-Cov: -r A, plus kl_cov_coef * |log r| on the top-covariance tokens."""
+    """KL-Cov (Cui et al. 2025): -r A, plus ``kl_cov_coef`` x |log r| (paper 1) on the top
+    ``kl_cov_ratio`` x tokens by covariance (paper 2e-3); |log r| is the per-token size of the KL
+    between old and new policy on the sampled token. Metrics ``cov_selected_frac``, ``cov_mean``."""
     advantages_T, log_ratio_T, ratio_T = _inputs(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_seqlens_N1,
                                                  entropy_T, is_weights_T)
     if not (0 < kl_cov_ratio <= 1 and kl_cov_coef >= 0):
@@ -194,7 +187,8 @@ def kl_cov_policy_loss(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_seql
 def gpg_policy_loss(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_seqlens_N1, *, agg_mode: str = "token-mean",
                     entropy_T=None, entropy_coef: float = 0.0, max_response_length=None, num_tokens=None,
                     num_seqs=None, is_weights_T=None):
-    """GPG: -A * logp (no ratio, no clip)."""
+    """GPG (Chu et al. 2025): -A * logp, no ratio and no clip (pair it with the gpg advantage, which
+    carries the paper's scaling)."""
     advantages_T, log_ratio_T, ratio_T = _inputs(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_seqlens_N1,
                                                  entropy_T, is_weights_T)
     loss_T = _weighted(-advantages_T * logprobs_T, is_weights_T)

@@ -1,29 +1,16 @@
 """Registries of advantage estimators and policy losses (user functions by dotted path).
 
 Names map to functions in plain dicts; an unknown name raises ValueError listing the known ones.
-Anything that is not a registered name but contains ``:`` or ``.`` is imported as a dotted path,
-``package.module:function`` or ``package.module.function`` (the function must be importable in
-every process that uses it, i.e. defined at module level; the loader is :mod:`megarl.plugins`).
+Anything else containing ``:`` or ``.`` is imported as ``package.module:function`` or
+``package.module.function`` by :mod:`megarl.plugins` (module level, so importable in every
+process). User functions follow the built-ins' contracts (tests/unit/test_advantages.py and
+test_losses.py check those): an estimator as in :mod:`megarl.algorithms.advantages` (returning
+an ``AdvantageResult`` or a 2-tuple), a policy loss as in :mod:`megarl.algorithms.losses`.
 
-Contracts for user functions (the tests in tests/unit/test_advantages.py and test_losses.py check
-the built-ins against them):
-
-- advantage estimator::
-
-      fn(*, rewards_N, cu_seqlens_N1, mask_T, group_ids_N, token_rewards_T=None, values_T=None,
-         **options) -> AdvantageResult(advantages_T, returns_T)   # or a 2-tuple of tensors
-
-  Two inputs are passed only to an estimator whose signature names them: ``logprobs_T`` (the
-  sampling policy's log-prob of each sampled token, vLLM's; NaN where none, e.g. inserted tool
-  results) and ``baseline_rewards_N`` (the reward of the greedy response to each sequence's
-  prompt, generated in the same step: ``remax``).
-
-- policy loss::
-
-      fn(logprobs_T, old_logprobs_T, advantages_T, mask_T, cu_seqlens_N1, **options)
-          -> (loss: 0-dim tensor, metrics: dict[str, tensor])
-
-See :mod:`megarl.algorithms.advantages` and :mod:`megarl.algorithms.losses` for the layout.
+Two inputs reach only an estimator whose signature names them: ``logprobs_T`` (the sampling
+policy's log-prob of each sampled token, vLLM's; NaN where none, e.g. inserted tool results) and
+``baseline_rewards_N`` (the reward of the greedy response to each sequence's prompt, generated in
+the same step: ``remax``).
 """
 
 from __future__ import annotations

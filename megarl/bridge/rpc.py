@@ -1,9 +1,8 @@
 """The vLLM worker methods the bridge calls, by name: ``llm.collective_rpc(NAME, args=...)``.
 
-vLLM's worker processes are reached through ``collective_rpc``, which calls a method of the
-worker extension (``LLM(worker_extension_cls=...)``) by its name. Both sides take the names from
-here: :mod:`megarl.bridge.sync` calls them and :class:`megarl.rollout.worker_ext.BridgeWorkerExtension`
-defines a method under each (tests/unit/test_bridge_buffer.py checks that it defines all of them).
+``collective_rpc`` calls a method of the worker extension (``LLM(worker_extension_cls=...)``) by
+name; :mod:`megarl.bridge.sync` calls these names and
+:class:`megarl.rollout.worker_ext.BridgeWorkerExtension` defines each (tests/unit/test_bridge_buffer.py).
 
 ================  ================================================  ===================================
 name              arguments                                         each worker returns
@@ -14,9 +13,8 @@ LOAD_BUCKET       manifests ``{str(vllm rank): DestBuffer manifest}``  ``{"rank"
 WEIGHT_VERSION    none                                              version of its last loaded bucket
 CHECKSUMS         vLLM parameter names                              ``{"rank", "checksums": {name:
                                                                     weighted checksum}}``
-                                                                    (:mod:`megarl.bridge.verify`)
-RELOAD_BYTES      safetensors bytes of full HF tensors (benchmark   ``{"rank", "secs"}``
-                  baseline: perf/bench_weight_sync.py)
+RELOAD_BYTES      safetensors bytes of full HF tensors (a           ``{"rank", "secs"}``
+                  baseline for measuring the sync)
 ================  ================================================  ===================================
 """
 LOAD_BUCKET = "megarl_load_bucket"

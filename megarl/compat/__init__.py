@@ -1,21 +1,16 @@
 """Run the same megatron-core code on CPU (gloo) and GPU (NCCL).
 
-``setup_cpu()`` is the single entry point: when CUDA is absent it applies the documented
-megatron-core patches (:mod:`megarl.compat.megatron_cpu`, sites P1-P9) and makes megatron's TE
-layer-spec builders use the CPU TE modules of :mod:`megarl.compat.te_cpu`. On a CUDA machine it
-does nothing, and the real Transformer Engine is used.
+``setup_cpu()`` is the single entry point: without CUDA it applies the megatron-core patches of
+:mod:`megarl.compat.megatron_cpu` and makes megatron's TE layer-spec builders use the CPU modules
+of :mod:`megarl.compat.te_cpu`; with CUDA it does nothing and the real Transformer Engine is used.
+vLLM's CPU fixes (:mod:`megarl.compat.vllm_cpu`) are applied in vLLM's own processes through
+megarl's ``vllm.general_plugins`` entry point. Optional GPU libraries are detected, never
+required: ``has_te()``, ``has_apex()`` (the package index's ``apex`` is an unrelated project).
 
-vLLM runs its engine core and workers in processes of its own, so its CPU fixes
-(:mod:`megarl.compat.vllm_cpu`, site V1: the rotary kernel that dropped DeepSeek MLA's position
-information) are applied there by vLLM itself, through megarl's ``vllm.general_plugins`` entry point.
-
-Optional GPU libraries are detected at run time, never required: ``has_te()`` and ``has_apex()``.
-(The package index's ``apex`` is an unrelated project; NVIDIA apex is never a dependency.)
-
-Megatron settings that CPU runs need (applied by :func:`cpu_transformer_overrides`): no fused
-kernels, CPU initialisation, and ``batch_p2p_comm=False`` under VPP (gloo matches messages between
-a rank pair in issue order, and with pp=2 prev == next rank: batched p2p silently swaps
-activations and gradients).
+CPU runs need (:func:`cpu_transformer_overrides`) no fused kernels, CPU initialisation, and
+``batch_p2p_comm=False`` under VPP: gloo matches messages between a rank pair in the order they
+were issued, and with pp=2 prev == next rank, so batched p2p silently swaps activations and
+gradients.
 """
 from __future__ import annotations
 

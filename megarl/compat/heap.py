@@ -52,13 +52,10 @@ def keep() -> bool:
     per step. This turns mmap off for allocations (all from the heap), never trims the top
     automatically and uses one arena (the OpenMP threads' allocations land in the same heap).
     Memory goes back only on :func:`trim`; the training worker never calls it: what it holds is
-    its own peak, which every step reaches again. Measured with bench_grpo_cpu (bf16, 5 steps,
-    same day): without a trim, 24.0 s a step and a summed peak PSS of 7.91 GiB
-    (perf/results/bench_grpo_cpu_2026-12-04_avx512bf16_cuts_notrim.md); trimming after each update,
-    26.5 s and 7.69 GiB (..._cuts.md): the pages given back are faulted in again by the next step.
-    Measured on a quickstart-shaped bf16 training step (perf/results/quickstart_step_cpu_2026-12-04.md): before the output layer read
-    only the response positions, 16.3 -> 14.3 s (1.3M page faults -> 0 with these settings from
-    process start); after it, ~0.5 s (13.9 -> 13.4 s; 0.7M -> 0.07M faults, sys time 3.6 -> 2.0 s).
+    its own peak, which every step reaches again (trimming after each update measured slower,
+    26.5 against 24.0 s a bf16 step, for 3% less peak memory: the next step faults the pages in
+    again). On a quickstart-shaped bf16 training step these settings save ~0.5 s (0.7M -> 0.07M
+    page faults).
 
     True when glibc accepted the settings; False elsewhere (not glibc, not Linux)."""
     if not _libc():

@@ -1,52 +1,14 @@
 """Patches that let megatron-core 0.16.1 run on CPU under the gloo backend.
 
 Applied by :func:`megarl.compat.setup_cpu` only when CUDA is absent; no megatron-core file is
-edited. Every patched site is listed here with the upstream line it works around (measured on
-megatron-core 0.16.1, torch 2.13.0+cpu; the table below is the full list, P1-P11).
-``tests/unit/test_compat_sites.py`` checks each ``SITES`` entry against the installed source and
-fails loudly when an upstream site moves or disappears (then the patch must be revisited).
-
-==  ============================================================  ==========================================
-id  upstream site (megatron/core/...)                              patch
-==  ============================================================  ==========================================
-P1  rotary_pos_embedding.py get_emb, utils.py GlobalMemoryBuffer,  ``torch.cuda.current_device`` -> cpu device
-    tensor_parallel/mappings.py buffers, p2p_communication.py,
-    param_and_grad_buffer.py, moe/router.py
-P2  transformer/utils.py get_default_causal_mask /                 CPU masks, also rebound in fused_softmax
-    get_sliding_window_causal_mask (``device="cuda"``)             (it imported them by name)
-P3  tensor_parallel/random.py _get/_set_cuda_rng_state,            tracker stores CPU generator states
-    CudaRNGStatesTracker.add (torch.cuda.get_rng_state)
-P4  pipeline_parallel/schedules.py ``total_num_tokens`` zeros,     a TorchFunctionMode that maps
-    optimizer/optimizer.py found_inf & friends, distrib_optimizer  ``device="cuda"``/``.cuda()``/``pin_memory``
-    ``param.type() == 'torch.cuda.FloatTensor'``, clip_grads.py,   to CPU and reports CPU tensors with
-    language_module.py ``weight.data.cuda()``, rope_utils.py       their cuda type names; no-op synchronize
-P5  transformer/moe/moe_utils.py te_general_gemm & fused_* only    define the missing names as None
-    defined when TE imports; used unguarded (NameError)
-P6  moe/token_dispatcher.py torch.cuda.Stream/Event,               no-op stream/event stubs; split sizes as
-    moe_utils.maybe_move_tensor_to_cpu keeps CPU split sizes as     numpy for CPU tensors too
-    tensors (all_to_all_single TypeError)
-P7  tensor_parallel/mappings.py _gather_along_first_dim /          pad + all_gather_into_tensor, all_reduce +
-    _reduce_scatter_along_first_dim with unequal splits (gloo)     slice
-P9  optimizer/distrib_optimizer.py sharded_state_dict(is_loading)  dummy-state init before load; copy only
-    on fresh torch AdamW; _set_main_param_and_optimizer_states     present keys under no_grad; un-share the
-    KeyError 'step'; load_state_dict shares one ``step`` tensor    ``step`` tensor (silent Adam bias error)
-P10 optimizer/cpu_offloading/hybrid_optimizer.py                   every parameter counts as a device one:
-    HybridDeviceOptimizer._get_sub_optimizer_param_groups offloads  the offloaded share gets its own host
-    only ``param.is_cuda`` parameters; on a CPU host none is, and   copy, stepped by the host optimizer and
-    _set_sub_optimizer_grads then fails (KeyError) on the rest;     copied back (the data path of a GPU run);
-    optimizer_config.py OptimizerConfig.__post_init__ compares      the version check reads "no TE" as too old
-    ``get_te_version()`` (None without TE) to a version: TypeError; fp32 model params detached
-    distrib_optimizer.py _build_model_and_main_param_groups hands   (as upstream does for 16-bit ones):
-    fp32 params' shards as non-leaf views, which the new torch      same storage, same updates
-    optimizer refuses ("can't optimize a non-leaf Tensor");
-    _update_fp32_params_by_new_state (checkpoint load) looks up an  a state without an fp32 copy is copied
-    fp32 copy for every parameter; fp32 ones have none: KeyError    into the parameter or its host copy
-P11 distributed/param_and_grad_buffer.py                           a group of one rank: only the scaling
-    _ParamAndGradBucketGroup.start_grad_sync / start_param_sync    (and the NaN check) runs, no collective;
-    run their reduce-scatter / all-gather also on a data-parallel  the buffers are the same bytes a 1-rank
-    group of one rank; gloo then copies the whole fp32 gradient    collective would leave (a speed patch:
-    buffer through a temporary (0.7 s a step for 135M parameters)  synchronous sync only, not with overlap)
-==  ============================================================  ==========================================
+edited. Each patch function names the upstream site it works around (megatron-core 0.16.1,
+torch 2.13.0+cpu): P1 ``current_device``, P2 causal masks, P3 the RNG tracker, P4 hard-coded CUDA
+allocations (a TorchFunctionMode), P5 TE-only MoE names, P6 MoE streams and split sizes, P7
+uneven gather / reduce-scatter, P9 distributed-optimizer checkpoint loading, P10 optimizer
+offload on a CPU host, P11 one-rank data-parallel syncs (a speed patch: gloo would copy the whole
+gradient buffer, 0.7 s a step for 135M parameters). ``tests/unit/test_compat_sites.py`` checks each
+``SITES`` entry against the installed source and fails when an upstream site moves (then the
+patch must be revisited).
 
 P8 (SP with the local torch norm) is not needed: megarl always builds the TE spec, whose CPU norm
 (:class:`megarl.compat.te_cpu.CpuTENorm`) tags its parameters for SP itself.
@@ -118,6 +80,9 @@ _MOE_TE_NAMES = (
 
 # --- P1 -------------------------------------------------------------------------------------
 def patch_current_device():
+    """P1: ``torch.cuda.current_device`` -> the cpu device (rotary_pos_embedding.py get_emb,
+    utils.py GlobalMemoryBuffer, tensor_parallel/mappings.py buffers, p2p_communication.py,
+    param_and_grad_buffer.py, moe/router.py)."""
     torch.cuda.current_device = lambda: torch.device("cpu")
 
 
@@ -134,6 +99,8 @@ def _sliding_window_mask(sq, skv, window_size):
 
 
 def patch_causal_masks():
+    """P2: CPU causal and sliding-window masks for transformer/utils.py's (``device="cuda"``),
+    also rebound in fused_softmax, which imported them by name."""
     from megatron.core.fusions import fused_softmax
     from megatron.core.transformer import utils as tutils
 
@@ -145,6 +112,9 @@ def patch_causal_masks():
 
 # --- P3 -------------------------------------------------------------------------------------
 def patch_rng_tracker():
+    """P3: tensor_parallel/random.py's CUDA RNG state getter/setter and
+    ``CudaRNGStatesTracker.add`` (``torch.cuda.get_rng_state``): the tracker stores CPU generator
+    states."""
     from megatron.core.tensor_parallel import random as mrandom
 
     # Both getter and setter: the unpatched setter silently queues a lazy CUDA call that never
@@ -186,7 +156,11 @@ def _is_cuda(device) -> bool:
 
 
 class CudaToCpuMode(TorchFunctionMode):
-    """Redirects hard-coded CUDA allocations and type checks in megatron-core to the CPU.
+    """P4: redirects hard-coded CUDA allocations and type checks in megatron-core to the CPU
+    (schedules.py ``total_num_tokens``, optimizer.py ``found_inf`` and friends, distrib_optimizer's
+    ``param.type() == 'torch.cuda.FloatTensor'``, clip_grads.py, language_module.py
+    ``weight.data.cuda()``, rope_utils.py): ``device="cuda"`` / ``.cuda()`` / ``pin_memory`` go to
+    the CPU and CPU tensors report their cuda type names.
 
     Costs ~30% CPU time per tiny-model step (every torch call passes through it); it is only
     entered when CUDA is absent.
@@ -225,6 +199,8 @@ def install_cuda_to_cpu_mode():
 
 # --- P5 -------------------------------------------------------------------------------------
 def patch_moe_router_without_te():
+    """P5: moe_utils.py defines ``te_general_gemm`` and the ``fused_*`` names only when TE imports
+    but uses them unguarded (NameError): define the missing ones as None."""
     from megatron.core.transformer.moe import moe_utils
 
     for name in _MOE_TE_NAMES:
@@ -271,6 +247,9 @@ class _NoStream:
 
 
 def patch_moe_alltoall():
+    """P6: no-op ``torch.cuda.Stream`` / ``Event`` stubs for moe/token_dispatcher.py, and
+    ``maybe_move_tensor_to_cpu`` gives CPU split sizes as numpy too (``all_to_all_single`` raises
+    TypeError on tensors)."""
     default_stream = _NoStream()
     torch.cuda.Stream = _NoStream
     torch.cuda.Event = _NoEvent
@@ -296,6 +275,8 @@ def patch_moe_alltoall():
 
 # --- P7 -------------------------------------------------------------------------------------
 def patch_uneven_collectives():
+    """P7: tensor_parallel/mappings.py's gather / reduce-scatter along the first dim with unequal
+    splits, which gloo lacks: pad + ``all_gather_into_tensor``, and ``all_reduce`` + slice."""
     from megatron.core.tensor_parallel import mappings
 
     orig_gather = mappings._gather_along_first_dim
@@ -327,6 +308,10 @@ def patch_uneven_collectives():
 
 # --- P9 -------------------------------------------------------------------------------------
 def patch_distributed_optimizer_checkpoint():
+    """P9: distrib_optimizer.py checkpoint loading with a torch AdamW: dummy states before
+    ``sharded_state_dict(is_loading)`` on a fresh optimizer, only present keys copied (under
+    no_grad) instead of KeyError 'step', and the one ``step`` tensor that ``load_state_dict``
+    shares between parameters un-shared (silent Adam bias-correction error)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     if getattr(DistributedOptimizer, "_megarl_patched", False):
@@ -430,7 +415,8 @@ def patch_hybrid_optimizer():
 
     # fp32 model parameters (every CPU run; a GPU run with model.dtype float32): their shards are
     # views of the parameter that still require grad, and HybridDeviceOptimizer builds a new
-    # torch optimizer from them. A detached view shares the storage, so updates land as before.
+    # torch optimizer from them. A detached view shares the storage, so updates still land in the
+    # parameter.
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     build = DistributedOptimizer._build_model_and_main_param_groups

@@ -1,33 +1,18 @@
 """Fixes for megatron-core 0.16 bugs that hit megarl on every device (CPU and GPU alike).
 
-Applied by :func:`apply` (idempotent) before any model is built (``megarl.engine.build``); each
-is replaced at its definition site in megatron-core, never by editing megatron-core, and each is
-asserted by a test.
+Applied by :func:`apply` (idempotent) before any model is built (``megarl.engine.build``), each
+replaced at its definition site, never by editing megatron-core:
 
-M1  ``TopKRouter._apply_expert_bias`` (moe/router.py): with a padding mask, the expert-bias token
-    count computes ``routing_map & ~padding_mask`` where ``routing()`` has already flattened the
-    mask to ``[tokens]`` and ``routing_map`` is ``[tokens, experts]``: the mask broadcasts along
-    the expert axis, so every training forward of a model with expert bias (DeepSeek-V3's
-    ``noaux_tc`` routing) fails ("size of tensor a (16) must match the size of tensor b (316)"),
-    or, when the token count equals the expert count, silently counts the wrong tokens. Fixed:
-    the mask is applied per token (``[tokens, 1]``). The count only updates the expert bias
-    between steps (``moe_router_bias_update_rate``), never the forward values.
-    Tested by tests/unit/test_megatron_fixes.py and, through the whole loop, by
+M1  the expert-bias token count of ``TopKRouter`` broadcasts the padding mask along the expert
+    axis (:func:`_apply_expert_bias`); tests/unit/test_megatron_fixes.py, and the whole loop in
     tests/e2e/test_deepseek_e2e.py.
-
-M2  Distributed checkpoints load no code (torch DCP, which megatron's ``torch_dist`` format uses):
-    ``FileSystemReader.read_metadata`` unpickles the folder's ``.metadata`` with plain
-    ``pickle.load``, and ``DefaultLoadPlanner.load_bytes`` (parent of megatron's
-    ``MCoreLoadPlanner``) reads byte items such as TE's ``_extra_state`` with
-    ``torch.load(weights_only=False)``: a checkpoint folder that someone else wrote could run any
-    code on every rank at resume. Fixed: ``.metadata`` goes through an unpickler that constructs
-    only torch DCP's own metadata types (dataclasses and enums of ``torch.distributed.checkpoint``),
-    ``torch.Size``, dtypes and layouts (:func:`restricted_load`); byte items load with
-    ``weights_only=True``. Anything else raises :class:`UnsafePickleError` before it is built.
-    Seen in a megatron checkpoint: exactly those types. Not covered: TE FP8 extra state that
-    pickles a recipe object (GPU FP8 runs; it would be refused, not run). Optimizer classes are
-    allowed by name (:func:`optimizer_classes`: HybridDeviceOptimizer's parameter groups hold
-    them). Tested by tests/unit/test_safe_loads.py.
+M2  distributed checkpoints load no code: torch DCP (megatron's ``torch_dist`` format) unpickles
+    ``.metadata`` with plain ``pickle.load`` and byte items (TE's ``_extra_state``) with
+    ``torch.load(weights_only=False)``, so a checkpoint someone else wrote could run code on every
+    rank at resume. ``.metadata`` goes through :func:`restricted_load` (DCP's own metadata types,
+    ``torch.Size``, dtypes, layouts) and byte items load with ``weights_only=True``; anything else
+    raises :class:`UnsafePickleError` before it is built. TE FP8 extra state that pickles a recipe
+    object would be refused. tests/unit/test_safe_loads.py.
 """
 from __future__ import annotations
 
@@ -125,6 +110,12 @@ def find_unsafe(err: BaseException | None, depth: int = 0) -> UnsafePickleError 
 
 
 def _apply_expert_bias(self, routing_map, padding_mask=None):
+    """M1: ``TopKRouter._apply_expert_bias`` with the padding mask applied per token. Upstream
+    computes ``routing_map & ~padding_mask`` with the mask already flattened to ``[tokens]`` and
+    ``routing_map`` ``[tokens, experts]``: the mask broadcasts along the expert axis, so a model
+    with expert bias (DeepSeek-V3's ``noaux_tc``) fails every training forward, or silently counts
+    the wrong tokens when the token count equals the expert count. The count only updates the
+    expert bias between steps, never the forward values."""
     import torch
 
     if self.enable_expert_bias and torch.is_grad_enabled():

@@ -1,26 +1,17 @@
 """CPU implementations of the Transformer-Engine modules that megatron-core's TE layer spec uses.
 
-With them, ``get_gpt_layer_with_transformer_engine_spec`` / ``get_gpt_decoder_block_spec`` build on
-a CPU-only machine a model whose parameter names, shapes and ``sharded_state_dict`` keys are those
-of the GPU (TE) model. So one layer spec serves CPU and GPU: the same checkpoints, the same
+With them the TE layer spec builds, on a CPU-only machine, a model whose parameter names, shapes
+and ``sharded_state_dict`` keys are the GPU (TE) model's: one spec, the same checkpoints and
 TE-named weight map (megarl.bridge.mapping), packed THD sequences and context parallelism.
+Stand-ins: CpuTENorm (TENorm), CpuTELinear (TELinear 'duplicated'), CpuTELayerNormColumnParallelLinear,
+Cpu{Column,Row}ParallelGroupedLinear (the TE grouped linears, weight0..weightN-1),
+CpuTEDotProductAttention (GQA, k != v head dim, THD, CP), and megatron's own
+Column/RowParallelLinear for TE's (same parameter names).
 
-Module                                   stands in for
---------------------------------------   ---------------------------------------------
-CpuTENorm                                TENorm                      (RMSNorm/LayerNorm)
-CpuTELinear                              TELinear ('duplicated')     (MLA down-projections)
-CpuTELayerNormColumnParallelLinear       TELayerNormColumnParallelLinear (norm fused into qkv/fc1)
-CpuColumnParallelGroupedLinear           TEColumnParallelGroupedLinear  (weight0..weightN-1)
-CpuRowParallelGroupedLinear              TERowParallelGroupedLinear
-CpuTEDotProductAttention                 TEDotProductAttention (GQA, k!=v head dim, THD, CP, THD+CP)
-ColumnParallelLinear/RowParallelLinear   TEColumnParallelLinear/TERowParallelLinear (same param names)
-
-Limits (deviations from TE): attention is a plain O(S^2) math implementation (fp32 scores);
-``attention_bias``, FP8 and TE's fused kernels are not emulated.
-
-Context parallelism follows megatron's load-balanced layout: each (padded) sequence is cut into
-2*cp chunks and cp rank r holds chunks r and 2*cp-1-r. K/V are all-gathered over the CP group
-and the mask is built from global token positions, so results equal the cp=1 computation.
+Deviations from TE: attention is a plain O(S^2) math implementation (fp32 scores);
+``attention_bias``, FP8 and TE's fused kernels are not emulated. Context parallelism follows
+megatron's load-balanced layout (cp rank r holds chunks r and 2*cp-1-r of 2*cp); K/V are
+all-gathered over the CP group and the mask is built from global positions, so results equal cp=1.
 """
 import math
 from typing import Optional
@@ -341,8 +332,8 @@ class CpuTEDotProductAttention(MegatronModule):
         In a frozen model (``fused_without_grad``: the reference model, set by
         :class:`megarl.engine.policy.PolicyEngine`) without gradients: torch's fused CPU attention
         (``scaled_dot_product_attention``: fp32 softmax and accumulation, GQA without repeating
-        K/V); a quickstart-shaped bf16 log-prob pass (3,360 tokens, 30 layers) 4.5 -> 3.8 s
-        (perf/results/quickstart_step_cpu_2026-12-04.md). Otherwise the math path below: the fused
+        K/V); a quickstart-shaped bf16 log-prob pass (3,360 tokens, 30 layers) takes 3.8 s against
+        4.5 s through the math path. Otherwise the math path below: the fused
         kernel's CPU backward measured 4x slower than autograd through the math (3.8 s against
         ~0.9 s a step there), attention dropout needs megatron's RNG tracker, and a trained model's
         passes without gradients (the old log-probs) must equal its training forward bit for bit
@@ -372,7 +363,7 @@ class CpuTEDotProductAttention(MegatronModule):
 
 FUSED_INFERENCE_ATTENTION = True
 """False: no model uses ``scaled_dot_product_attention`` (:meth:`CpuTEDotProductAttention._attend_sequence`;
-perf/bench_step_cpu.py's A/B)."""
+for an A/B comparison of the two paths)."""
 
 
 def _segment_mask(length: int, causal: bool) -> torch.Tensor:

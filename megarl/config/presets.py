@@ -1,51 +1,18 @@
 """``algorithm.name`` as a preset: the values it gives the algorithm fields a recipe leaves unset.
 
 The preset fields of :class:`megarl.config.schema.AlgorithmConfig` default to ``None`` ("from the
-preset"); :func:`resolve_algorithm` fills them at load time, so the resolved config written to
-the run folder shows the effective values, and a value the user sets always wins.
-
-=====================  ======================  ===========  ===============  =======================  ==========
-name                   advantage               policy_loss  norm_adv_by_std  loss_agg_mode            other
-=====================  ======================  ===========  ===============  =======================  ==========
-grpo                   grpo                    ppo          true             token-mean
-drgrpo                 drgrpo                  ppo          false            seq-mean-token-sum-norm
-dapo                   grpo                    ppo          true             token-mean               DAPO extras
-rloo                   rloo                    ppo          (n/a)            token-mean
-reinforce_pp           reinforce_pp            ppo          (n/a)            token-mean
-reinforce_pp_baseline  reinforce_pp_baseline   ppo          (n/a)            token-mean
-gspo                   grpo                    gspo         true             token-mean
-ppo                    gae                     ppo          (n/a)            token-mean
-remax                  remax                   ppo          (n/a)            token-mean               greedy baseline
-gpg                    gpg                     gpg          (n/a)            token-mean
-opo                    opo                     ppo          (n/a)            token-mean
-cispo                  grpo                    cispo        true             token-mean
-sapo                   grpo                    sapo         true             token-mean
-gmpo                   grpo                    geo_mean     true             (sequence mean)
-clip_cov               grpo                    clip_cov     true             token-mean
-kl_cov                 grpo                    kl_cov       true             token-mean
-grpo_passk             grpo_passk              ppo          (n/a)            token-mean
-pf_ppo                 gae                     ppo          (n/a)            token-mean               best_worst filter
-=====================  ======================  ===========  ===============  =======================  ==========
-
+preset"); :func:`resolve_algorithm` fills them from :data:`ALGORITHM_PRESETS` at load time, so the
+resolved config in the run folder shows the effective values, and a value the user sets wins.
 Formulas, papers, the options each reads and what each refuses: docs/algorithms.md.
 
-"DAPO extras": ``dynamic_sampling`` and ``overlong_buffer`` (off: false and 0).
-
-- DAPO (Yu et al. 2025) = clip-higher (0.28) + dynamic sampling + overlong reward shaping +
-  token-level loss, and no KL term (``kl_coef`` defaults to 0 for every name). The overlong buffer
-  defaults to a fifth of ``rollout.max_response_tokens`` (at least 1 token): the paper uses a
-  4096-token buffer under a 20480-token limit.
-- The clip range follows the policy loss, not the name: ``ppo`` clips token ratios at 0.2 / 0.2,
-  ``gspo`` the sequence ratio at the GSPO paper's 3e-4 / 4e-4 (also with ``algorithm.name=grpo
-  policy_loss=gspo``), ``cispo`` its IS weight at [0, 4] (no lower bound, as in MiniMax-M1),
-  ``geo_mean`` log-ratios at +-0.4 (GMPO's range); DAPO's preset raises ``clip_high`` to 0.28 for
-  its ppo loss. sapo, clip_cov, kl_cov and gpg read no clip range (the fields keep ppo's values).
-- ``norm_adv_by_std`` is an option of the grpo / drgrpo estimators only ("n/a": left null). A
-  field set where it would do nothing is an error naming it: ``norm_adv_by_std`` or
-  ``critic_lr`` with an advantage that does not use it, ``dual_clip_c`` with the gspo loss, an
-  ``overlong_buffer`` longer than the response limit.
-- ``gspo`` keeps the token-mean aggregation it has always used here (the GSPO paper averages per
-  sequence: set ``loss_agg_mode=seq-mean-token-mean``).
+- The clip range follows the policy loss, not the name (:data:`CLIP_RANGES`): ppo 0.2 / 0.2, gspo
+  the paper's 3e-4 / 4e-4, cispo's IS weight in [0, 4] (no lower bound, as in MiniMax-M1),
+  geo_mean +-0.4; dapo raises ``clip_high`` to 0.28 for its ppo loss. ``kl_coef`` is 0 for all.
+- dapo's overlong buffer is a fifth of ``rollout.max_response_tokens`` (paper: 4096 of 20480).
+- A field set where it would do nothing is an error naming it: ``norm_adv_by_std`` (grpo / drgrpo
+  only) or ``critic_lr`` (gae only) with another advantage, ``dual_clip_c`` with a non-ppo loss,
+  an ``overlong_buffer`` longer than the response limit.
+- gspo aggregates with token-mean (the paper averages per sequence: ``seq-mean-token-mean``).
 """
 from __future__ import annotations
 

@@ -1,47 +1,19 @@
 """Balance sequences across data-parallel ranks (k-way number partitioning).
 
-Algorithm
----------
-1. **Karmarkar-Karp, k-way largest differencing method (LDM).** Every item starts as a
-   *state*: a k-tuple of partition loads with the item in one slot. Repeatedly pop the two
-   states with the largest spread (max load - min load), combine them by putting the heaviest
-   slot of one with the lightest slot of the other (and so on), and push the result. The last
-   state is the partition. With ``equal_counts`` the items, sorted by cost, are first grouped
-   into chunks of k (one item per slot), so every state keeps equal item counts per slot; this
-   is the balanced-LDM variant.
-2. **Local-search refinement.** KK is near-optimal with many items per partition but can be
-   5-30 % off with 2-4 items per partition. We then repeatedly take the heaviest partition H and,
-   scanning the others from the lightest up, apply the best single *move* (an item of H to L,
-   only without ``equal_counts``) or *swap* (an item of H for a lighter item of L) whose cost
-   difference d satisfies 0 < d < load(H) - load(L), picking d closest to the half gap. Each
-   accepted step lowers the sorted load vector lexicographically, so it terminates; we also stop
-   after ``max_refine_steps``. An optional per-partition ``capacity`` on a second quantity (the
-   token count) is honoured by every step; :mod:`megarl.data.microbatch` uses it.
-3. **Budgeted branch-and-bound** (only for small instances, ``<= 64`` items, where KK is
-   weakest): items in decreasing cost, bins in increasing load, the refined solution as the
-   incumbent, pruning by "the next item must land somewhere" and by free capacity under the
-   incumbent. Half the budget runs limited discrepancy search (LDS: revisits the greedy path
-   with at most d deviations, d = 0, 1, ...), which corrects early choices that plain DFS never
-   reaches; the other half plain DFS. It stops after ``exact_node_budget`` nodes (a count, not a
-   time limit, so the result is deterministic) and keeps the best solution found.
+:func:`balance_partitions` runs three stages, each deterministic (ties broken by input order), so
+every rank computes the same answer:
 
-Deviations from the paper / from verl
--------------------------------------
-- States are sparse: a state only stores its non-empty slots (the rest are implicit zeros), so
-  an item costs O(1) memory instead of O(k) and merges cost O(slots), not O(k log k) per item.
-- Partition contents are kept as binary trees of merges and flattened once at the end, so no
-  list is copied during merging.
-- ``equal_counts`` with n not divisible by k pads with zero-cost dummy items (dropped at the
-  end): counts then differ by at most one instead of being rejected.
-- Groups (``group_ids``): all samples of one group (e.g. the n responses of one prompt) become
-  one item whose cost is the sum; ``equal_counts`` then equalises the number of *groups*.
-- Ties are broken deterministically (input order), so every rank computes the same answer.
+1. Karmarkar-Karp, the k-way largest differencing method (:func:`karmarkar_karp`), with a
+   balanced variant for ``equal_counts`` (item counts then differ by at most one).
+2. Local search (:func:`refine_partitions`): KK can be 5-30 % off with 2-4 items per partition;
+   moves and swaps lower the heaviest partition, honouring an optional per-partition token
+   ``capacity`` (:mod:`megarl.data.microbatch` uses it).
+3. Budgeted branch-and-bound for small instances (<= 64 items, where KK is weakest): limited
+   discrepancy search, then DFS, within a node count (not a time limit) (:func:`branch_and_bound`).
 
-Cost model: :func:`flops_cost_coefficients` gives ``cost(len) = a*len + b*len**2`` (forward
-FLOPs of a decoder: ``a`` = 2 x matmul parameters per token plus the logits, ``b`` = causal
-attention score/value products). The backward pass scales both terms by about the same factor,
-so the ratio a:b, which is all that balancing needs, is the forward one.
-
+Groups (``group_ids``, e.g. a prompt's n responses) are one item whose cost is the sum. Cost
+model (:func:`flops_cost_coefficients`): ``a*len + b*len**2``, a decoder's forward FLOPs; the
+backward scales both terms alike, so the forward ratio a:b is all balancing needs.
 Shape legend (lists, not tensors): ``_N`` per sequence, ``_K`` per partition, ``_G`` per group.
 """
 
@@ -175,6 +147,13 @@ def karmarkar_karp(
 ) -> list[list[int]]:
     """k-way largest differencing method; returns ``num_partitions`` lists of item indices.
 
+    Every item starts as a state (a k-tuple of loads with the item in one slot); the two states
+    with the largest spread are repeatedly combined, heaviest slot of one with lightest of the
+    other, until one is left. With ``equal_counts`` items sorted by cost are first grouped into
+    chunks of k (balanced LDM); n not divisible by k is padded with zero-cost dummies, dropped at
+    the end. States store only their non-empty slots, and partition contents are merge trees
+    flattened once at the end, so no list is copied while merging.
+
     Each list is sorted; partitions are ordered by their smallest index, empty ones (only when
     there are fewer items than partitions) last. With ``equal_counts`` the item counts of any two
     partitions differ by at most one.
@@ -256,7 +235,13 @@ def refine_partitions(
     min_items: int = 0,
     max_refine_steps: Optional[int] = None,
 ) -> list[list[int]]:
-    """Lower the heaviest partition by single moves / swaps (see the module docstring).
+    """Lower the heaviest partition by single moves / swaps.
+
+    Take the heaviest partition H and, scanning the others from the lightest L up, apply the best
+    move (an item of H to L, not with ``equal_counts``) or swap (an item of H for a lighter one of
+    L) whose cost difference d satisfies 0 < d < load(H) - load(L), d closest to the half gap.
+    Each step lowers the sorted load vector lexicographically, so it terminates; it also stops
+    after ``max_refine_steps``.
 
     ``capacity`` bounds ``sum(tokens_N)`` of every partition a step touches (partitions already
     above it are only ever lowered); ``min_items`` keeps at least that many items per partition;

@@ -1,35 +1,20 @@
 """Split one DP rank's sequences into micro-batches under a hard token budget.
 
-Algorithm
----------
-1. **Count.** Each rank's smallest feasible count is the number of bins that first-fit
-   decreasing (FFD) needs for its token lengths under ``max_tokens`` (never below
-   ``ceil(total / max_tokens)``). All DP ranks then run the same count, the MAX over ranks
-   (an all-reduce on ``process_group``, or computed locally from every rank's counts), raised to
-   ``minimum`` and rounded up to ``multiple`` (under the interleaved (VPP) schedule megatron
-   requires ``num_microbatches % pipeline_size == 0``).
-2. **Split into exactly M micro-batches.** Karmarkar-Karp on the cost (tokens or FLOPs, see
-   :mod:`megarl.data.balance`) gives a balanced split that may break the token cap; a repair pass
-   moves/swaps sequences out of over-full micro-batches. If the repair gets stuck, we fall back
-   to the FFD bins (feasible by construction, as M >= the FFD count), split the fullest bins in
-   two until there are M, and balance. Either way the capped local search of
-   :func:`megarl.data.balance.refine_partitions` then lowers the most expensive micro-batch
-   without ever crossing the cap or emptying a micro-batch.
-3. **Order for the pipeline.** The cheapest micro-batches go to both ends (1F1B warm-up and
-   cool-down, where stages idle waiting for them), the most expensive to the middle.
+1. Count: each rank's smallest feasible count is the number of first-fit-decreasing bins under
+   ``max_tokens``; all DP ranks run the MAX over ranks (an all-reduce, or computed locally),
+   raised to ``minimum`` and rounded up to ``multiple`` (megatron's VPP schedule needs
+   ``num_microbatches % pipeline_size == 0``).
+2. Split into exactly that many: Karmarkar-Karp on the cost (tokens or FLOPs,
+   :mod:`megarl.data.balance`), a repair pass for micro-batches over the cap, and if that gets
+   stuck the FFD bins split until there are enough; then the capped local search of
+   :func:`megarl.data.balance.refine_partitions`. The cap is an invariant of every step (verl's
+   ``ceil(total / cap)`` count is only a lower bound, retried until the cap holds).
+3. Order for the pipeline: cheapest micro-batches at both ends (1F1B warm-up and cool-down).
 
-Contrast with verl's dynamic batching: its count ``ceil(total / cap)`` is only a lower bound
-(KK on that count can exceed the cap; verl 0.9.1 retries KK with more micro-batches until the
-cap holds). Here the count comes from a feasible packing (FFD), and the cap is an invariant of
-every refinement step.
-
-Policy for more micro-batches than sequences: empty micro-batches are never produced; asking
-for more micro-batches than a rank has sequences is a ``ValueError`` (see
-:func:`split_micro_batches`). :func:`megarl.data.plan.plan_batches` avoids it where possible by
-re-balancing DP ranks with equal sequence counts first.
-
-Shape legend (lists): ``_N`` per sequence of one rank, ``_M`` per micro-batch, ``_R`` per rank.
-Indices inside micro-batches are positions in the rank's own list (0..N-1).
+Empty micro-batches are never produced: more micro-batches than sequences is a ``ValueError``
+(:func:`megarl.data.plan.plan_batches` avoids it by balancing equal sequence counts first).
+Shape legend (lists): ``_N`` per sequence of one rank (indices 0..N-1), ``_M`` per micro-batch,
+``_R`` per rank.
 """
 
 from __future__ import annotations

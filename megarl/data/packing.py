@@ -1,31 +1,18 @@
 """THD packing: variable-length sequences -> one packed row with ``cu_seqlens``.
 
-Layout
-------
-Sequence i of length ``len_i`` is padded (with ``pad_value``; position ids continue counting) to
-``padded_i``, the next multiple of :func:`sequence_alignment`:
+Sequence i is padded (``pad_value``; position ids keep counting) to the next multiple of
+:func:`sequence_alignment`: ``tp`` without context parallelism (sequence parallelism splits the
+row over TP ranks), ``2 * cp * tp`` with it (TE's THD CP cuts every sequence into ``2*cp`` chunks,
+and each rank's share must still divide by ``tp``). Sequences lie end to end; ``cu_seqlens_N1``
+holds the cumulative real lengths and ``cu_seqlens_padded_N1`` the padded ones (int32, from 0), as
+TE's fused attention expects for ``qkv_format='thd'``. Position ids restart at every sequence.
 
-- ``tp`` without context parallelism (sequence parallelism splits the packed row over TP ranks),
-- ``2 * cp * tp`` with context parallelism (TE's THD CP splits every sequence into ``2*cp`` equal
-  chunks, and each rank's share must still divide by ``tp``).
-
-The sequences are laid end to end: ``cu_seqlens_N1`` holds the cumulative *real* lengths and
-``cu_seqlens_padded_N1`` the cumulative padded lengths (both int32, ``[N+1]``, starting at 0),
-as TE's fused attention expects for ``qkv_format='thd'`` with padding between sequences. Position
-ids restart at 0 at every sequence.
-
-Context parallelism (causal load balance, as megatron-core / TE THD expect): each padded
-sequence is cut into ``2*cp`` chunks of ``padded_i / (2*cp)`` tokens, and CP rank ``r`` keeps
-chunks ``r`` and ``2*cp-1-r`` (an early and a late chunk, so every rank does the same amount of
-causal attention work). The cu_seqlens stay *global* (full-sequence values): TE divides them by
-``cp`` itself. :func:`gather_cp_shares` inverts the split given every rank's share.
-
-Shape legend: ``T`` packed tokens on this rank (``sum(padded_i) / cp``), ``Tf`` packed tokens of
-the full row (before the CP split), ``N`` sequences, ``N1`` = N + 1, ``L`` one sequence, ``...``
-any trailing dims (tokens are 1-D; logits or hidden states may be unpacked too).
-
-This module does not import megatron: :func:`packed_seq_params_kwargs` returns the keyword
-arguments of ``megatron.core.packed_seq_params.PackedSeqParams`` as a dict.
+Context parallelism (megatron-core / TE causal load balance): CP rank ``r`` keeps chunks ``r``
+and ``2*cp-1-r`` of each padded sequence, so every rank does the same causal work; cu_seqlens
+stay global (TE divides by ``cp``). :func:`gather_cp_shares` inverts the split. No megatron
+import: :func:`packed_seq_params_kwargs` returns ``PackedSeqParams``'s keyword arguments.
+Shape legend: ``T`` packed tokens on this rank, ``Tf`` of the full row (before the CP split),
+``N`` sequences, ``N1`` = N + 1, ``L`` one sequence, ``...`` any trailing dims.
 """
 
 from __future__ import annotations

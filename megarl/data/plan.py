@@ -2,23 +2,17 @@
 
 ``plan_batches(lengths, topology, budget)``:
 
-1. Token count per sequence as it will sit in the packed row of one CP rank:
-   ``padded_length(len, tp, cp) / cp`` (:mod:`megarl.data.packing`); the budget's
-   ``max_tokens_per_micro_batch`` bounds the sum of these per micro-batch (i.e. the length of the
-   packed row one device receives), so alignment padding counts against the budget.
-2. Cost per sequence: tokens, or FLOPs ``a*len + b*len**2`` (:mod:`megarl.data.balance`; the
-   trainer's coefficients come from the model's config.json: :func:`flops_coefficients`).
-3. Balance sequences (or prompt groups) across ``dp`` ranks by cost: KK + local search.
-4. Micro-batches per rank: the same count on every rank (MAX over ranks, rounded up to ``pp``
-   under VPP), each within the token budget, balanced by cost, cheapest at the pipeline ends
-   (:mod:`megarl.data.microbatch`).
+1. Tokens per sequence as it sits in one CP rank's packed row, ``padded_length(len, tp, cp) / cp``
+   (:mod:`megarl.data.packing`): alignment padding counts against
+   ``max_tokens_per_micro_batch``.
+2. Cost per sequence: tokens, or FLOPs ``a*len + b*len**2`` (:func:`flops_coefficients` from the
+   model's config.json).
+3. Balance sequences (or prompt groups) across ``dp`` ranks by cost (:mod:`megarl.data.balance`).
+4. Micro-batches per rank (:mod:`megarl.data.microbatch`).
 
 If step 4 needs more micro-batches than some rank has sequences, step 3 is redone with equal
-sequence counts per rank (counts differ by at most one), which gives every rank
-``floor(n / dp)`` sequences; if that is still too few, ``plan_batches`` raises (empty
-micro-batches are never produced).
-
-Legend (lists): ``_N`` per sequence (original order), ``_R`` per DP rank.
+sequence counts per rank; if that is still too few, ``plan_batches`` raises (empty micro-batches
+are never produced). Legend (lists): ``_N`` per sequence (original order), ``_R`` per DP rank.
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
 """Lossless compaction of the per-token tensors the controller sends to the training ranks.
 
-What still goes from the controller to the ranks per response token (``SequenceBatch.extras``) is
-mostly redundant at RL shapes:
+The per-token extras of a micro-batch (``SequenceBatch.extras``) are mostly redundant at RL
+shapes: an outcome reward's advantages and returns are one number per sample, the loss mask is
+all true but for tool tokens, token versions change once per weight sync, and vLLM's float32
+log-probs travel as float64. :func:`encode` sends a tensor as runs of equal values (:class:`Runs`)
+when that is at most half its bytes, else a float64 tensor of float32 values as float32
+(:class:`Narrow`), else as it is. Both are checked bit for bit (-0.0, NaN), so :func:`decode`
+gives back the very tensor and the numerics cannot change. For an outcome reward this takes the
+bytes per response token from 17 to about 8.
 
-- an outcome reward's advantages (GRPO, RLOO, DAPO...) and returns are one number per sample,
-  repeated over its response tokens; the loss mask is all true except for an agent's tool tokens;
-  off-policy modes' token versions change once per weight sync;
-- vLLM's log-probs are float32 numbers carried as float64 (Python floats).
-
-:func:`encode` sends a tensor as runs of equal values (:class:`Runs`: one value and one int32
-length per run) when that is at most half its bytes, else a float64 tensor whose values are all
-float32 numbers as float32 (:class:`Narrow`), else as it is. Both are checked bit for bit (a -0.0
-is not a 0.0, a NaN is a NaN), so the rank's :func:`decode` gives back the very tensor: the
-numerics cannot change. Per response token this takes the controller's bytes to the ranks from
-17 (ids 4, log-probs 8, advantages 4, mask 1) to about 8 (ids 4, log-probs 4) for an outcome
-reward (``perf/bench_dataplane.py`` measures it).
-
-The encoding happens where the micro-batches leave the controller
-(:meth:`megarl.trainer.workers.WorkerGroup`'s ``_per_rank``) and the decoding where a worker
-receives them (:func:`megarl.trainer.worker.receive`), so the micro-batch code on both sides sees
-plain tensors.
+Encoding happens where micro-batches leave the controller (``WorkerGroup._per_rank`` in
+:mod:`megarl.trainer.workers`), decoding where a worker receives them
+(:func:`megarl.trainer.worker.receive`), so the micro-batch code sees plain tensors.
 """
 from __future__ import annotations
 

@@ -1,31 +1,18 @@
 """Build a Megatron GPTModel (TE layer spec; CPU TE modules on CPU) from an HF folder.
 
-Steps of :func:`build_model`:
+:func:`build_model` validates the layout against the model (``Topology.check_model``) before any
+group or model exists; takes the family from :mod:`megarl.models.registry`, whose mbridge bridge
+(with :mod:`megarl.models.mbridge_fixes`) gives the ``TransformerConfig`` and TE decoder-block
+spec and whose weight mapping places every parameter; builds this rank's model chunks (one per
+virtual pipeline stage) and fills them from the HF safetensors, each rank reading only its own
+shards' boxes (:func:`megarl.engine.export.fill_from_hf`, no scatter); and optionally wraps each
+chunk in megatron-core DDP.
 
-1. Validate the layout against the model (``Topology.check_model``), before any group or model.
-2. The family from the registry (:mod:`megarl.models.registry`): its mbridge bridge (with
-   :mod:`megarl.models.mbridge_fixes`) turns the HF config into a ``TransformerConfig`` /
-   ``MLATransformerConfig`` and the TE decoder-block spec; its weight mapping places every
-   parameter.
-3. Model chunks (one per virtual pipeline stage) on this rank; HF safetensors -> this rank's
-   shards through the mapping (:func:`megarl.engine.export.fill_from_hf`: every rank reads only
-   the boxes of its own shards, no scatter).
-4. Optionally wrap each chunk in megatron-core DDP (grads in a contiguous fp32 buffer, reduced
-   for the distributed optimizer).
-
-Megatron settings chosen here (and why): ``calculate_per_token_loss=False`` with the loss
-scaling described in :mod:`megarl.engine.policy`; ``variable_seq_lengths=True`` (packed rows
-differ per micro-batch: each pipeline exchange first sends the shape), except under VPP on CPU:
-gloo's send waits for the matching receive, and the interleaved schedule's separate blocking
-shape exchange then deadlocks a training step (pp2: stage 0 in its last warm-up send, stage 1 in
-its first steady-state shape exchange, each waiting for the other); there every micro-batch of a
-call is padded to one length (:func:`megarl.engine.logprobs.pack_micro_batch` ``pad_to``, exact:
-the extra tokens are the last sequence's padding) and megatron exchanges no shapes;
-``batch_p2p_comm=False`` on CPU (gloo swaps VPP messages otherwise);
-sequence parallelism only when ``topology.sp``; uneven first/last pipeline stages
-(``num_layers_in_first/last_pipeline_stage``) only when the topology sets them; MoE dispatcher
-``alltoall`` (mbridge default) unless ``model.moe_dispatcher`` names the flex dispatcher's backend
-(deepep / hybridep, GPU only).
+Megatron settings chosen here (:func:`_config_overrides`): ``calculate_per_token_loss=False`` with
+the loss scaling of :mod:`megarl.engine.policy`; variable sequence lengths except under VPP on
+CPU (fixed shapes there, see the comment); ``batch_p2p_comm=False`` on CPU; sequence parallelism
+only when ``topology.sp``; uneven first/last pipeline stages only when the topology sets them;
+the ``alltoall`` MoE dispatcher unless ``model.moe_dispatcher`` names a flex backend (GPU only).
 """
 from __future__ import annotations
 
@@ -150,7 +137,11 @@ def _config_overrides(options: ModelOptions, topology: Topology) -> dict:
     extra = {} if cuda_available() else cpu_transformer_overrides()
     extra.update(
         sequence_parallel=topology.sp,
-        # gloo under VPP: fixed shapes (see the module doc)
+        # packed rows differ per micro-batch, so each pipeline exchange first sends the shape;
+        # except under VPP on CPU: gloo's send waits for the matching receive, and the interleaved
+        # schedule's separate blocking shape exchange deadlocks (pp2: stage 0 in its last warm-up
+        # send, stage 1 in its first steady-state shape exchange). There every micro-batch of a
+        # call is padded to one length (logprobs.pack_micro_batch's pad_to) and no shapes move.
         variable_seq_lengths=not (topology.vpp_size > 1 and not cuda_available()),
         calculate_per_token_loss=False,
         moe_aux_loss_coeff=options.moe_aux_loss_coeff,

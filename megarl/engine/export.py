@@ -1,28 +1,17 @@
 """Weights in and out of the engine, through the family mapping (:mod:`megarl.bridge.mapping`).
 
-Every local parameter (and MoE ``expert_bias`` buffer) is placed in the mapping once, by
-:func:`local_targets`: its *global* Megatron name (layer number offset by megatron-core's own
-``get_transformer_layer_offset`` for this pipeline rank and virtual stage; a routed expert's
-local id j on EP rank k is global id ``k * E/ep + j``, megatron's ``local_expert_indices``), its
-logical tensor, and a check that its local shape is the mapping's shard shape. Then:
+:func:`local_targets` places every local parameter (and MoE ``expert_bias`` buffer) in the
+mapping once: its global Megatron name (layer number offset by megatron-core's
+``get_transformer_layer_offset``; a routed expert's local id j on EP rank k is ``k * E/ep + j``),
+its logical tensor, and a check of its local shape against the mapping's shard shape.
 
-:func:`fill_from_hf` (engine build, HF -> Megatron conversion): each rank reads from the HF
-safetensors only the boxes of its own shards (:func:`~megarl.bridge.mapping.shard_segments`
-intersected with the mapping's pieces); every element of a shard must be written (NaN check).
-
-:func:`export_hf_weights` (collective over all ranks; every rank yields every tensor, in the same
-order):
-
-1. Each pipeline stage lists its parameters under their global names, all-gathered over PP.
-2. For each entry, the owning stage gathers the TP shards (expert weights over the expert-TP
-   group) and merges them with the mapping (:func:`~megarl.bridge.mapping.merge_shards`: fused
-   gate/up shards are ``[gate_r; up_r]``), then broadcasts the full tensor over PP.
-3. Expert weights are all-gathered over EP (one tensor per expert id).
-4. The mapping turns the Megatron tensor into HF tensors (QKV split, gate/up split, ...). The last
-   stage's copy of tied embeddings is not exported (the HF checkpoint has no ``lm_head``).
-
-:func:`local_shards` exposes this rank's raw parameters for the weight bridge, without any
-communication.
+- :func:`fill_from_hf` (engine build, HF -> Megatron): each rank reads only its own shards' boxes
+  from the safetensors; every element of a shard must be written (NaN check).
+- :func:`export_hf_weights` (collective; every rank yields every tensor in the same order): the
+  owning pipeline stage gathers and merges the TP shards (expert-TP for experts), broadcasts the
+  full tensor over PP, expert weights are all-gathered over EP, and the mapping gives the HF
+  tensors. The last stage's copy of tied embeddings is not exported (no ``lm_head`` in HF).
+- :func:`local_shards`: this rank's raw parameters for the weight bridge, no communication.
 """
 from __future__ import annotations
 

@@ -1,35 +1,17 @@
 """Per-token log-probs (and entropy) of response tokens from packed THD micro-batches.
 
-Algorithm
----------
-1. **Pack** (:func:`pack_micro_batch`): the N sequences (prompt + response) of a micro-batch are
-   packed into one THD row with :func:`megarl.data.packing.pack_sequences` (padding to the TP /
-   2*cp*tp alignment; zig-zag CP split). The *labels* (next token of each position, within its
-   sequence) are packed the same way, so a CP rank holding a chunk of a sequence also holds the
-   labels of its tokens even when the next token sits on another rank.
-2. **Vocab-parallel log-softmax, fused and chunked** (:func:`vocab_parallel_logprobs`): logits
-   stay split over the TP group ``[T, V/tp]`` and are read a chunk of tokens at a time into fp32
-   working buffers (:data:`CHUNK_BYTES`); per token and shard: the max m, sum exp(x - m), sum
-   exp(x - m)(x - m) (for the entropy) and the label's logit. Two all-reduces combine the shards
-   (the max, then the sums, each rescaled by exp(m_rank - m)). Nothing of the size of the logits is
-   allocated: backward (a ``torch.autograd.Function``) saves the logits themselves (the model
-   output, alive anyway) and three ``[T]`` vectors, recomputes exp(x - m) chunk by chunk and writes
-   ``grad = [v = y] g_lp - p (g_lp + g_H (log p + H))`` (dH/dx = -p (log p + H)) straight into
-   the gradient, the one ``[T, V/tp]`` tensor it allocates; no communication (every TP rank
-   computes the same loss, so the upstream grads agree). No temperature is applied (the rollout's
-   default 1.0; see ``RolloutConfig.temperature``). Exactness (tests/unit/test_fused_logprobs.py):
-   within 1e-6 of the previous unfused implementation and of fp64 (2 ulps for |values| > 8) at
-   tp1 and tp2 (tp1 values came out bit-identical). Measured (2-core EPYC, 1 thread, fp32, 2048 x 49152, a
-   quickstart micro-batch): log-prob pass peak RSS above the logits 1157 -> 11 MiB, 1.84 -> 0.35 s;
-   forward + backward 1928 -> 399 MiB (384 of it the returned gradient), 3.88 -> 1.09 s. The
-   policy engine's whole log-prob pass on SmolLM2-135M (32 x 160 tokens, 3 micro-batches): peak
-   RSS above the post-warm-up RSS 1080 -> 107 MiB, same outputs bit for bit.
-3. **Gather CP shares** (:func:`gather_cp`): the per-token values of every CP rank are
-   all-gathered and put back in sequence order. Backward keeps only this rank's share of the
-   gradient (every CP rank computes the same loss from the gathered tensor, and DDP sums the
-   shares), so the loss function sees whole sequences.
-4. **Select response tokens**: the log-prob of token j is read at position j - 1; for a sequence
-   with P prompt tokens and L tokens in all, positions P-1 .. L-2.
+1. Pack (:func:`pack_micro_batch`): a micro-batch's sequences (prompt + response) go into one THD
+   row (:func:`megarl.data.packing.pack_sequences`: TP / 2*cp*tp alignment, zig-zag CP split).
+   The labels (next token within the sequence) are packed the same way, so a CP rank holding a
+   chunk also holds its tokens' labels when the next token sits on another rank.
+2. Vocab-parallel log-softmax, fused and chunked (:func:`vocab_parallel_logprobs`): the logits
+   stay split over TP ``[T, V/tp]`` and are read a chunk at a time (:data:`CHUNK_BYTES`); nothing
+   logits-sized is allocated but the gradient. No temperature is applied (the rollout's default 1.0,
+   ``RolloutConfig.temperature``).
+3. Gather CP shares (:func:`gather_cp`) back into sequence order; backward keeps this rank's share
+   (every CP rank computes the same loss from the gathered tensor and DDP sums the shares), so
+   the loss function sees whole sequences.
+4. Select response tokens: token j's log-prob is read at position j - 1.
 
 Shape legend: T packed tokens on this rank, Tf the full packed row, V vocabulary (V/tp local),
 N sequences, N1 = N + 1, R packed response tokens (sum of response lengths).
@@ -192,11 +174,17 @@ def _chunk_tokens(v_local: int, chunk_tokens: Optional[int], device: torch.devic
 
 
 class _FusedVocabParallelLogprobs(torch.autograd.Function):
-    """log p(label) and entropy from TP-split logits, a chunk of tokens at a time (see the module
-    doc). Saves the logits themselves (the model output, which exists anyway), the labels' local
-    indices and
-    three ``[T]`` vectors (max, sum of exp, entropy); backward recomputes the softmax chunk by
-    chunk."""
+    """log p(label) and entropy from TP-split logits, a chunk of tokens at a time.
+
+    Forward reads ``[chunk, V/tp]`` of the logits at a time into fp32 buffers and keeps per token
+    and shard the max m, sum exp(x - m), sum exp(x - m)(x - m) (for the entropy) and the label's
+    logit; two all-reduces combine the shards (the max, then the sums rescaled by
+    exp(m_rank - m)). Nothing of the logits' size is allocated. It saves the logits themselves
+    (the model output, which exists anyway), the labels' local indices and three ``[T]`` vectors
+    (max, sum of exp, entropy); backward recomputes exp(x - m) chunk by chunk and writes
+    ``grad = [v = y] g_lp - p (g_lp + g_H (log p + H))`` straight into the one ``[T, V/tp]`` tensor
+    it allocates, with no communication (every TP rank computes the same loss). Within 1e-6 of
+    fp64 (2 ulps for |values| > 8) at tp1 and tp2 (tests/unit/test_fused_logprobs.py)."""
 
     @staticmethod
     def forward(ctx, logits_TV, labels_T, tp_group, with_entropy, chunk_tokens):

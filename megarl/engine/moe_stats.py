@@ -1,20 +1,16 @@
 """MoE load-balance metrics: tokens routed to each expert per MoE layer, and aux / z losses.
 
-Token counts come from a forward hook on every megatron ``TopKRouter`` (its ``routing_map``
-output, ``[tokens, E]`` bool): summed over micro-batches, over the data- and context-parallel
-ranks (each holds different tokens; TP ranks hold the same tokens unless sequence-parallel) and
-over pipeline stages (each owns different layers). Activation recompute runs the routers again
-in the backward pass: ``in_recompute`` (a callable, :meth:`megarl.engine.replay.RouterReplayer.in_recompute`)
-tells those calls apart, which are not counted again.
+Token counts come from a forward hook on every megatron ``TopKRouter`` (its ``routing_map``),
+summed over micro-batches, DP and CP ranks (different tokens; TP ranks share tokens unless
+sequence-parallel) and pipeline stages (different layers). Router calls of an activation
+recompute are told apart by ``in_recompute`` (:meth:`megarl.engine.replay.RouterReplayer.in_recompute`)
+and not counted again.
 
-Aux / z losses are read from megatron's layer-wise tracker (values per layer, summed over
-micro-batches) and reduced as megatron's ``reduce_aux_losses_tracker_across_ranks`` does: the
-load-balancing loss of a rank is its share of the loss over the TP x CP group's tokens (the expert
-counts are summed over that group), so shares are summed over TP x CP, then averaged over DP; the
-z-loss of a rank is the mean over its own tokens, so it is averaged over TP x CP and DP; both are
-averaged over micro-batches and MoE layers. Deviation from megatron: the reduction here is done
-with fixed names and shapes on every rank (megatron's assumes every pipeline stage has MoE layers
-and hangs otherwise, e.g. DeepSeek's dense first layer alone on stage 0).
+Aux / z losses come from megatron's layer-wise tracker, reduced as megatron's
+``reduce_aux_losses_tracker_across_ranks`` does (load-balancing shares summed over TP x CP then
+averaged over DP, z-loss averaged over both; both averaged over micro-batches and MoE layers),
+but with fixed names and shapes on every rank: megatron's reduction assumes every pipeline stage
+has MoE layers and hangs otherwise (e.g. DeepSeek's dense first layer alone on stage 0).
 
 Shape legend: Lm MoE layers of the whole model, E experts.
 """

@@ -1,34 +1,19 @@
 """Megatron policy engine: packed log-probs, train step, reference copy, export, offload.
 
 :class:`PolicyEngine` owns this rank's model chunks (and, when trainable, megatron-core DDP and
-the distributed optimizer). Every method is collective over all ranks of the layout; every
-rank of a model-parallel group (tp, pp, cp, ep) must pass the same micro-batches, DP ranks
-pass their own.
+the distributed optimizer). Every method is collective over the layout's ranks; the ranks of a
+model-parallel group (tp, pp, cp, ep) pass the same micro-batches, DP ranks their own.
 
-Loss convention (``train_step``)
---------------------------------
-``loss_fn(logprobs_R, batch) -> (loss, metrics)`` gets the log-probs of one micro-batch's
-response tokens (whole sequences, also under CP) and returns that micro-batch's *share of the
-step loss*: the step loss is the SUM of the returned losses over micro-batches and DP ranks.
-To normalise, ``batch.num_global_tokens`` / ``batch.num_global_sequences`` hold the step's
-response-token count and sequence count over all micro-batches and DP ranks, both under
-``extras['mask_T']`` when present: the masked-in tokens, and the sequences with at least one
-(e.g. pass them as ``num_tokens`` / ``num_seqs`` to :func:`megarl.algorithms.losses.aggregate_loss`,
-whose own sequence means skip fully masked sequences too; a rollout correction that drops whole
-sequences, :mod:`megarl.algorithms.offpolicy`, must not leave them in the denominator). The
-returned ``loss`` is that sum; metrics are averaged over micro-batches and DP ranks.
-
-How this maps onto megatron's scaling: with ``calculate_per_token_loss=False`` the schedule
-multiplies the loss by ``cp / num_microbatches`` and DDP averages gradients over dp*cp ranks;
-every CP rank computes the same micro-batch loss but back-propagates only its own tokens (see
-:func:`megarl.engine.logprobs.gather_cp`). Handing megatron ``loss * num_microbatches * dp``
-therefore yields the gradient of the summed loss, while MoE aux / z losses keep megatron's
-usual mean over micro-batches and DP ranks.
-
-LR schedule (own, not megatron's OptimizerParamScheduler, which spends step 0 at ``init_lr``):
-step s (0-based) uses ``lr * (s + 1) / warmup_steps`` during warm-up, then constant, linear or
-cosine decay to ``min_lr`` over ``decay_steps``.
-
+Loss convention (``train_step``): ``loss_fn(logprobs_R, batch) -> (loss, metrics)`` gets one
+micro-batch's response-token log-probs (whole sequences, also under CP) and returns its share of
+the step loss, which is the SUM over micro-batches and DP ranks. To normalise,
+``batch.num_global_tokens`` / ``num_global_sequences`` count the step's masked-in response tokens
+and the sequences with at least one (pass them as ``num_tokens`` / ``num_seqs`` to
+:func:`megarl.algorithms.losses.aggregate_loss`). Metrics are averaged over micro-batches and DP.
+With ``calculate_per_token_loss=False`` megatron scales the loss by ``cp / num_microbatches`` and
+DDP averages gradients over dp*cp ranks, each CP rank back-propagating only its own tokens
+(:func:`megarl.engine.logprobs.gather_cp`); handing megatron ``loss * num_microbatches * dp``
+yields the summed loss's gradient, while MoE aux / z losses keep megatron's mean.
 Shape legend: R packed response tokens of a micro-batch, E experts, Lm MoE layers.
 """
 from __future__ import annotations
@@ -97,7 +82,9 @@ class OptimOptions:
                              "the distributed optimizer, which wraps adam only")
 
     def lr_at(self, step: int) -> float:
-        """Learning rate used by optimizer step ``step`` (0-based)."""
+        """Learning rate used by optimizer step ``step`` (0-based): ``lr * (s + 1) / warmup_steps``
+        during warm-up, then constant, linear or cosine decay to ``min_lr`` over ``decay_steps``.
+        Own schedule, not megatron's OptimizerParamScheduler, which spends step 0 at ``init_lr``."""
         if self.warmup_steps and step < self.warmup_steps:
             return self.lr * (step + 1) / self.warmup_steps
         if self.decay_style == "constant" or not self.decay_steps:
@@ -167,14 +154,13 @@ class PolicyEngine:
         prompt), but only the positions that predict a response token need the vocabulary
         projection and the log-softmax over it: in an RL batch the prompts are most of the
         tokens (the quickstart: ~65-token prompts, 12-60-token responses), and on CPU the
-        projection, the logits' copies and the log-softmax were ~a quarter of a bf16 training
-        step (perf/results/quickstart_step_cpu_2026-12-04.md). A forward pre-hook on the last
-        stage's output layer keeps the rows of :attr:`PackedMicroBatch.response_positions_R`
-        (set by :meth:`_run` per micro-batch); the gradient flows back to the other rows as zeros,
-        as it did through the unread logits. Not with context parallelism (a rank holds chunks of
-        sequences), a sequence-parallel output layer (its input is this rank's slice of the row) or
-        multi-token prediction (its layers read the same hidden states): those read every
-        position. True when installed."""
+        projection, the logits' copies and the log-softmax over every position take ~a quarter of
+        a bf16 training step. A forward pre-hook on the last stage's output layer keeps the rows
+        of :attr:`PackedMicroBatch.response_positions_R` (set by :meth:`_run` per micro-batch);
+        the other rows get a zero gradient, which is what unread logits would give. Not with
+        context parallelism (a rank holds chunks of sequences), a sequence-parallel output layer
+        (its input is this rank's slice of the row) or multi-token prediction (its layers read the
+        same hidden states): those read every position. True when installed."""
         topo = self.groups.topology
         if topo.cp > 1 or (topo.sp and topo.tp > 1) or getattr(self.config, "mtp_num_layers", None):
             return False
@@ -218,11 +204,11 @@ class PolicyEngine:
 
     def _fuse_cpu_adam(self) -> None:
         """On CPU, step AdamW with torch's fused CPU kernel (one multi-threaded pass per tensor)
-        instead of its per-tensor loop of ~10 ops: 0.57 -> 0.07 s a step for SmolLM2-135M's fp32
-        main parameters on 2 cores, same update up to rounding (2e-7 after 5 steps at lr 1e-3).
-        It is the kernel megatron-core already uses for the host step of optimizer offload
-        (``fused=True`` in its HybridDeviceOptimizer defaults), so plain and offloaded runs on CPU
-        now step alike. On GPU megatron-core picks TE's or apex's fused Adam itself."""
+        instead of its per-tensor loop of ~10 ops: 0.07 s a step instead of 0.57 s for
+        SmolLM2-135M's fp32 main parameters on 2 cores, the same update up to rounding (2e-7 after
+        5 steps at lr 1e-3). It is the kernel megatron-core uses for the host step of optimizer
+        offload (``fused=True`` in its HybridDeviceOptimizer defaults), so plain and offloaded runs
+        on CPU step alike. On GPU megatron-core picks TE's or apex's fused Adam itself."""
         import torch
 
         from megarl.engine.offload import _torch_optimizers

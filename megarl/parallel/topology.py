@@ -1,25 +1,18 @@
 """One validated object for every parallel size: tp, pp, vpp, ep, etp, cp, sp and the derived dp.
 
-Megatron's layout (megatron-core ``initialize_model_parallel``): the dense part of the model uses
-world = tp * cp * pp * dp; the MoE part re-folds the same ranks as world = etp * ep * pp * edp.
-Every constraint is checked here, before any process group exists, and a failure names the
-field, the value and the rule it breaks. Model-dependent rules (heads, layers, experts) are
-checked by :meth:`Topology.check_model` against :class:`~megarl.models.dims.ModelDims`.
+Megatron's layout (``initialize_model_parallel``): the dense part uses world = tp * cp * pp * dp,
+the MoE part re-folds the same ranks as world = etp * ep * pp * edp. Every constraint is checked
+here before any process group exists, and a failure names the field, value and rule; model rules
+(heads, layers, experts) are in :meth:`Topology.check_model`.
 
 Pipeline split (megatron-core's ``get_num_layers_to_build`` / ``get_transformer_layer_offset``):
-evenly, every stage holds num_layers / pp decoder layers, in vpp chunks of num_layers / (pp*vpp).
-Layer counts that pp*vpp does not divide (DeepSeek-V3: 61 layers at pp=16) take megatron's uneven
-first/last stages (``num_layers_in_first_pipeline_stage`` / ``..._last_...``):
-``first_stage_layers`` / ``last_stage_layers`` decoder layers on the first / last stage, the rest
-split evenly over the stages in between. With vpp, every stage's count is a multiple of vpp and
-virtual chunk v of every stage comes before chunk v + 1 of any stage: global layers are numbered
-chunk 0 of stages 0..pp-1, then chunk 1 of stages 0..pp-1, ... (:meth:`Topology.stage_of_layer`;
-``tests/unit/test_topology_uneven.py`` checks both methods against megatron-core's functions).
-
-Rank order (megatron-core's ``RankGenerator`` with its default order ``tp-cp-ep-dp-pp``): a global
-rank's dense coordinates vary fastest in tp, then cp, dp, pp; its expert coordinates in etp, then
-ep, expert-dp, pp. :meth:`Topology.coords` computes them without any process group (the weight
-bridge plans from them; ``tests/unit/test_bridge_plan.py`` checks them against ``RankGenerator``).
+num_layers / pp per stage in vpp chunks, or, where pp*vpp does not divide the layers
+(DeepSeek-V3: 61 at pp=16), ``first_stage_layers`` / ``last_stage_layers`` on the end stages and
+the rest even. Layers are numbered chunk 0 of stages 0..pp-1, then chunk 1, ...
+(:meth:`Topology.stage_of_layer`). Rank order (``RankGenerator``, ``tp-cp-ep-dp-pp``): dense
+coordinates vary fastest in tp, then cp, dp, pp; expert ones in etp, ep, edp, pp
+(:meth:`Topology.coords`, without a process group, for the weight bridge's plan). Both are checked
+against megatron-core (tests/unit/test_topology_uneven.py, test_bridge_plan.py).
 """
 from __future__ import annotations
 

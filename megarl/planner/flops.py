@@ -1,27 +1,18 @@
 """Model FLOPs of one token: what MFU divides by and what the planner's roofline costs compute at.
 
-Counted (per token, forward):
+Counted per token, forward, as the usual MFU convention (Megatron-LM's
+``num_floating_point_operations``, PaLM appendix B):
 
-* **matmuls**: 2 FLOPs (multiply + add) per weight of every matrix the token passes through:
-  attention projections (MLA: the q/kv down- and up-projections and the output projection), the
-  MLP of dense layers, and in MoE layers the router (hidden x experts), the shared expert and
-  only the ``num_experts_per_tok`` routed experts the token is sent to, plus the LM head. The
-  embedding lookup is not a matmul and counts nothing; norms, activations, softmax and rope
-  are element-wise (under 1% here) and are left out, as in the usual MFU convention
-  (Megatron-LM's ``num_floating_point_operations``, PaLM appendix B).
-* **attention scores and values**: per layer and per key the token attends to,
-  ``2 * heads * qk_head_dim`` for Q.K^T and ``2 * heads * v_head_dim`` for P.V (MLA: qk is
-  ``qk_nope_head_dim + qk_rope_head_dim``, v is ``v_head_dim``, the expanded form that training
-  and prefill run). With ``causal=True`` (default) a token of a ``seq_len``-long sequence attends
-  on average to ``(seq_len + 1) / 2`` keys, which is what flash-attention kernels compute
-  (masked blocks are skipped); ``causal=False`` counts all ``seq_len`` keys (Megatron-LM's and
-  PaLM's MFU convention, which overstates causal attention work 2x).
+* matmuls: 2 FLOPs per weight of every matrix the token passes through (attention projections,
+  dense MLPs, and in MoE layers the router, the shared expert and only the routed experts the
+  token is sent to, plus the LM head); embedding lookups and element-wise ops (under 1%) count nothing.
+* attention: per layer and key, ``2 * heads * qk_head_dim`` for Q.K^T and ``2 * heads *
+  v_head_dim`` for P.V (MLA in its expanded form). ``causal=True`` (default) counts
+  ``(seq_len + 1) / 2`` keys on average, what flash-attention kernels compute; ``causal=False``
+  counts all keys (Megatron-LM's and PaLM's convention, 2x the causal work).
 
-Training is forward + backward = 3 x forward (the backward computes gradients of both inputs and
-weights, 2 x the forward's FLOPs). Activation recompute re-runs (part of) the forward: that is
-hardware work, not model FLOPs, and the planner adds it separately. DeepSeek-V3's
-multi-token-prediction layers are not in :class:`~megarl.models.dims.ModelDims` and are not
-counted (RL log-probs and losses do not use them).
+Training is 3 x forward. Activation recompute is hardware work, not model FLOPs: the planner adds
+it separately. DeepSeek-V3's multi-token-prediction layers are not counted (RL does not use them).
 """
 from __future__ import annotations
 

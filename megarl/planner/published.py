@@ -1,9 +1,9 @@
 """Published measurements the step-time model (:mod:`megarl.planner.roofline`) is built from.
 
 Every number here is a measurement another system published, quoted with its source, and never
-one of the GRPO step times ``perf/plan_vs_published.py`` compares the estimates with (NeMo-RL's
-performance summary). ``tests/unit/test_planner_published.py`` pins each value to the cited
-one: changing a constant is a deliberate edit that names a new source. What the model derives
+one of the GRPO step times the estimates are compared with (NeMo-RL's performance summary).
+``tests/unit/test_planner_published.py`` pins each value to the cited one: changing a constant is
+a deliberate edit that names a new source. What the model derives
 from them (a per-layer decode overhead, a bandwidth per GPU) is computed in the functions below,
 in the open, from these values and the arithmetic their sources state.
 

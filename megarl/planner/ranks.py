@@ -1,33 +1,18 @@
 """Build each distinct rank's real megatron-core model on the meta device and count its parameters.
 
-No GPU, no weights, no other process: the rank's whole world is faked. For one representative
-global rank of each distinct kind, :func:`count_rank` runs, in this process,
+No GPU, no weights, no other process: for one representative rank of each kind, :func:`count_rank`
+fakes the world in this process (``init_process_group("fake")`` on torch's ``FakeStore`` at the
+full world size), runs megatron-core's ``initialize_model_parallel`` for the layout (no gloo
+groups: they need a real rendezvous), builds the model through megarl's own path (the family's
+mbridge bridge with :func:`megarl.engine.build._config_overrides`) under
+``torch.device("meta")``, counts per parameter kind and tears everything down.
 
-1. ``torch.distributed.init_process_group("fake", ...)`` with torch's ``FakeStore`` at the full
-   ``world_size`` and that rank (collectives return at once, nothing is sent);
-2. megatron-core's ``initialize_model_parallel`` for the recipe's layout with
-   ``create_gloo_process_groups=False`` (a gloo group needs a real rendezvous; megarl's own
-   :func:`megarl.parallel.groups.build_process_groups` creates them, so it is not used here);
-3. the model through megarl's build path: the family's mbridge bridge
-   (:func:`megarl.models.registry.make_bridge`) with the engine's TransformerConfig overrides
-   (:func:`megarl.engine.build._config_overrides`, which carries the uneven first/last pipeline
-   stages) and ``bridge.get_model`` under ``torch.device("meta")``: every parameter has its real
-   shape and no storage;
-4. a count per parameter kind, then ``destroy_model_parallel`` and ``destroy_process_group``.
-
-Which ranks differ: the parameters of a rank depend on its pipeline stage only (tp, cp, dp and
-ep ranks of one stage hold shards of the same sizes): the decoder layers on the stage (with vpp,
-its chunks' layers), dense or MoE, and whether it holds the embedding (first stage) or the
-output layer (last stage). Stages with the same (dense layers, MoE layers, first, last) are one
-kind; one rank of each kind is built (the first global rank of its first stage).
-
-Counted per rank: ``dense`` (replicated over data parallel: attention, norms, dense MLPs, shared
-experts, routers, embedding, output layer) and ``expert`` (routed experts, sharded over ep);
-``embedding`` and ``output`` are also reported apart. DeepSeek-V3's multi-token-prediction block
-is never built (:mod:`megarl.models.mbridge_fixes` F4: RL uses no MTP loss), so it is in no count.
-The model total sums each stage kind's parameters times the
-ranks that hold distinct shards of them: a tensor-parallel parameter (megatron's
-``tensor_model_parallel`` attribute) times tp (etp for experts), a routed expert times ep.
+A rank's parameters depend only on its pipeline stage (its dense and MoE layers, and whether it
+holds the embedding or the output layer), so stages alike in those are one kind. Counted per rank:
+``dense`` (replicated over DP) and ``expert`` (routed experts, sharded over ep), with ``embedding``
+and ``output`` apart; the MTP block is never built (mbridge_fixes F4). The model total multiplies
+each kind's parameters by the ranks holding distinct shards: tp (etp for experts) for a
+tensor-parallel parameter, ep for a routed expert.
 """
 from __future__ import annotations
 

@@ -2,52 +2,18 @@
 
 Each phase is priced from published measurements of other systems (:mod:`megarl.planner.published`,
 every value quoted with its source and pinned by a unit test) and the datasheet peaks of
-:mod:`megarl.planner.hardware`; nothing is read from the NeMo-RL step times that
-``perf/plan_vs_published.py`` compares the estimates with.
+:mod:`megarl.planner.hardware`; never from the published GRPO step times the estimates are
+compared with.
 
-* **Generation** per engine (``rollout.tp`` GPUs; ``rollout.dp`` engines share the samples).
-  *How many decode steps* (on_policy, one_step_off): the step waits for its longest response. Response lengths are taken as
-  exponentially distributed around the recipe's mean (``plan.mean_response_tokens``), so the
-  longest of ``n`` samples is ``mean x H(n)`` (the n-th harmonic number, ~``ln n + 0.58``),
-  capped by ``rollout.max_response_tokens``: with hundreds of samples and a mean above a fifth of
-  the cap, decode runs to the cap. *The tokens*: the mean response times the samples; over the
-  decode an engine has ``samples x mean / steps`` sequences in flight on average (at most what
-  its KV cache holds; more run in waves). In async mode the fleet generates continuously into a
-  buffer of ``max_staleness + 1`` steps, so every slot its KV cache holds (up to that buffer) stays
-  busy and a step's tokens take ``samples x mean / slots`` steps. *One decode step* costs
-  ``max(memory, compute) + layers x t_layer + collectives``:
-  memory = the engine's dense weights, the routed experts its tokens touch
-  (``1 - (1 - k/E)^B`` of them for B tokens) and the KV cache of the sequences in flight, per
-  GPU, at the published HBM efficiency; compute = their FLOPs at the published training
-  throughput with the flex dispatcher (vLLM's kernels, not megatron-core's); ``t_layer`` = the
-  per-layer time a decode step takes beyond that read at batch 1 (kernel launches, small GEMMs,
-  sampling), derived from a published batch-1 measurement per GPU generation; collectives = two tensor-parallel all-reduces per layer, at the published
-  all-reduce time within an NVLink domain, or, when the engine spans nodes, the published
-  network all-reduce latency plus the ring's bytes over the NIC. Prefill is compute at the
-  training throughput.
-* **Log-probs and training**: model FLOPs (:mod:`megarl.planner.flops`; full recompute adds a
-  forward) at the published MoE training throughput of the model family on the GPU type
-  (4,096-token sequences) measured with the recipe's token dispatcher (``model.moe_dispatcher``:
-  megatron-core's all-to-all runs at 0.2-0.7x of the DeepEP / HybridEP benchmarks), times the
-  published dropless/forced-balance ratio where the source forced balanced routing (RL trains on the model's own routing), times the published trend of
-  throughput with sequence length for the recipe's micro-batch length, times the pipeline
-  bubble ``(M + pp - 1) / M`` (interleaved: ``(M + (pp - 1)/vpp) / M``) of the M micro-batches
-  per data-parallel rank; plus, per optimizer step, the data-parallel gradient reduce-scatter
-  (fp32) and parameter all-gather (bf16) of the rank's share over the NIC when the data-parallel
-  group spans nodes (NVLink otherwise), and the pipeline's activation sends across stage
-  boundaries. With ``trainer.optimizer_offload`` the update runs on the host: the fp32 grads go
-  down and the bf16 parameters come back over the host link (its achieved rates), and Adam reads
-  and writes 28 bytes per parameter at the published host memory bandwidth.
-* **Weight sync**: each vLLM GPU receives its shard of the bf16 weights at the rate a published
-  refit achieved per GPU (checkpoint-engine's broadcast into vLLM: within one NVLink node, or
-  into engines that span nodes).
-* **Offload** (``trainer.offload_train_state``, ``rollout.sleep_level`` 1): the training state
-  and vLLM's weights leave the device and come back over the host link at the published achieved
-  rates of each direction (GB200: its datasheet NVLink-C2C figure).
-* **Modes**: on-policy colocated runs the phases one after the other; one_step_off and async with
-  ``rollout.placement: split`` generate on their own GPUs while the training GPUs train, so a
-  step takes the longer of generation and (log-probs + training), plus the weight sync, which
-  stalls the engines.
+* Generation per engine: the decode steps of the longest response (:func:`decode_steps`) or, in
+  async mode, of the buffered tokens, each priced by :func:`decode_step_s`.
+* Log-probs and training: model FLOPs (:mod:`megarl.planner.flops`) at the published MoE training
+  throughput of the family and GPU, measured with the recipe's dispatcher (megatron-core's
+  all-to-all runs at 0.2-0.7x of DeepEP / HybridEP), shaped for routing and sequence length.
+* Weight sync: each vLLM GPU receives its bf16 shard at a published per-GPU refit rate.
+* Offload (``trainer.offload_train_state``, ``rollout.sleep_level`` 1): training state and vLLM
+  weights cross the host link at the published achieved rates of each direction.
+How the phases combine per mode: :func:`estimate_step`.
 """
 from __future__ import annotations
 
@@ -106,8 +72,10 @@ def harmonic(n: float) -> float:
 
 
 def decode_steps(samples: int, mean_response: float, cap: int) -> float:
-    """Decode steps of a step: the expected longest of ``samples`` exponentially distributed
-    responses of mean ``mean_response``, at most the cap (module docstring)."""
+    """Decode steps of a step (on_policy, one_step_off: it waits for its longest response): the
+    expected longest of ``samples`` exponentially distributed responses of mean
+    ``mean_response``, ``mean x H(n)`` (~``ln n + 0.58``), at most the cap. With hundreds of
+    samples and a mean above a fifth of the cap, decode runs to the cap."""
     return min(float(cap), mean_response * harmonic(samples))
 
 
@@ -159,7 +127,12 @@ def allreduce_s(message_bytes: float, *, nvlink: bool, group: int, link_bytes_pe
 def decode_step_s(*, dims, gpu, engine_tp: int, in_flight: float, context: float, dense_params: float,
                   expert_params: float, kv_bytes_token: float, weight_bytes: float = 2.0,
                   tflops: float) -> tuple[float, dict]:
-    """One decode step of an engine (module docstring): seconds and its parts."""
+    """One decode step of an engine: seconds and its parts, ``max(memory, compute) + layers x
+    t_layer + collectives``. memory = the engine's dense weights, the routed experts its tokens
+    touch (:func:`experts_touched`) and the KV cache of the sequences in flight, per GPU, at the
+    published HBM efficiency; compute = their FLOPs at the published training throughput with the
+    flex dispatcher (vLLM's kernels); ``t_layer`` = :func:`layer_overhead_s`; collectives = two
+    tensor-parallel all-reduces per layer (:func:`allreduce_s`)."""
     from megarl.planner.flops import flops_per_token
 
     touched = experts_touched(in_flight, dims.num_experts, dims.num_experts_per_tok)
@@ -240,7 +213,16 @@ def shaped_tflops(family: str, gpu: str, dispatcher: str, micro_batch_tokens: fl
 
 
 def estimate_step(x: StepInputs) -> StepEstimate:
-    """The step-time estimate (module docstring)."""
+    """The step-time estimate. Generation: an engine has ``samples x mean / steps`` sequences in
+    flight on average (at most what its KV cache holds; more run in waves); in async mode the
+    fleet keeps every KV-cache slot busy (up to a buffer of ``max_staleness + 1`` steps), so a
+    step's tokens take ``samples x mean / slots`` decode steps; prefill is compute at the training
+    throughput. Log-probs and training: model FLOPs (full recompute adds a forward) at
+    :func:`shaped_tflops`, times the pipeline bubble, plus :func:`gradient_reduction_s`,
+    :func:`pipeline_send_s` and, with ``trainer.optimizer_offload``, :func:`host_update_s`.
+    Modes: on-policy colocated runs the phases in sequence; one_step_off and async with
+    ``rollout.placement: split`` take the longer of generation and (log-probs + training), plus
+    the weight sync, which stalls the engines."""
     from megarl.planner.flops import flops_per_token
 
     dims, gpu = x.dims, x.gpu

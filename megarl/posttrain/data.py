@@ -1,31 +1,18 @@
 """Supervised and preference data of ``megarl sft`` and ``megarl rm``: reading, checking, tokenising.
 
-Rows (``.jsonl``, one JSON object a line, or ``.parquet``):
+Rows (``.jsonl`` or ``.parquet``): SFT has ``messages`` (the last one the assistant's answer, the
+only tokens with loss) or ``prompt`` with ``response``; preferences have ``prompt``, ``chosen``,
+``rejected`` and an optional ``margin`` (for ``posttrain.margin``). With
+``data.use_chat_template`` the response is what the rendered conversation adds to the rendered
+prompt, up to and with its end-of-turn token, so it is tokenised exactly as generation produces
+it; without it the texts are tokenised as they are and the response ends with EOS.
 
-* SFT: ``messages`` (chat messages, the last one the assistant's answer: the only tokens with
-  loss), or ``prompt`` (a string or chat messages) with ``response`` (a string).
-* Preferences: ``prompt`` (a string or chat messages), ``chosen`` and ``rejected`` (strings: the
-  preferred and the other answer), optional ``margin`` (a number: how much better chosen is,
-  used by ``posttrain.margin``).
-
-With ``data.use_chat_template`` the model's chat template renders the prompt (with the generation
-prompt) and the whole conversation; the response is what the conversation adds to the prompt, up
-to and with its end-of-turn (EOS) token, so it is tokenised exactly as generation produces it.
-Without it the texts are tokenised as they are and the response ends with the EOS token.
-
-A bad row (missing or mistyped field, empty response, a chosen identical to its rejected, a
-sequence over ``posttrain.max_seq_tokens``) is an error naming the file, the line (jsonl, 1-based;
-parquet: the row, 0-based) and the field, raised before any worker starts; with
-``data.on_bad_row: skip`` it is dropped and counted instead (:attr:`Examples.skipped`, by reason).
-
-``builtin:arithmetic_sft`` and ``builtin:arithmetic_prefs`` in place of a file: the arithmetic
-task's problems (:mod:`megarl.tasks.arithmetic`, ``data.difficulty`` >= 2) with worked answers in
-the ``#### n`` format, and preference pairs (chosen: that answer; rejected, a third each: a slip
-in one step carried on consistently, a final answer that does not follow from the steps, or the
-steps without the ``####`` line), generated offline from ``data.seed`` (:func:`builtin_rows`;
-``megarl data`` writes them to a file). They never hold a level-1 problem (two one-digit operands
-added: the quickstart's 100 problems), so the quickstart measures what an SFT stage taught, not
-what it memorised.
+A bad row (missing or mistyped field, empty response, chosen identical to rejected, a sequence
+over ``posttrain.max_seq_tokens``) is an error naming the file, line (jsonl 1-based; parquet row
+0-based) and field, before any worker starts; ``data.on_bad_row: skip`` drops and counts it
+(:attr:`Examples.skipped`). ``builtin:arithmetic_sft`` / ``builtin:arithmetic_prefs`` in place of
+a file are generated offline from ``data.seed`` (:func:`builtin_rows`; ``megarl data`` writes
+them to a file).
 """
 from __future__ import annotations
 
@@ -323,7 +310,12 @@ def worked_answer(expression: str, slip: Optional[tuple] = None) -> tuple[str, i
 
 
 def builtin_rows(name: str, num_examples: int, level: int, seed: int) -> list[tuple[str, dict]]:
-    """The rows of a built-in set (see the module docstring), deterministic in its arguments."""
+    """The rows of a built-in set, deterministic in its arguments: the arithmetic task's problems
+    (:mod:`megarl.tasks.arithmetic`, level >= 2) with worked answers in the ``#### n`` format, and
+    preference pairs whose rejected answer is, a third each, a slip in one step carried on
+    consistently, a final answer that does not follow from the steps, or the steps without the
+    ``####`` line. No level-1 problem (the quickstart's 100), so the quickstart measures what an
+    SFT stage taught, not what it memorised."""
     from megarl.tasks.arithmetic import generate_arithmetic
 
     if name not in BUILTIN:

@@ -1,18 +1,12 @@
 """Rewards for multi-turn agent trajectories (``data_source="calculator"``, :mod:`megarl.tasks.word_problems`).
 
-:func:`calculator_reward`: 1.0 when the number after the last ``####`` of the model's final turn
-equals the gold answer (compared exactly as fractions: ``146.0`` == ``146``; commas are thousands
-separators, ``1,460`` == ``1460``), else 0.0; plus ``tool_bonus`` when the trajectory made
-at least one well-formed tool call and no malformed one (parse errors and unknown tool names, as the
-agent loop counts them).
-
-The bonus is paid only when the final turn has a ``#### <number>`` answer line, right or wrong.
-Why not always: a bonus for calling a tool alone is earned by a trajectory that calls the
-calculator and then never answers, which GRPO would rank above a direct correct answer's siblings
-that ended without any answer line. Why not only on a right answer: then it adds nothing a small
-model can learn from early on (its correct answers are rare) and mostly rewards lucky guesses that
-happened to call a tool. Keep it small next to 1.0 (0.1 or less): a trajectory with any valid call
-and any answer line gets it, so a large bonus teaches calling the tool for show.
+:func:`calculator_reward`: 1.0 when the number after the last ``####`` of the final turn equals the
+gold answer (exactly, as fractions; commas are thousands separators), else 0.0; plus ``tool_bonus``
+when the trajectory made a well-formed tool call and no malformed one, and the final turn has a
+``#### <number>`` line, right or wrong. Not for a call alone: a trajectory that calls the
+calculator and never answers would outrank siblings that ended without an answer line. Not only
+on a right answer: a small model's correct answers are rare early on, so it would mostly reward
+lucky guesses. Keep it small next to 1.0 (0.1 or less), or it teaches calling the tool for show.
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
 """Verifiable math rewards: GSM8K ``#### N`` answers, ``\\boxed{}`` answers, and format checks.
 
-Every reward function has the signature ``fn(response: str, answer: str, **extra) -> float`` and
-ignores extra keyword arguments it does not know (the dataset passes its other columns, e.g.
-``data_source``).
+Every reward function is ``fn(response: str, answer: str, **extra) -> float`` and ignores extra
+keyword arguments it does not know (the dataset passes its other columns, e.g. ``data_source``).
 
-- :func:`gsm8k_reward`: the number after the last ``####`` in the response (commas, ``$`` and a
-  trailing period removed) compared numerically with the gold answer (which may itself be a full
-  GSM8K solution ending in ``#### N``). ``strict=False`` falls back to the last number in the
-  response when there is no ``####`` (verl's "flexible" mode).
-- :func:`boxed_math_reward`: the content of the last well-formed ``\\boxed{...}`` (nested braces
-  and escaped ``\\{ \\}`` handled; ``\\fbox`` too) compared with :func:`answers_equivalent`.
-- :func:`answers_equivalent`: normalised exact string match, then numeric comparison of plain
-  numbers / fractions, then math-verify (symbolic: ``\\frac{1}{2}`` == ``1/2`` == ``0.5``). Both
-  sides are wrapped in ``\\boxed{}`` before math-verify parses them, so bare LaTeX is understood.
-  math-verify bounds its own parsing and comparison with ``signal.alarm``, which only works in the
-  main thread: elsewhere its timeouts are disabled and the caller's pool timeout is the only bound
-  (see :mod:`megarl.rewards.pool`). If math-verify is not installed or fails, the first two checks
-  decide alone.
-- :func:`format_reward`: 1.0 when the response has the expected answer format (``gsm8k``: the last
-  non-empty line is ``#### <number>``; ``boxed``: a well-formed ``\\boxed{}``; ``think``: a
-  ``<think>...</think>`` block followed by an answer), else 0.0; ``answer`` is not used.
+- :func:`gsm8k_reward`: the number after the last ``####`` compared numerically with the gold
+  answer; ``strict=False`` falls back to the last number (verl's "flexible" mode).
+- :func:`boxed_math_reward`: the last well-formed ``\\boxed{...}`` (nested and escaped braces,
+  ``\\fbox``) compared with :func:`answers_equivalent`.
+- :func:`answers_equivalent`: normalised string match, then plain numbers / fractions, then
+  math-verify (symbolic), on both sides wrapped in ``\\boxed{}``. math-verify's own timeouts use
+  ``signal.alarm`` and work only in the main thread; elsewhere the pool timeout is the only bound
+  (:mod:`megarl.rewards.pool`). Without math-verify the first two checks decide.
+- :func:`format_reward`: 1.0 for the expected format (``gsm8k``, ``boxed`` or ``think``), else 0.0.
 """
 
 from __future__ import annotations
@@ -163,7 +155,9 @@ def gsm8k_lenient_reward(response: str, answer: str, **extra) -> float:
 
 
 def gsm8k_reward(response: str, answer: str, *, strict: bool = True, format_score: float = 0.0, **extra) -> float:
-    """1.0 for the right number after ``####``; ``format_score`` for a wrong one; 0.0 without one."""
+    """1.0 for the right number after ``####``; ``format_score`` for a wrong one; 0.0 without one.
+    Commas, ``$`` and a trailing period are removed; the gold answer may itself be a full GSM8K
+    solution ending in ``#### N``."""
     pred = extract_gsm8k_answer(response)
     if pred is None and not strict:
         pred = extract_last_number(response)
@@ -187,7 +181,9 @@ def boxed_math_reward(response: str, answer: str, *, format_score: float = 0.0, 
 
 
 def format_reward(response: str, answer: str = "", *, style: str = "gsm8k", **extra) -> float:
-    """1.0 when the response follows the answer format ``style`` (gsm8k, boxed, think), else 0.0."""
+    """1.0 when the response follows the answer format ``style`` (gsm8k: the last non-empty line
+    is ``#### <number>``; boxed: a well-formed ``\\boxed{}``; think: a ``<think>...</think>`` block
+    followed by an answer), else 0.0."""
     if style == "gsm8k":
         lines = [line for line in response.splitlines() if line.strip()]
         return 1.0 if lines and _GSM8K_LINE_RE.match(lines[-1]) else 0.0

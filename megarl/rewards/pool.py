@@ -1,42 +1,20 @@
 """Score a batch of responses in worker processes, each call under a timeout, never killing the run
 for a failing call (only for a function that kills every worker it runs on).
 
-:class:`RewardPool` runs ``fn(response, answer, **extra)`` in a ``ProcessPoolExecutor`` (spawn
-context by default; forkserver also works; fork is refused because the driver holds threads and
-CUDA/Ray state).
+:class:`RewardPool` runs ``fn(response, answer, **extra)`` in a ``ProcessPoolExecutor`` (spawn by
+default, forkserver works; fork is refused: the driver holds threads and CUDA/Ray state), passing
+only the keywords ``fn`` accepts (all with ``**extra``, else those its signature names). Failures:
+an exception or a non-finite result scores 0.0 (``n_errors``); a call past ``timeout_s`` scores
+0.0 (``n_timeouts``) and, since a running call cannot be cancelled, the pool is killed and
+replaced and its other calls resubmitted; a dying worker breaks the pool and its calls are
+resubmitted once (twice is an error); ``max_consecutive_crashes`` breaks in a row raise
+:class:`RewardWorkerCrash` (going on would train on all-zero rewards). Workers ignore SIGINT: the
+controller decides how the run stops.
 
-Keyword arguments: ``extra`` is the sample's row of the prompt file less ``prompt`` and ``answer``
-(``data_source`` and every other column; generated arithmetic prompts have ``level`` and
-``expression``; :meth:`megarl.trainer.rollout.Rollouts.generate` builds them). The
-pool passes the keywords ``fn`` accepts: all of them when it takes ``**extra``, else only the ones
-its signature names (so ``def fn(response, answer, target_len)`` gets ``target_len`` and nothing
-else); a column named like ``fn``'s first two parameters is never passed.
-
-Failure handling:
-
-- an exception in ``fn`` (or a non-numeric / non-finite result) gives reward 0.0 and counts in
-  ``n_errors``;
-- a call still running ``timeout_s`` after it started gives reward 0.0 and counts in
-  ``n_timeouts``. A process pool cannot cancel a running call, so the pool is torn down (its
-  workers are SIGKILLed) and replaced; the other calls that were running on it are resubmitted
-  to the new pool;
-- a worker that dies (segfault, ``os._exit``) breaks the whole pool: the calls in flight are
-  resubmitted once on a fresh pool; a call that breaks a pool twice counts as an error;
-- ``max_consecutive_crashes`` pool breaks in a row with no call finishing in between (the function
-  kills every worker it runs on) raise :class:`RewardWorkerCrash` naming the function, the number
-  of breaks and the dead worker's exit code or signal; the pool's workers are killed first. Going
-  on would cost a pool start-up per sample and train on all-zero rewards. Workers that die while
-  starting raise it too;
-- workers ignore SIGINT: a terminal's Ctrl-C reaches every process of the foreground group, and
-  the controller, not the reward workers, decides how the run stops.
-
-Timing: at most ``num_workers`` calls are in flight, so a submitted call starts at once on an
-idle worker and its deadline is measured from submission. Workers are started and warmed up
-(megarl's rewards, math-verify and the reward function's module imported) before the first batch
-and after every replacement, so process start-up does not eat into the first calls' timeouts.
-
-math-verify inside workers: it uses ``signal.alarm``; each call runs in the worker's main thread,
-where that works (tests/unit/test_rewards.py checks it).
+At most ``num_workers`` calls are in flight, so a deadline counts from submission; workers are
+warmed up (rewards, math-verify, the function's module imported) before the first batch and after
+every replacement. Each call runs in the worker's main thread, where math-verify's
+``signal.alarm`` works.
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
 """Reward functions by name, or user functions by dotted path.
 
-Contract for every reward function (built-in or user)::
+Contract for every reward function: ``fn(response: str, answer: str, **extra) -> float`` with the
+decoded response (no prompt), the gold answer string, and the prompt row's other columns as
+keywords (``data_source``, and e.g. a ``target_len`` column as ``target_len=...``); the pool passes
+only the keywords a function accepts. It runs in a worker process under a timeout
+(:class:`megarl.rewards.pool.RewardPool`), so it must be defined at module level. Raising scores
+0.0 and counts an error; ending the worker on every call stops the run.
 
-    fn(response: str, answer: str, **extra) -> float
-
-``response`` is the decoded model output (without the prompt), ``answer`` the dataset's gold
-answer string, ``extra`` the prompt row's other columns as keywords: ``data_source`` and every
-column beyond the required ones (a ``target_len`` column arrives as ``target_len=...``). The pool
-passes only the keywords a function accepts: all of them to ``**extra`` (the built-in rewards take
-``**extra`` and ignore what they do not know), else the ones its signature names. It runs in a
-worker process under a timeout (:class:`megarl.rewards.pool.RewardPool`), so it must be defined at
-module level. Raising is allowed: the sample scores 0.0 and is counted as an error; ending the
-worker process on every call stops the run (:class:`megarl.rewards.pool.RewardWorkerCrash`).
-
-Names: ``gsm8k`` and ``arithmetic`` (``#### N`` answers), ``math`` (``\\boxed{}`` answers with
-math-verify), ``format`` (answer format only), ``calculator`` and ``calculator_bonus``
-(multi-turn tool trajectories, :mod:`megarl.rewards.agent`: the final turn's ``#### N``; the
-second adds 0.1 for well-formed tool calls). A name that is not registered but contains ``:``
-or ``.`` is imported as ``package.module:function`` or ``package.module.function``
-(:mod:`megarl.plugins`).
+Names: ``gsm8k`` and ``arithmetic`` (``#### N``), ``math`` (``\\boxed{}`` with math-verify),
+``format``, ``calculator`` and ``calculator_bonus`` (:mod:`megarl.rewards.agent`; the second adds
+0.1 for well-formed tool calls). Anything else with ``:`` or ``.`` is imported as
+``package.module:function`` or ``package.module.function`` (:mod:`megarl.plugins`).
 """
 
 from __future__ import annotations

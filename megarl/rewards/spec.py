@@ -66,7 +66,7 @@ def parse_reward(text: str) -> list[RewardTerm]:
 
 
 def is_plain(terms: list[RewardTerm]) -> bool:
-    """One rule term of weight 1: the reward is that function's, as before weighted sums existed."""
+    """One rule term of weight 1: the reward is exactly that function's (no weighted sum)."""
     return len(terms) == 1 and not terms[0].is_model and terms[0].weight == 1.0
 
 

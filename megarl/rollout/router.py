@@ -1,46 +1,18 @@
 """Length-aware request router: deal prompt groups to rollout engines so their predicted work is even.
 
-Unit of routing: one prompt with its ``n`` samples. All samples of a prompt go to the same engine,
-so the prompt's full KV blocks are computed once there and shared by the ``n`` sequences (vLLM's
-prefix cache); splitting a group would prefill it on several engines.
+A prompt goes with its ``n`` samples to one engine, so vLLM's prefix cache computes its KV blocks
+once. Cost in tokens, ``prompt_len + n * expected_response_len(key)``: prompts are known exactly
+and responses, usually the larger term in RL, are a guess, so one unit without per-engine
+hardware constants is enough; engine time is taken as linear in tokens, true at large batches (at
+small batches an engine's time is its longest response, which no assignment of whole groups
+changes). The expected response length is the mean of the prompt's latest observed group (the
+policy drifts, so the newest observation predicts best), else the running mean over all
+responses, else ``default_response_tokens``.
 
-Cost model (in tokens)
-----------------------
-``predicted_cost(prompt) = prompt_len + n * expected_response_len(key)``
-
-* Decode dominates: every response token is one sequential model step for its sequence, while
-  the prompt is processed in one parallel prefill. A response token therefore costs more than a
-  prompt token; counting both as one token overstates prompts slightly, but prompts are known
-  exactly while response lengths are a guess, and in RL responses are usually the larger term
-  (reasoning traces of thousands of tokens). One unit (tokens) keeps the model free of
-  hardware-specific constants that would need calibrating per engine.
-* The prompt counts once per group (the prefix cache shares it), the response ``n`` times.
-* Engine time is modelled as linear in tokens. That holds while engines run large batches (a
-  decode step's time then grows with the batch). At small batches a decode step costs about the
-  same whatever the batch (it reads all weights), so an engine's time is set by the step count
-  of its longest response, which no assignment of whole groups changes (measured on CPU:
-  perf/results/router_cpu_2026-12-01.md).
-* The prompt is shared only where the prefix cache holds it: vLLM caches whole KV blocks (128
-  tokens on CPU, 16 on GPU by default), so a prompt shorter than a block is prefilled once per
-  sample. Responses still dominate the work RL generates, so the model stays as it is.
-
-Expected response length, first that applies:
-
-1. the prompt was seen before (same ``key``, e.g. its dataset index, in an earlier step): the mean
-   response length of its **latest** observed group. The ``n`` samples already average the
-   sampling noise, and the policy drifts between steps (RL tends to lengthen responses), so the
-   newest observation predicts the next better than an average over older policies would;
-2. else the mean over every response observed so far (the dataset's running mean);
-3. else ``default_response_tokens`` (nothing observed yet, e.g. step 1 of a run).
-
-Assignment: LPT (longest processing time first) greedy: prompts by predicted cost, largest first,
-each to the engine with the least predicted load so far. Ties: lower prompt index first, then
-lower engine index, so every caller computes the same assignment. LPT is within 4/3 of the
-optimal makespan, runs in O(P log P + P log E), and works per step without search; the DP
-balancer (:mod:`megarl.data.balance`, Karmarkar-Karp plus refinement) is tighter but its gains
-are below the error of the response-length prediction this router works with.
-
-Pure Python: no torch, Ray or vLLM imports.
+Assignment: LPT greedy (largest predicted cost first, each to the least loaded engine; ties by
+prompt then engine index, so every caller agrees), within 4/3 of the optimal makespan in
+O(P log P + P log E). The DP balancer (:mod:`megarl.data.balance`) is tighter, but its gains are
+below the error of the length prediction. Pure Python: no torch, Ray or vLLM imports.
 """
 from __future__ import annotations
 

@@ -3,32 +3,17 @@ a draft that the current policy verifies in one parallel pass; generation resume
 rejected token with the remaining budget (SPEC-RL, arXiv 2509.23232, and the speculative-sampling
 rule of Leviathan et al. 2023 / Chen et al. 2023 that makes one mode exact).
 
-Notation: ``q`` is the policy that sampled the draft (its log-prob of each draft token and its
-top-k log-probs at each position are stored with the draft), ``p`` the current policy. Token t of a
-draft is accepted when ``u_t <= min(1, l * p(x_t) / q(x_t))`` with a seeded uniform ``u_t``; the
-first rejection ends the accepted prefix.
+``q`` is the draft's policy (its log-prob and top-k log-probs per position stored with the draft),
+``p`` the engine's. Token t is accepted when ``u_t <= min(1, l * p(x_t) / q(x_t))`` (seeded
+``u_t``) until the first rejection. ``exact`` (l = 1) draws that token from ``max(0, p - q) / Z``,
+so responses are distributed as plain sampling from ``p``, up to the unstored mass of ``q``'s
+top-k at the rejected position (``spec/residual_tv_bound``; docs/speculative.md). ``lenient``
+(l > 1, SPEC-RL's rule, default e^0.5) accepts more and samples from ``p``: biased toward ``q``.
 
-- ``exact`` (l = 1): the token at the first rejection is drawn from the residual
-  ``max(0, p - q) / Z``. Then every response is distributed exactly as plain sampling from ``p``
-  (the speculative-sampling theorem), whatever ``q`` was. ``q`` is known only on its stored top-k
-  tokens; an unstored token is treated as ``q = 0`` there. The output then differs from exact
-  sampling by at most the unstored mass ``1 - sum(top-k q)`` at the rejected position, in total
-  variation (the ``spec/residual_tv_bound`` metric averages it over samples; docs/speculative.md).
-- ``lenient`` (l > 1, SPEC-RL's rule, default e^0.5): more tokens are accepted and the rejected
-  position is sampled from ``p`` itself; the responses are biased toward the old policy ``q``.
-
-The two rules are the pure functions :func:`accepted_prefix` and :func:`residual_token`
-(unit-tested on explicit tables); :func:`speculative_sample` composes them on tables. The engine
-side (:func:`verify_and_resample`) runs them on a vLLM engine: the verification pass is one
-prefill of prompt + draft per sample with vLLM's prompt log-probs (untempered and untruncated, so
-the mode needs temperature 1, top_p 1, top_k -1, checked at load), the exact mode's residual
-needs ``p`` at the rejected position on the stored tokens and one draw of ``p`` outside them (one
-1-token request per rejected sample: vLLM's ``logprob_token_ids`` and a logit bias that excludes
-the stored tokens), and the continuations go back to the caller as ordinary requests.
-Which policy ``p`` is: the engine's, i.e. the policy that samples in the run's mode.
-
-Sampling distributions ``p`` and ``q`` must be the ones tokens are drawn from; with temperature
-1 and no truncation they are the model's softmax, which is what vLLM's log-probs are.
+:func:`accepted_prefix` and :func:`residual_token` are the pure rules; :func:`verify_and_resample`
+runs them on a vLLM engine: one prefill of prompt + draft per sample for vLLM's prompt log-probs
+(untempered and untruncated, hence temperature 1, top_p 1, top_k -1, checked at load), a 1-token
+request per rejected sample in exact mode for the residual, and continuations as ordinary requests.
 """
 from __future__ import annotations
 

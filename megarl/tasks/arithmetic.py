@@ -1,8 +1,8 @@
 """Offline arithmetic task: seeded, deterministic integer problems with ``#### <number>`` answers.
 
-Made for the GRPO quickstart on a small instruct model (SmolLM2-135M-Instruct): levels 1-2 are
-solvable some of the time by such a model, higher levels give headroom. Problems are integer
-expressions evaluated with the usual precedence (``*`` before ``+``/``-``), so the answer is exact.
+Made for the GRPO quickstart on SmolLM2-135M-Instruct: levels 1-2 are solvable some of the time
+by such a model, higher levels give headroom. Problems are integer expressions with the usual
+precedence, so the answer is exact.
 
   level  operands  digits per operand  operators
   1      2         1                   +
@@ -12,8 +12,7 @@ expressions evaluated with the usual precedence (``*`` before ``+``/``-``), so t
   5      4         1-3                 + - *
 
 The only randomness is ``random.Random(seed)``, so (num_examples, level, seed) fixes the output on
-every platform (CPython's generator and its ``randint``/``choice`` have been stable for years). Rewards: ``data_source="arithmetic"`` selects the
-GSM8K-style checker (:func:`megarl.rewards.math.gsm8k_reward`).
+every platform. ``data_source="arithmetic"`` selects :func:`megarl.rewards.math.gsm8k_reward`.
 """
 
 from __future__ import annotations

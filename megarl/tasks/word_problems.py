@@ -1,9 +1,8 @@
 """Offline word problems for tool use: seeded multi-step integer arithmetic where a calculator helps.
 
-Each problem is a short story over a few quantities with one integer answer (``//`` where the story
-asks for full bags/crates, rounding up where it asks how many are needed), e.g. "A shop has 37
-boxes of 24 pencils. It sells 158 pencils and packs the rest into bags of 5. How many full bags
-can it pack?" -> (37 * 24 - 158) // 5 = 146. ``steps`` below counts the arithmetic operations.
+Each problem is a short story with one positive integer answer, e.g. "A shop has 37 boxes of 24
+pencils. It sells 158 pencils and packs the rest into bags of 5. How many full bags can it pack?"
+-> (37 * 24 - 158) // 5 = 146 (``//`` for full bags, rounding up for how many are needed).
 
   level  steps  quantities   factors / divisors
   1      2-3    12-99        3-9
@@ -11,15 +10,11 @@ can it pack?" -> (37 * 24 - 158) // 5 = 146. ``steps`` below counts the arithmet
   3      3-4    100-999      12-99
   4      4-5    1000-9999    12-99
 
-Quantities subtracted stay between a quarter and three quarters of the total, so every answer is a
-positive integer (a draw that gives 0 is redrawn). The prompt asks for the calculator tool when
-needed and a last line ``#### <answer>``; ``answer`` is the integer as a string and
-``data_source="calculator"`` (:func:`megarl.rewards.agent.calculator_reward`). ``extra`` holds the
-level, the story ``kind`` and its ``numbers`` (a list of ints in the order the story first states
-them; a list so that the records round-trip through parquet), so the answer can be recomputed.
-
-The only randomness is ``random.Random(seed)``: (num_examples, level, seed) fixes the output, and a
-longer list starts with the shorter one.
+The prompt asks for the calculator when needed and a last line ``#### <answer>``
+(``data_source="calculator"``, :func:`megarl.rewards.agent.calculator_reward`); ``extra`` holds
+the level, the story ``kind`` and its ``numbers`` (a list, to round-trip through parquet), so the
+answer can be recomputed. ``random.Random(seed)`` is the only randomness, and a longer list starts
+with the shorter one.
 """
 
 from __future__ import annotations

@@ -1,26 +1,18 @@
 """Boxes, logical tensors and the generic parts of a family mapping (pure: no processes, no groups).
 
-Every layout relation in the bridge is a list of :class:`Piece`: a box (a rectangular region, one
-``(start, stop)`` per dim) of a source tensor that lands, unchanged in shape, in a box of a named
-destination tensor. Three such relations are composed by the plan:
+Every layout relation in the bridge is a list of :class:`Piece`: a box (one ``(start, stop)`` per
+dim) of a source tensor that lands, unchanged in shape, in a box of a named destination tensor.
+The plan composes three of them:
 
-1. Megatron *logical* tensor -> HF tensors (:meth:`FamilyMapping.to_hf`): QKV de-interleaving per
-   query group, ``linear_fc1`` -> gate / up, vocabulary padding dropped, expert stacks -> stacked
-   HF expert tensors.
-2. A rank's Megatron shard -> the logical tensor (:func:`shard_segments`): TP split on
-   ``tp_dim`` (a fused gate/up shard is two segments: ``[gate_r; up_r]``), experts split over EP on
-   dim 0.
-3. HF tensor -> vLLM's fused, TP-sharded parameters (:meth:`FamilyMapping.vllm_pieces`):
-   ``qkv_proj[r] = [q_r; k_r; v_r]``, ``gate_up_proj[r] = [gate_r; up_r]``,
-   ``w13_weight[r] = stack_e [gate_e,r; up_e,r]``, vocab padded to 64 and split, ...
+1. Megatron logical tensor -> HF tensors (:meth:`FamilyMapping.to_hf`): QKV de-interleaving,
+   ``linear_fc1`` -> gate / up, vocabulary padding dropped, expert stacks -> stacked HF tensors.
+2. A rank's Megatron shard -> the logical tensor (:func:`shard_segments`): TP split on ``tp_dim``
+   (a fused gate/up shard is two segments), experts split over EP on dim 0.
+3. HF tensor -> vLLM's fused, TP-sharded parameters (:meth:`FamilyMapping.vllm_pieces`).
 
-Logical tensors: a Megatron parameter by its *global* name (global layer number), except that
-the experts of one MoE layer are one stacked tensor ``...mlp.experts.linear_fc1.weight`` of shape
-``[E, 2I, H]`` (Megatron holds them as ``weight0..weight{E/ep-1}`` per EP rank; see
-:func:`expert_param_name`). The matching HF "stack" is named with a ``*`` for the expert id
-(``model.layers.3.mlp.experts.*.gate_proj.weight``, shape ``[E, I, H]``) and
-:func:`unstack_hf` turns it into the per-expert checkpoint names as zero-copy views.
-
+A logical tensor is a Megatron parameter by its global name, except that one MoE layer's experts
+are one stacked tensor ``[E, 2I, H]`` (:func:`expert_param_name`); its HF stack has ``*`` for the
+expert id and :func:`unstack_hf` gives the per-expert checkpoint tensors as zero-copy views.
 Legend: E experts, I (expert) intermediate size, H hidden size, Q/K/V rows of q/k/v projections.
 """
 from __future__ import annotations

@@ -1,20 +1,16 @@
 """Per-family tensor lists and name rules: dense GQA families, Qwen3-MoE and DeepSeek-V3 (MLA).
 
-Megatron names are the TE-spec names of megatron-core 0.16 as built by mbridge (checked against
-real models in ``tests/distributed/workers/bridge_sync.py``); HF names are those of the
-transformers checkpoints (``tests/unit/test_bridge_mapping.py`` compares the layouts with mbridge's
-own conversion functions). Layouts:
+Megatron names are megatron-core 0.16's TE-spec names as built by mbridge (checked against real
+models in ``tests/distributed/workers/bridge_sync.py``); HF names are the transformers
+checkpoints' (``tests/unit/test_bridge_mapping.py`` compares with mbridge's conversions). Layouts:
 
-* ``linear_qkv`` rows are grouped per query group g (``num_key_value_heads`` groups):
-  ``[q_g (heads/kv_heads * head_dim rows); k_g (head_dim); v_g (head_dim)]``; TP splits whole groups.
+* ``linear_qkv`` rows grouped per query group: ``[q_g; k_g; v_g]``; TP splits whole groups.
 * ``linear_fc1`` is ``[gate; up]`` (TP rank r holds ``[gate_r; up_r]``: two segments).
-* Routed experts: one stacked logical tensor per layer (see :mod:`.base`); ``linear_fc1`` stack
-  ``[E, 2I, H]`` -> HF ``experts.*.gate_proj`` / ``up_proj`` ``[E, I, H]``, ``linear_fc2``
-  ``[E, H, I]`` -> ``experts.*.down_proj``.
-* DeepSeek-V3 MLA: ``linear_q_down_proj`` / ``linear_kv_down_proj`` are replicated over TP
-  (vLLM fuses them into ``fused_qkv_a_proj``, also replicated); ``linear_q_up_proj`` /
-  ``linear_kv_up_proj`` are split by heads (dim 0) as are vLLM's ``q_b_proj`` / ``kv_b_proj``;
-  ``W_UK_T`` / ``W_UV`` are derived by vLLM from ``kv_b_proj`` at load time and never sent.
+* Routed experts: one stacked logical tensor per layer (:mod:`.base`), ``linear_fc1`` ``[E, 2I, H]``
+  -> ``experts.*.gate_proj`` / ``up_proj``, ``linear_fc2`` ``[E, H, I]`` -> ``experts.*.down_proj``.
+* DeepSeek-V3 MLA: the q / kv down projections are replicated over TP (vLLM's fused
+  ``fused_qkv_a_proj`` too); the up projections are split by heads like vLLM's ``q_b_proj`` /
+  ``kv_b_proj``; vLLM derives ``W_UK_T`` / ``W_UV`` from ``kv_b_proj``, so they are never sent.
 """
 from __future__ import annotations
 
