@@ -1,27 +1,16 @@
 """The multi-turn agent loop on the rollout fleet (``rollout.agent: tools``).
 
-A trajectory is a prompt and a response that grows turn by turn: the model's sampled tokens (exactly
-the ids vLLM sampled, with vLLM's log-probs) and, after a turn that calls tools, the token ids of
-the tool results as the chat template renders them (:class:`megarl.agent.parse.TurnFormatter`),
-tokenized alone and appended: the model's own tokens are never decoded and encoded again, so the
-trainer sees exactly what the engine sampled. ``loss_mask`` is true on sampled tokens only; the
-inserted tokens carry no loss and no vLLM log-prob (NaN).
+A trajectory (:class:`Trajectory`) is a prompt and a response that grows turn by turn: the model's
+sampled tokens (exactly the ids vLLM sampled, with vLLM's log-probs) and, after a turn that calls
+tools, the token ids of the tool results. ``loss_mask`` is true on sampled tokens only; the
+inserted tokens carry no loss and no vLLM log-prob (NaN). :class:`AgentLoop` owns the
+trajectories of one call, their stored arrays (:func:`stored_trajectory`) and their metrics.
 
-Scheduling: every trajectory's next turn is a request of its own, sent into the running stream of
-the engine that generated its earlier turns (:meth:`megarl.trainer.fleet.Fleet.generate_requests`
-with a feed, :meth:`megarl.rollout.engine.EngineActor.submit`), so turns of different trajectories
-interleave on the engines, a trajectory waiting for a tool blocks no other, and the engine's
-prefix cache holds the trajectory so far. Tool calls run in a bounded pool
-(:class:`megarl.agent.tools.ToolRunner`) while the engines generate; their results come back to
-the controller's thread through a queue that the fleet's feed drains, so the trajectories' state
-and the caller's ``on_done`` are only touched from that one thread.
-
-Budget: ``rollout.max_response_tokens`` bounds the whole response (model and tool tokens): each
-turn may generate what is left, a tool result that does not fit ends the trajectory (clipped), and
-``rollout.max_turns`` bounds the model turns (the last one's tool calls are not run).
-
-Seeds: turn t of sample j of prompt i samples with ``seed_i + j + t * TURN_SEED_STRIDE``, so a
-trajectory does not depend on the engine it runs on or on the other trajectories.
+Choices: the model's own tokens are never decoded and encoded again (:meth:`_Call.next_turn`),
+so the trainer sees exactly what the engine sampled. Every trajectory's next turn is a request of
+its own in the running stream of its engine (:class:`_Call`), so a trajectory waiting for a tool
+blocks no other. ``rollout.max_response_tokens`` bounds the whole response, model and tool tokens
+(:meth:`_Call.request`), and a turn's seed depends on its trajectory alone (:data:`TURN_SEED_STRIDE`).
 """
 from __future__ import annotations
 
@@ -32,7 +21,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 TURN_SEED_STRIDE = 1_000_003
-"""Seed offset between consecutive turns of one trajectory."""
+"""Seed offset between consecutive turns of one trajectory: turn t of sample j of prompt i samples
+with ``seed_i + j + t * TURN_SEED_STRIDE``, so a trajectory does not depend on the engine it runs on
+or on the other trajectories."""
 
 
 @dataclass
@@ -107,7 +98,16 @@ class AgentLoop:
 class _Call:
     """One :meth:`AgentLoop.__call__`: its trajectories and the fleet's callbacks. ``on_turn``
     and ``feed`` run in the controller's thread (the fleet calls both from its loop); the tool
-    pool's threads only put results into :attr:`tool_done`."""
+    pool's threads only put results into :attr:`tool_done`.
+
+    Scheduling: every trajectory's next turn is a request of its own, sent into the running stream
+    of the engine that generated its earlier turns (:meth:`megarl.trainer.fleet.Fleet.generate_requests`
+    with a feed, :meth:`megarl.rollout.engine.EngineActor.submit`), so turns of different
+    trajectories interleave on the engines, a trajectory waiting for a tool blocks no other, and
+    the engine's prefix cache holds the trajectory so far. Tool calls run in a bounded pool
+    (:class:`megarl.agent.tools.ToolRunner`) while the engines generate; their results come back
+    through a queue that the feed drains, so the trajectories' state and the caller's ``on_done``
+    are only touched from the controller's thread."""
 
     def __init__(self, loop: AgentLoop, prompt_ids, seeds, greedy, on_done):
         self.loop, self.cfg, self.on_done = loop, loop.cfg.rollout, on_done
@@ -124,7 +124,9 @@ class _Call:
         self.finished_prompts: list = []
 
     def request(self, t: Trajectory) -> dict:
-        """The trajectory's next turn: everything so far is its prompt, what is left its budget."""
+        """The trajectory's next turn: everything so far is its prompt, what is left its budget
+        (``rollout.max_response_tokens`` bounds the whole response, model and tool tokens;
+        ``rollout.max_turns`` bounds the model turns, the last one's tool calls are not run)."""
         return {"id": (t.tid, t.turns), "prompt_ids": t.prompt_ids + t.ids, "group": t.prompt_index,
                 "seed": t.seed + t.turns * TURN_SEED_STRIDE, "max_tokens": self.cfg.max_response_tokens - len(t.ids),
                 "greedy": t.greedy, "stop_token_ids": sorted(self.loop.end_ids)}
@@ -203,7 +205,10 @@ class _Call:
             self.next_turn(t)
 
     def next_turn(self, t: Trajectory) -> None:
-        """Every tool result of the turn is in: append their tokens and queue the next turn."""
+        """Every tool result of the turn is in: append their tokens and queue the next turn. The
+        results are rendered as the chat template does (:class:`megarl.agent.parse.TurnFormatter`),
+        tokenized alone and appended, so the model's own tokens are never decoded and encoded
+        again; a result that does not fit the budget ends the trajectory (clipped)."""
         limit = self.cfg.tool_output_chars
         results = [(name, _truncate(content, limit)) for name, content in t.results]
         t.results = []

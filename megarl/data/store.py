@@ -1,54 +1,18 @@
 """Sample payloads in Ray's object store: the controller holds references, the ranks fetch the bytes.
 
-A sample's routed experts (rollout routing
-replay: ``[P + R, Lm, K]`` int16, Lm x K x 2 bytes a token: 928 B for DeepSeek-V3, by far the
-largest per-token payload of a step) are put into the object store by the process that made them
-and travel as :class:`Stored` handles:
+This module owns the handles (:class:`Stored`, :class:`Rows`, :class:`Column`), the producer's
+side (:class:`Outbox`, :func:`claim`) and the ranks' side (:func:`fetch_batches`). Two kinds of
+payload travel this way: a sample's routed experts, token ids and vLLM log-probs (:data:`PAYLOADS`),
+put by the engine that made them; and the forward passes before an update (old and reference
+log-probs, the rollout correction's weights and kept tokens), put by the training ranks
+(:func:`put_rows`). The controller carries handles and metadata, never the bytes.
 
-    vLLM engine actor --ray.put--> object store (node of the engine)
-    controller: Rollout.routed_experts = [Stored(ref, shape, dtype)]  (metadata only)
-    training rank: SequenceBatch.routing = [Stored] --fetch_batches--> tensors (one ray.get)
-    old log-prob pass (r2): the ranks put the routing they recorded; the controller passes the
-    handles on to the update.
-
-The engines put each finished sample's token ids (prompt + response, int32) and vLLM log-probs
-(float64) the same way (``stored_ids``, ``stored_logprobs``; :meth:`megarl.rollout.engine.EngineActor._stash`):
-the micro-batches carry the handles, the ranks resolve them (:func:`fetch_batches`, the
-log-probs as :class:`Rows` of a :class:`Column`). The controller keeps no copy of either: the
-engine sends the sample's metadata instead (its response length, the response decoded for the
-rewards, and a :func:`digest` of its ids for ``rollout/distinct_frac``); the controller's few
-readers of the ids themselves (a reward model's inputs, the generations log's samples) fetch them
-(:meth:`megarl.trainer.batch.Rollout.responses`). Speculative rollouts (their drafts are the
-samples), an async sample resumed across a sync (the producer joins its parts) and the agent loop
-(it joins the turns) keep their copies.
-
-The forward passes before an update (old and reference log-probs, the rollout correction's
-weights and kept tokens) are put by the training ranks' DP leaders, one object per micro-batch
-(:func:`put_rows`), and travel as a :class:`Rows` per sample; the update's micro-batches regroup
-the samples, so each carries a :class:`Column` of rows that its ranks assemble
-(:func:`fetch_batches`: one ``ray.get`` of the distinct objects for all that a rank's
-micro-batches carry by reference).
-
-How a handle reaches the controller matters. The engines answer through Ray streaming
-generators, and an object reference nested in a streamed item can lose its reference count: the
-owner frees the object while the controller still holds the handle, and the rank's fetch fails
-with ``ReferenceCountingAssertionError`` (ray-project/ray#58080, open at Ray 2.56; measured here on
-the 16x batch of ``perf/bench_dataplane.py``). So a producer never streams references: it keeps
-what it put in an :class:`Outbox` and streams :class:`Pending` keys (shape and size, no
-reference); the controller claims the handles with an ordinary actor call as each message arrives
-(:func:`claim`: one call per message that has any; a method of the engine's control thread, so it
-runs while the stream does), and Ray's borrowing protocol for returned references takes over.
-
-Within a node a fetch maps the shared-memory object (no copy through the controller); across
-nodes Ray moves the bytes from the producing node. Lifetime is Ray's reference counting: an
-object lives while a handle to it does (the step's :class:`~megarl.trainer.batch.Rollout`, an
-asynchronous source's queued groups), so a step's objects are freed once the step is done with
-them; nothing is kept across steps. An object's owner is the process that put it, and it dies
-with its owner: so an engine's :class:`Outbox` puts what it claimed through the engine's
-:class:`megarl.data.keeper.Keeper`, which outlives the engine's restarts (an engine restarted
-while its samples wait in an async buffer, or while a step trains on them, loses nothing). The
-training ranks own what they put (a rank that dies fails the step anyway). A fetch of an object
-whose owner died fails with :class:`RoutingLost`, naming what to do.
+Choices: a producer never streams an object reference, it streams :class:`Pending` keys and the
+controller claims the handles with an ordinary actor call (ray-project/ray#58080; see
+:class:`Outbox`). Lifetime is Ray's reference counting: an object lives while a handle to it does,
+so a step's objects are freed once the step is done with them and nothing is kept across steps.
+An engine's objects are owned by its :class:`megarl.data.keeper.Keeper`, which outlives the
+engine's restarts; a fetch of an object whose owner died fails with :class:`RoutingLost`.
 """
 from __future__ import annotations
 
@@ -83,7 +47,16 @@ def _as_array(array) -> tuple[np.ndarray, str]:
 
 class Stored:
     """A handle on an array in Ray's object store: the reference, the array's shape and dtype
-    (what the controller reads: e.g. a routing's row count), and its size in bytes."""
+    (what the controller reads: e.g. a routing's row count), and its size in bytes.
+
+    A sample's routed experts (rollout routing replay: ``[P + R, Lm, K]`` int16, Lm x K x 2 bytes
+    a token: 928 B for DeepSeek-V3, by far the largest per-token payload of a step) travel so::
+
+        vLLM engine actor --ray.put--> object store (node of the engine)
+        controller: Rollout.routed_experts = [Stored(ref, shape, dtype)]  (metadata only)
+        training rank: SequenceBatch.routing = [Stored] --fetch_batches--> tensors (one ray.get)
+        old log-prob pass (r2): the ranks put the routing they recorded; the controller passes the
+        handles on to the update."""
 
     __slots__ = ("ref", "shape", "dtype", "nbytes")
 
@@ -135,7 +108,16 @@ class Outbox:
     one call to the producer's ``keeper`` (:class:`megarl.data.keeper.Keeper`, which then owns
     them and outlives the producer's restarts) or, without one, by this process (which owns them),
     and hands the :class:`Stored` handles over. Thread-safe: the producer puts from its generating
-    thread (no Ray call there), the claim takes from the control thread."""
+    thread (no Ray call there), the claim takes from the control thread.
+
+    Why an outbox: the engines answer through Ray streaming generators, and an object reference
+    nested in a streamed item can lose its reference count: the owner frees the object while the
+    controller still holds the handle, and the rank's fetch fails with
+    ``ReferenceCountingAssertionError`` (ray-project/ray#58080, open at Ray 2.56; reproduced here on
+    a 16x data-plane batch). So a producer streams :class:`Pending` keys, the controller claims the
+    handles with an ordinary actor call, and Ray's borrowing protocol for returned references
+    takes over. An object dies with its owner, hence the keeper: an engine restarted while its
+    samples wait in an async buffer, or while a step trains on them, loses nothing."""
 
     def __init__(self, keeper=None):
         import threading
@@ -154,8 +136,8 @@ class Outbox:
             return Pending(self._next, a.shape, dtype, a.nbytes)
 
     def take(self, keys: list) -> list:
-        """The :class:`Stored` handles of ``keys``, put now and no longer held here (a key not held:
-        None)."""
+        """The :class:`Stored` handles of ``keys``, put into the object store by this call and
+        dropped from this outbox (a key not held: None)."""
         import ray
 
         with self._lock:
@@ -181,12 +163,23 @@ class Outbox:
 
 PAYLOADS = ("routed_experts", "stored_ids", "stored_logprobs")
 """The sample fields an engine may put into the object store (:func:`claim` takes them all): the
-routing, and the sequence's token ids and vLLM's log-probs for the training ranks."""
+routing, and the sequence's token ids (prompt + response, int32) and vLLM's log-probs (float64)
+for the training ranks (:meth:`megarl.rollout.engine.EngineActor._stash`). The micro-batches carry
+the handles, the ranks resolve them (:func:`fetch_batches`, the log-probs as :class:`Rows` of a
+:class:`Column`). The controller keeps no copy of the ids or log-probs: the engine sends the
+sample's metadata instead (its response length, the response decoded for the rewards, and a
+:func:`digest` of its ids for ``rollout/distinct_frac``); the controller's few readers of the ids
+themselves (a reward model's inputs, the generations log's samples) fetch them
+(:meth:`megarl.trainer.batch.Rollout.responses`). Speculative rollouts (their drafts are the
+samples), an async sample resumed across a sync (the producer joins its parts) and the agent loop
+(it joins the turns) keep their copies."""
 
 
 def claim(actor, samples, fields: tuple = PAYLOADS) -> None:
     """Replace each sample's :class:`Pending` ``fields`` by their :class:`Stored` handles, taken
-    from ``actor``'s :class:`Outbox` by one ordinary call (``actor.take_stored(keys)``) and waited for."""
+    from ``actor``'s :class:`Outbox` by one ordinary call (``actor.take_stored(keys)``) and waited for:
+    one call per message that has any, as each message arrives; ``take_stored`` is a method of the
+    engine's control thread, so it runs while the stream does."""
     import ray
 
     pending = [(s, f) for s in samples for f in fields if isinstance(s.get(f), Pending)]
@@ -206,7 +199,11 @@ def put_all(arrays: list) -> list:
 
 def fetch(items: list) -> list:
     """``items`` with every :class:`Stored` replaced by its tensor (one ``ray.get`` for all of
-    them); anything else is returned as a tensor too (``torch.as_tensor``), None as None."""
+    them); anything else is returned as a tensor too (``torch.as_tensor``), None as None.
+
+    Within a node a fetch maps the shared-memory object (no copy through the controller); across
+    nodes Ray moves the bytes from the producing node. An object whose owner died raises
+    :class:`RoutingLost`."""
     import ray
 
     where = [i for i, x in enumerate(items) if isinstance(x, Stored)]
@@ -268,7 +265,10 @@ class Column:
 
 def put_rows(packed: torch.Tensor, sizes: list[int]) -> list[Rows]:
     """``packed`` (``[sum(sizes)]``, any dtype) into the object store as one object, owned by the
-    calling process; one :class:`Rows` per part of ``sizes``."""
+    calling process; one :class:`Rows` per part of ``sizes``.
+
+    The training ranks' DP leaders put each forward pass before an update this way, one object per
+    micro-batch; they own what they put (a rank that dies fails the step anyway)."""
     stored, out, start = Stored.put(packed), [], 0
     for n in sizes:
         out.append(Rows(stored, start, start + n))

@@ -1,49 +1,16 @@
 """Memory per device and per node of a recipe: the arithmetic, pure (no torch), unit-tested.
 
-Training state of one rank, from its parameter counts (:class:`megarl.planner.ranks.RankCount`):
+This module owns the byte counts the planner adds up: one rank's training state
+(:func:`train_state`: parameters, fp32 main grads, distributed-optimizer state), the activations a
+pipeline stage keeps for the backward (:func:`layer_activation_elements`, :func:`activation_bytes`,
+:func:`in_flight_micro_batches`), a vLLM engine's weights and KV cache per GPU
+(:func:`vllm_weight_bytes`, :func:`kv_bytes_per_token`), and the bytes one step moves between the
+engines, the controller and the training ranks (:func:`data_plane_bytes`).
 
-* **parameters**: ``(dense + expert) x bytes(model.dtype)``;
-* **gradients**: ``(dense + expert) x 4``: megatron-core DDP keeps fp32 main grads in one
-  contiguous buffer on every rank (:func:`megarl.engine.build.wrap_ddp`: ``grad_reduce_in_fp32``);
-* **optimizer state** (megatron's distributed optimizer, always on in megarl): per parameter
-  an fp32 master copy (4 bytes; none when the model is fp32 already) plus Adam's two fp32 moments
-  (8; SGD: none, megarl's SGD has no momentum), sharded over the ranks that hold the same
-  parameter: dense over ``dp x cp``, routed experts over the expert-data-parallel size
-  ``world / (etp x ep x pp)``.
-
-**Activations** (bytes kept for the backward pass), per token of a micro-batch on one device
-(``trainer.max_tokens_per_micro_batch``, the per-device packed row), in bf16 elements (2 bytes):
-``s = 1/tp`` with sequence parallelism, else 1 (the h-wide tensors), ``t = 1/tp`` (head- and
-ffn-split tensors), ``e = 1/etp`` (expert tensors):
-
-* attention, GQA: ``2h*s`` (norm input, QKV input) ``+ (2*heads*hd + 2*kv*hd)*t`` (q, k, v and the
-  attention output; flash attention keeps no score matrix);
-  MLA: ``2h*s + 2*q_lora + (kv_lora + rope) + kv_lora`` (the latent tensors, not split)
-  ``+ heads*(2*(nope + rope) + 2*v)*t`` (q, k, v, output);
-* dense MLP (gated): ``2h*s`` (norm input, fc1 input) ``+ 3*ffn*t`` (fc1 output: gate and up; fc2
-  input);
-* MoE layer: ``2h*s`` (norm input, router input) ``+ topk*(h + 3*ffn_e)*e`` (each routed copy of
-  the token: expert input, fc1 output, fc2 input) ``+ 3*ffn_shared*t`` (shared expert)
-  ``+ 2*experts`` (fp32 router scores).
-
-Recompute: ``none`` and ``selective`` keep every layer's activations (megatron's selective
-recompute re-runs core attention only, whose flash-attention activations are the q, k, v already
-counted, so it saves nothing here); ``full`` (uniform, one layer per checkpoint) keeps each layer's
-input (``h*s`` elements per token) and, during the backward, one layer's full activations.
-
-Pipeline: 1F1B keeps the activations of several micro-batches in flight on a stage: stage
-``p`` of ``pp`` holds ``min(M, pp - p)`` micro-batches' worth of its layers; with vpp chunks
-(megatron's interleaved schedule) ``min(M*vpp, 2*(pp - p - 1) + (vpp - 1)*pp + 1)`` chunk
-micro-batches of ``layers/vpp`` layers each; ``M`` is the micro-batch count of one training
-step on one data-parallel rank. The last stage also holds the logits of one micro-batch:
-``tokens * vocab/tp * 10`` bytes (bf16 logits, their fp32 log-softmax and its fp32 gradient).
-
-**vLLM** (per GPU of an engine of ``rollout.tp`` GPUs): weights ``total params x 2 / rollout.tp``
-(bf16; experts sharded over the engine's ranks either way); KV cache per token and layer:
-MLA keeps one latent vector ``(kv_lora + rope) x 2`` bytes on every rank (not split by TP),
-GQA ``2 x max(1, kv/tp) x hd x 2`` bytes (KV heads split, or replicated when tp > kv). vLLM takes
-``rollout.gpu_memory_utilization`` of the device; its KV cache gets what the weights leave of
-that (its profiling run's activation workspace is not modelled).
+Choices: each count follows what megatron-core and vLLM allocate under megarl's settings (fp32
+main grads, the distributed optimizer always on, flash attention, the 1F1B or interleaved
+schedule), in closed form from the model's dimensions and the parallel sizes; what is not
+modelled is named where it is left out (e.g. vLLM's profiling workspace).
 """
 from __future__ import annotations
 
@@ -70,7 +37,16 @@ class TrainState:
 
 def train_state(dense: int, expert: int, *, dtype: str, optimizer: str, dp_cp: int, expert_dp: int) -> TrainState:
     """Parameters, fp32 main grads and distributed-optimizer state of a rank holding ``dense``
-    and ``expert`` parameters (module docstring)."""
+    and ``expert`` parameters (counts from :class:`megarl.planner.ranks.RankCount`):
+
+    * **parameters**: ``(dense + expert) x bytes(model.dtype)``;
+    * **gradients**: ``(dense + expert) x 4``: megatron-core DDP keeps fp32 main grads in one
+      contiguous buffer on every rank (:func:`megarl.engine.build.wrap_ddp`: ``grad_reduce_in_fp32``);
+    * **optimizer state** (megatron's distributed optimizer, always on in megarl): per parameter
+      an fp32 master copy (4 bytes; none when the model is fp32 already) plus Adam's two fp32
+      moments (8; SGD: none, megarl's SGD has no momentum), sharded over the ranks that hold the
+      same parameter: dense over ``dp_cp`` (``dp x cp``), routed experts over ``expert_dp``, the
+      expert-data-parallel size ``world / (etp x ep x pp)``."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype={dtype!r}, expected one of {sorted(DTYPE_BYTES)}")
     master = 4 if dtype != "float32" else 0
@@ -82,7 +58,22 @@ def train_state(dense: int, expert: int, *, dtype: str, optimizer: str, dp_cp: i
 
 
 def layer_activation_elements(dims, layer: int, tp: int, etp: int, sp: bool) -> float:
-    """bf16 elements per token that layer ``layer`` keeps for the backward (module docstring)."""
+    """bf16 elements per token that layer ``layer`` keeps for the backward.
+
+    Per token of a micro-batch on one device (``trainer.max_tokens_per_micro_batch``, the
+    per-device packed row), in bf16 elements (2 bytes): ``s = 1/tp`` with sequence parallelism,
+    else 1 (the h-wide tensors), ``t = 1/tp`` (head- and ffn-split tensors), ``e = 1/etp``
+    (expert tensors):
+
+    * attention, GQA: ``2h*s`` (norm input, QKV input) ``+ (2*heads*hd + 2*kv*hd)*t`` (q, k, v and
+      the attention output; flash attention keeps no score matrix);
+      MLA: ``2h*s + 2*q_lora + (kv_lora + rope) + kv_lora`` (the latent tensors, not split)
+      ``+ heads*(2*(nope + rope) + 2*v)*t`` (q, k, v, output);
+    * dense MLP (gated): ``2h*s`` (norm input, fc1 input) ``+ 3*ffn*t`` (fc1 output: gate and up;
+      fc2 input);
+    * MoE layer: ``2h*s`` (norm input, router input) ``+ topk*(h + 3*ffn_e)*e`` (each routed copy
+      of the token: expert input, fc1 output, fc2 input) ``+ 3*ffn_shared*t`` (shared expert)
+      ``+ 2*experts`` (fp32 router scores)."""
     s = 1 / tp if sp else 1.0
     t, e = 1 / tp, 1 / etp
     h, heads = dims.hidden_size, dims.num_attention_heads
@@ -102,7 +93,13 @@ def layer_activation_elements(dims, layer: int, tp: int, etp: int, sp: bool) -> 
 
 def in_flight_micro_batches(stage: int, pp: int, vpp: int, micro_batches: int) -> float:
     """Micro-batches whose activations stage ``stage`` holds at its peak, in units of the whole
-    stage's layers (chunk micro-batches / vpp under the interleaved schedule)."""
+    stage's layers (chunk micro-batches / vpp under the interleaved schedule).
+
+    1F1B keeps the activations of several micro-batches in flight on a stage: stage ``p`` of
+    ``pp`` holds ``min(M, pp - p)`` micro-batches' worth of its layers; with vpp chunks
+    (megatron's interleaved schedule) ``min(M*vpp, 2*(pp - p - 1) + (vpp - 1)*pp + 1)`` chunk
+    micro-batches of ``layers/vpp`` layers each; ``M`` (``micro_batches``) is the micro-batch count
+    of one training step on one data-parallel rank."""
     if vpp <= 1:
         return float(min(micro_batches, pp - stage))
     chunks = min(micro_batches * vpp, 2 * (pp - stage - 1) + (vpp - 1) * pp + 1)
@@ -112,7 +109,14 @@ def in_flight_micro_batches(stage: int, pp: int, vpp: int, micro_batches: int) -
 def activation_bytes(dims, layers: list[int], *, tokens: int, tp: int, etp: int, sp: bool, recompute: str,
                      in_flight: float, last_stage: bool) -> int:
     """Peak activation bytes of a stage holding decoder ``layers`` for micro-batches of ``tokens``
-    tokens per device, ``in_flight`` of them at once (module docstring)."""
+    tokens per device, ``in_flight`` of them at once (:func:`in_flight_micro_batches`).
+
+    Recompute: ``none`` and ``selective`` keep every layer's activations
+    (:func:`layer_activation_elements`; megatron's selective recompute re-runs core attention only,
+    whose flash-attention activations are the q, k, v already counted, so it saves nothing here);
+    ``full`` (uniform, one layer per checkpoint) keeps each layer's input (``h*s`` elements per
+    token) and, during the backward, one layer's full activations. The last stage also holds the
+    logits of one micro-batch: ``tokens * vocab/tp * 10`` bytes (:data:`LOGIT_BYTES_PER_ELEMENT`)."""
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute={recompute!r}, expected none, selective or full")
     per_layer = [layer_activation_elements(dims, i, tp, etp, sp) for i in layers]
@@ -128,7 +132,12 @@ def activation_bytes(dims, layers: list[int], *, tokens: int, tp: int, etp: int,
 
 
 def kv_bytes_per_token(dims, rollout_tp: int, dtype_bytes: int = 2) -> int:
-    """KV-cache bytes one token takes on one GPU of a vLLM engine, all layers."""
+    """KV-cache bytes one token takes on one GPU of a vLLM engine, all layers: MLA keeps one
+    latent vector ``(kv_lora + rope) x 2`` bytes on every rank (not split by TP), GQA
+    ``2 x max(1, kv/tp) x hd x 2`` bytes (KV heads split, or replicated when tp > kv). vLLM takes
+    ``rollout.gpu_memory_utilization`` of the device; its KV cache gets what the weights
+    (:func:`vllm_weight_bytes`) leave of that (its profiling run's activation workspace is not
+    modelled)."""
     if dims.kv_lora_rank:
         per_layer = (dims.kv_lora_rank + dims.qk_rope_head_dim) * dtype_bytes
     else:
@@ -138,7 +147,8 @@ def kv_bytes_per_token(dims, rollout_tp: int, dtype_bytes: int = 2) -> int:
 
 
 def vllm_weight_bytes(total_params: int, rollout_tp: int, dtype_bytes: int = 2) -> int:
-    """bf16 weights of one GPU of a vLLM engine of ``rollout_tp`` GPUs."""
+    """bf16 weights of one GPU of a vLLM engine of ``rollout_tp`` GPUs: ``total params x 2 /
+    rollout.tp`` (experts sharded over the engine's ranks either way)."""
     return -(-total_params * dtype_bytes // rollout_tp)
 
 
@@ -187,9 +197,9 @@ READOUT_BYTES = 128
 
 
 TEXT_BYTES_PER_TOKEN = 4
-"""A decoded response's UTF-8 bytes per token, about: 3.4 pickled with SmolLM2's tokenizer on this
-repository's docs/architecture.md and README.md (markdown and code; perf/bench_sample_metadata.py,
-perf/results/sample_metadata_2026-12-05.md); English prose runs nearer 4."""
+"""A decoded response's UTF-8 bytes per token, about: 3.4 pickled, measured with SmolLM2's
+tokenizer on this repository's docs/architecture.md and README.md (markdown and code); English
+prose runs nearer 4."""
 
 
 METADATA_BYTES = 16 + 8 + 8

@@ -7,19 +7,10 @@
 source of every constant; ``plan.problems`` lists what does not fit, each naming the phase, the
 rank or node, and the component that takes the most.
 
-Phases on a device (colocated placement; with ``rollout.placement: split`` the engines have GPUs
-of their own, which hold vLLM's share only, and the training GPUs the training state only):
-
-* **train** (and log-probs, which need less): parameters + fp32 grads + optimizer shard (in
-  host memory instead with ``trainer.optimizer_offload``) + the frozen reference copy of the
-  parameters when ``algorithm.kl_coef > 0`` + activations, plus vLLM's whole share
-  (``gpu_memory_utilization`` x device) when ``rollout.sleep_level`` is 0 (vLLM never sleeps); at
-  levels 1 and 2 vLLM's KV cache is freed and its weights are in host memory (1) or dropped (2).
-* **generation**: vLLM's share, plus the training state unless ``trainer.offload_train_state``
-  moved it to host memory.
-
-Host memory per node: offloaded training state plus the weights of sleeping vLLM engines
-(level 1), both counted at once (megarl keeps its pinned host buffers between steps).
+Choices: the parameter counts come from the built models, with the config.json arithmetic beside
+them for comparison (:attr:`Plan.config_params`); a device must hold each phase of a step, train
+and generation (:class:`KindMemory`), and a node's host memory what is offloaded or sleeping in
+all of them at once (:attr:`Plan.host_peak`).
 """
 from __future__ import annotations
 
@@ -35,7 +26,17 @@ class PlanError(RuntimeError):
 
 @dataclass
 class KindMemory:
-    """Memory of the ranks of one stage kind (peak over its stages)."""
+    """Memory of the ranks of one stage kind (peak over its stages), per phase on a device
+    (colocated placement; with ``rollout.placement: split`` the engines have GPUs of their own,
+    which hold vLLM's share only, and the training GPUs the training state only):
+
+    * ``train_phase`` (and log-probs, which need less): parameters + fp32 grads + optimizer shard
+      (in host memory instead with ``trainer.optimizer_offload``) + the frozen reference copy of
+      the parameters when ``algorithm.kl_coef > 0`` + activations, plus vLLM's whole share
+      (``gpu_memory_utilization`` x device) when ``rollout.sleep_level`` is 0 (vLLM never sleeps);
+      at levels 1 and 2 vLLM's KV cache is freed and its weights are in host memory (1) or dropped (2).
+    * ``generation_phase``: vLLM's share, plus the training state unless
+      ``trainer.offload_train_state`` moved it to host memory."""
 
     count: object
     """:class:`megarl.planner.ranks.RankCount`."""
@@ -67,6 +68,9 @@ class Plan:
     kv_capacity_tokens: float
     kv_full_need_tokens: int
     host_peak: int
+    """Host memory of the fullest node: offloaded training state plus the weights of sleeping
+    vLLM engines (level 1), both counted at once (megarl keeps its pinned host buffers between
+    steps)."""
     host_budget: int
     host_node: int
     gpus_per_node: int

@@ -4,22 +4,17 @@
                -> (rollout correction) -> (critic update) -> policy update -> weight sync -> metrics
                -> (eval) -> (checkpoint)
 
-With one update per step the old log-prob pass is skipped (``actor/old_logprob_pass`` 0;
-:func:`megarl.config.passes.needs_old_logprob_pass` says when): the update takes its own
-forward's log-probs as the old ones (ratio 1), and what reads them (the rollout-vs-train alarm,
-entropy, KL and mismatch metrics, the sample log) reads that forward's after the update. The
-alarm then stops a step after its update, still before its weight sync and checkpoint.
-
-Where the samples come from and when the weights reach the engines is ``trainer.mode``'s
-(:mod:`megarl.trainer.modes`: on-policy, one step off, or asynchronous with partial rollouts);
-the rest of the step is the same in every mode.
-
+This module owns the order of a step (:class:`StepRunner`) and the run's life (:func:`train`).
 Everything the loop calls lives elsewhere (rollout side, worker group, batch helpers, algorithms,
-rewards, data plane); this file only orders it and, on success, error or interrupt alike, releases
-what it started (one ExitStack: reward workers, metrics sinks, vLLM engines, Ray actors, Ray).
-SIGINT/SIGTERM stop the run at the next safe point (:mod:`megarl.trainer.interrupt`).
-Determinism: prompts and vLLM sampling seeds are functions of (seed, step), so a run resumed from
-step k's checkpoint repeats steps k+1.. of an uninterrupted run.
+rewards, data plane); where the samples come from and when the weights reach the engines is
+``trainer.mode``'s (:mod:`megarl.trainer.modes`), and the rest of the step is the same in every mode.
+
+Choices: on success, error or interrupt alike the run releases what it started through one
+ExitStack (reward workers, metrics sinks, vLLM engines, Ray actors, Ray); with one update per step
+the old log-prob pass is skipped (:meth:`StepRunner.forward_passes`); prompts and vLLM sampling
+seeds are functions of (seed, step), so a run resumed from step k's checkpoint repeats steps
+k+1.. of an uninterrupted run. SIGINT/SIGTERM stop the run at the next safe point
+(:mod:`megarl.trainer.interrupt`).
 """
 from __future__ import annotations
 
@@ -277,7 +272,14 @@ class StepRunner:
 
     def forward_passes(self, step: int, rollout: Rollout, timer, m: dict) -> ForwardPasses:
         """The old log-prob pass (when the step needs one), the reference pass and the critic's
-        values, before the update."""
+        values, before the update.
+
+        With one update per step the old log-prob pass is skipped (``actor/old_logprob_pass`` 0;
+        :func:`megarl.config.passes.needs_old_logprob_pass` says when): the update takes its own
+        forward's log-probs as the old ones (ratio 1), and what reads them (the rollout-vs-train
+        alarm, entropy, KL and mismatch metrics, the sample log) reads that forward's after the
+        update. The alarm then stops a step after its update, still before its weight sync and
+        checkpoint."""
         group = self.group
         if self.old_pass or group.has_reference or group.has_critic:
             self.phase(step, "logprobs", reward=m["reward/mean"])

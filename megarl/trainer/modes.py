@@ -4,43 +4,17 @@ Policy versions: version v is the policy after v optimizer steps of the run (the
 checkpoint of step v holds). Step k trains the policy of version k - 1 into version k; a sample's
 *version gap* at step k is (k - 1) minus the oldest version that generated one of its tokens.
 
-- ``on_policy``: step k generates with version k - 1, trains, syncs: every gap is 0.
-- ``one_step_off``: when step k has its samples, step k+1's generation starts in a thread of the
-  driver (with version k - 1, the weights the engines hold) while step k computes log-probs and
-  trains; after the update the controller waits for that generation to end, then syncs version k.
-  Every gap is 1 (0 at the run's first step and at the first step after a resume, generated
-  synchronously). The engines are busy during training instead of idle; on shared devices
-  (colocated) both compete for them.
-- ``async``: a producer thread keeps the fleet generating, one request per sample
-  (:meth:`megarl.trainer.fleet.Fleet.generate_requests`), with at most ``trainer.buffer_groups``
-  prompt groups generated or in flight ahead of training. A group is scored when its
-  ``rollout.n`` samples are done and waits in the buffer; step k takes the first
-  ``data.prompts_per_step`` finished groups, dropping (and counting) the ones whose gap would
-  exceed ``trainer.max_staleness``. After the update, the controller pauses the engines: each
-  aborts its unfinished requests and returns their tokens and vLLM log-probs so far (partial
-  rollouts); it syncs the new weights, and the producer resumes every unfinished sample with its
-  generated prefix appended to the prompt and the remaining token budget. Each token records the
-  version that generated it (:attr:`megarl.trainer.batch.Rollout.token_versions`), so a sample may
-  hold tokens of several versions. The engine that finishes a sample
-  puts its ids (the whole sample: the request's prompt holds its earlier tokens) and, for a sample
-  generated in one call, its log-probs for the ranks, as in the synchronous modes (owned by the
-  engine's keeper: a restart of the engine loses none of them); a sample generated in one call
-  then reaches the controller as metadata only (length, text, digest), a resumed one with its ids
-  and log-probs (the controller built its request from its earlier tokens; ``"inline"``).
+This module owns one sample source per mode (:func:`make_source`), the samples' ids and versions,
+and ``<run_dir>/samples.jsonl`` (:class:`SampleLog`):
 
-Sample ids (:attr:`Rollout.sample_ids`) name a sample by where its prompt came from:
-``s<step>.g<group>.<j>`` (sample j of group g of step k's prompts) in the synchronous modes,
-``c<chunk>.g<i>.<j>`` in async (prompt i of the chunk ``PromptSource.batch(chunk)``: async draws
-prompts chunk after chunk, independently of steps). Every step appends its samples' ids, version
-gaps and per-version token counts to ``<run_dir>/samples.jsonl``.
+- ``on_policy`` (:class:`OnPolicy`): generate with version k - 1, train, sync: every gap is 0.
+- ``one_step_off`` (:class:`OneStepOff`): step k+1's generation overlaps step k's training: gap 1.
+- ``async`` (:class:`AsyncSource`): a producer thread keeps the fleet generating into a bounded
+  buffer; each sync pauses the engines and the producer resumes the unfinished samples (partial
+  rollouts), so a sample may hold tokens of several versions, within ``trainer.max_staleness``.
 
-Checkpoints and resume: a checkpoint of step k holds version k. one_step_off regenerates step k+1's
-samples after a resume (with version k: a gap of 0 instead of 1). async saves, in the checkpoint's
-metadata, the prompt cursor and the ids of the groups generated or in flight but not trained; the
-resumed producer generates those groups again first (from scratch, with version k), then goes on
-from the cursor. Steps after k of the killed run are redone, so across the run's history (steps
-<= k of the first launch, the rest of the resumed one) no sample is trained twice and no step is
-skipped.
+Choices: a checkpoint of step k holds version k, and a resume redoes the steps after it, so that
+no sample is trained twice and no step is skipped.
 """
 from __future__ import annotations
 
@@ -84,7 +58,12 @@ class SampleLog:
     """``<run_dir>/samples.jsonl``: per step, every trained sample's id, version gap and version
     runs, and the mean |vLLM - trainer| log-prob of its tokens per version run (the tokens of the
     trained version must match, older ones need not). On resume, lines of steps >= the resumed
-    step are dropped (the file never holds a step twice)."""
+    step are dropped (the file never holds a step twice).
+
+    Sample ids (:attr:`Rollout.sample_ids`) name a sample by where its prompt came from:
+    ``s<step>.g<group>.<j>`` (sample j of group g of step k's prompts) in the synchronous modes,
+    ``c<chunk>.g<i>.<j>`` in async (prompt i of the chunk ``PromptSource.batch(chunk)``: async
+    draws prompts chunk after chunk, independently of steps)."""
 
     def __init__(self, run_dir: Path, resume_step: int):
         from megarl.observability.metrics import keep_steps_before, read_jsonl
@@ -113,13 +92,18 @@ class SampleLog:
 
 def make_source(cfg, rollouts, group, rewards, timeline, start: int, state: dict | None):
     """The sample source of ``trainer.mode``; ``start``: the last completed step (the version the
-    engines hold); ``state``: what a checkpoint's metadata kept of it (:meth:`state`)."""
+    engines hold); ``state``: what a checkpoint's metadata kept of it (:meth:`state`).
+
+    A checkpoint of step k holds version k; steps after k of the killed run are redone, so across
+    the run's history (steps <= k of the first launch, the rest of the resumed one) no sample is
+    trained twice and no step is skipped."""
     kind = {"on_policy": OnPolicy, "one_step_off": OneStepOff, "async": AsyncSource}[cfg.trainer.mode]
     return kind(cfg, rollouts, group, rewards, timeline, start, state or {})
 
 
 class OnPolicy:
-    """Generate with the current weights, train, then sync (see the module docstring)."""
+    """Generate with the current weights, train, then sync: step k generates with version k - 1
+    and every version gap is 0."""
 
     def __init__(self, cfg, rollouts, group, rewards, timeline, start: int, state: dict):
         self.cfg, self.rollouts, self.group, self.rewards, self.timeline = cfg, rollouts, group, rewards, timeline
@@ -162,7 +146,13 @@ class OnPolicy:
 
 
 class OneStepOff(OnPolicy):
-    """Step k+1's generation overlaps step k's training (see the module docstring)."""
+    """Step k+1's generation overlaps step k's training: when step k has its samples, step k+1's
+    generation starts in a thread of the driver (with version k - 1, the weights the engines hold)
+    while step k computes log-probs and trains; after the update the controller waits for that
+    generation to end, then syncs version k. Every gap is 1 (0 at the run's first step and at the
+    first step after a resume, generated synchronously: a resume from step k regenerates step k+1's
+    samples with version k). The engines are busy during training instead of idle; on shared
+    devices (colocated) both compete for them."""
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -208,7 +198,25 @@ class _Group:
 
 
 class AsyncSource(OnPolicy):
-    """A producer thread generates continuously into a bounded buffer (see the module docstring)."""
+    """A producer thread generates continuously into a bounded buffer.
+
+    The producer keeps the fleet generating, one request per sample
+    (:meth:`megarl.trainer.fleet.Fleet.generate_requests`), with at most ``trainer.buffer_groups``
+    prompt groups generated or in flight ahead of training. A group is scored when its
+    ``rollout.n`` samples are done and waits in the buffer; step k takes the first
+    ``data.prompts_per_step`` finished groups, dropping (and counting) the ones whose gap would
+    exceed ``trainer.max_staleness``. After the update, the controller pauses the engines: each
+    aborts its unfinished requests and returns their tokens and vLLM log-probs so far (partial
+    rollouts); it syncs the new weights, and the producer resumes every unfinished sample with its
+    generated prefix appended to the prompt and the remaining token budget. Each token records the
+    version that generated it (:attr:`megarl.trainer.batch.Rollout.token_versions`).
+
+    The engine that finishes a sample puts its ids (the whole sample: the request's prompt holds
+    its earlier tokens) and, for a sample generated in one call, its log-probs for the ranks, as in
+    the synchronous modes (owned by the engine's keeper: a restart of the engine loses none of
+    them); a sample generated in one call then reaches the controller as metadata only (length,
+    text, digest), a resumed one with its ids and log-probs (the controller built its request from
+    its earlier tokens; ``"inline"``). A checkpoint keeps :meth:`state`."""
 
     def __init__(self, cfg, rollouts, group, rewards, timeline, start: int, state: dict):
         super().__init__(cfg, rollouts, group, rewards, timeline, start, state)
@@ -405,7 +413,9 @@ class AsyncSource(OnPolicy):
         return m
 
     def state(self) -> dict:
-        """The prompt cursor and the groups generated or in flight but not trained (to generate again)."""
+        """The prompt cursor and the groups generated or in flight but not trained, for a
+        checkpoint's metadata: the resumed producer generates those groups again first (from
+        scratch, with the checkpoint's version), then goes on from the cursor."""
         with self.lock:
             return {"cursor": list(self.cursor),
                     "requeue": list(self.requeue) + [g.gid for g in self.ready] + list(self.groups)}

@@ -4,23 +4,14 @@ The readers of the policy's log-probs before its update -- the rollout-vs-train 
 mismatch metrics ``rollout_corr/*``, ``actor/entropy``, the k1 ``actor/kl`` metric and the sample
 log (``samples.jsonl``) -- need sums, maxima and counts per sample, never the tokens. A
 :func:`sample_readout` holds them for one sample; :func:`readout_metrics` and
-:func:`check_alarm` add up a step's.
+:func:`megarl.trainer.loop.check_alarm` add up a step's.
 
-They are computed on the training ranks, where the tokens are; only read-outs come back:
-
-- no old-log-prob pass (one update a step: :func:`megarl.config.passes.needs_old_logprob_pass`):
-  each DP leader reads the update's own forward (:func:`micro_batch_readouts`, from the
-  micro-batch's extras: vLLM's ``rollout_logprobs_T``, the loss mask, ``versions_T`` when some
-  token is of another version than the one trained, ``ref_logprobs_T`` with a reference model);
-- with the pass, its DP leaders read the pass's log-probs (:func:`old_pass_outputs`: read-outs,
-  the rollout correction's weights and kept tokens per sequence, a routing comparison's sums) and
-  put the tokens into Ray's object store for the update's ranks; the reference pass adds each
-  sample's k1 sum (:func:`reference_pass_outputs`).
-
-:func:`controller_readouts` computes the same read-outs from per-token tensors in one process:
-the oracle the tests hold the ranks' numbers against, and what :func:`megarl.trainer.loop.alarm_metrics` uses.
-
-Sums are float64 whatever the log-probs' dtype; a mean is the step's sum over its count.
+Choices: the read-outs are computed on the training ranks, where the tokens are, and only they
+come back: from the update's own forward when the step has no old-log-prob pass
+(:func:`micro_batch_readouts`), else from that pass (:func:`old_pass_outputs`;
+:func:`reference_pass_outputs` adds the k1 sums). :func:`controller_readouts` computes the same
+read-outs in one process: the oracle the tests hold the ranks' numbers against. Sums are float64
+whatever the log-probs' dtype; a mean is the step's sum over its count.
 """
 from __future__ import annotations
 
@@ -90,7 +81,12 @@ def micro_batch_readouts(lp_R: torch.Tensor, entropy_R: torch.Tensor | None, bat
     (:func:`megarl.trainer.batch.micro_batches_for`): ``rollout_logprobs_T``, ``mask_T`` (the loss
     mask, with tis also the tokens with a vLLM log-prob), ``versions_T`` and ``ref_logprobs_T``
     when present; ``weights_R``: the rollout correction's weights (in-forward tis's, or an old
-    pass's), ``keep_R`` the tokens it keeps."""
+    pass's), ``keep_R`` the tokens it keeps.
+
+    Without an old-log-prob pass (one update a step:
+    :func:`megarl.config.passes.needs_old_logprob_pass`) each DP leader reads the update's own
+    forward here: ``versions_T`` is there when some token is of another version than the one
+    trained, ``ref_logprobs_T`` with a reference model."""
     ex, sizes = batch.extras, batch.response_lengths
     split = lambda t: torch.split(t.cpu(), sizes) if t is not None else [None] * len(sizes)   # noqa: E731
     columns = zip(split(lp_R), split(ex["rollout_logprobs_T"]), split(ex["mask_T"]), split(ex.get("versions_T")),
@@ -111,7 +107,8 @@ def old_pass_outputs(lp_R: torch.Tensor, entropy_R: torch.Tensor | None, batch, 
     ``rollout_logprobs_T``, the loss mask ``mask_T``, ``versions_T`` when some token is of another
     version than ``version``. ``miss_R``: the MoE layers per token whose routing differed from
     vLLM's (a routing comparison): each sample's ``routing`` sums
-    (:func:`megarl.trainer.routing.routing_sums`) instead of the tokens."""
+    (:func:`megarl.trainer.routing.routing_sums`) instead of the tokens. The update's ranks fetch
+    the stored tokens."""
     from megarl.algorithms.offpolicy import correction_tensors
     from megarl.data.store import put_rows
     from megarl.trainer.routing import routing_sums
@@ -151,8 +148,8 @@ def reference_pass_outputs(ref_R: torch.Tensor, batch, with_kl: bool) -> dict:
 def controller_readouts(rollout, lp: list, entropy: list | None, ref_lp: list | None,
                         version: int | None) -> list[dict]:
     """The read-outs of a step's samples from per-token tensors in this process (the oracle of
-    :func:`old_pass_outputs`' read-outs); the mismatch metrics come with
-    :func:`megarl.algorithms.offpolicy.correct_rollout`."""
+    :func:`old_pass_outputs`' read-outs, and what :func:`megarl.trainer.loop.alarm_metrics` uses);
+    the mismatch metrics come with :func:`megarl.algorithms.offpolicy.correct_rollout`."""
     out, vllm = [], rollout.vllm_logprobs()
     for i, lp_R in enumerate(lp):
         versions = rollout.token_versions[i] if rollout.token_versions else None

@@ -1,5 +1,5 @@
 """MoE routing in the loop: which routing each pass of a step uses (``algorithm.router_replay``),
-the routing metrics, and ``<run_dir>/moe.jsonl``.
+the routing metrics (:meth:`StepRouting.metrics`), and ``<run_dir>/moe.jsonl``.
 
 Per step (:mod:`megarl.engine.replay` does the work inside the MoE layers):
 
@@ -13,22 +13,7 @@ r3         replay vLLM's (compared)   replay vLLM's       replay vLLM's
 
 .. [1] when the samples carry vLLM's routing (``rollout.return_routing``).
 
-Metrics (every step the samples carry vLLM's routing): ``routing/agree`` (share of token-layer
-top-k sets where the trainer's own routing in the old log-prob pass equals vLLM's, compared as
-sets; ``routing/agree_layer<i>`` per MoE layer i, 0-based), ``routing/disagree_tokens`` (share of
-response tokens with at least one MoE layer routed differently) and the rollout-vs-train log-prob
-gap |vLLM - trainer| of the response tokens split by that: ``routing/logprob_diff_agree_mean`` /
-``_disagree_mean`` (NaN without such tokens; only tokens of the trained version in the
-off-policy modes). With replay: ``actor/routing_replayed`` (token-layers whose experts were
-replayed in the last training pass) and ``actor/routing_replay_mismatch`` (those whose routing
-map, what the token dispatcher used, was not exactly the replayed experts: 0). MoE load every
-step (:class:`megarl.engine.moe_stats.MoEStats`): ``actor/moe_load_imbalance`` (max over mean
-tokens per expert, worst layer), ``actor/moe_aux_loss``, ``actor/moe_z_loss``; the per-expert
-token counts of every MoE layer and the per-layer agreement go to ``<run_dir>/moe.jsonl``.
-
-Resume: vLLM's routing is stored with the samples only in memory; a resumed run generates the
-interrupted step's samples again (the same seeds), so their routing is recomputed by the engines
-rather than read back; r2's recorded routing is recomputed by the repeated old log-prob pass.
+Routing is kept in memory only, never in a checkpoint (see :class:`StepRouting` for resume).
 """
 from __future__ import annotations
 
@@ -60,7 +45,12 @@ def routing_sums(vllm_R: torch.Tensor, lp_R: torch.Tensor, miss_R: torch.Tensor,
 
 
 class StepRouting:
-    """The routing of one run's steps (see the module docstring)."""
+    """The routing of one run's steps (see the module docstring's table).
+
+    Resume: vLLM's routing is stored with the samples only in memory; a resumed run generates the
+    interrupted step's samples again (the same seeds), so their routing is recomputed by the
+    engines rather than read back; r2's recorded routing is recomputed by the repeated old
+    log-prob pass."""
 
     def __init__(self, cfg, run_dir: Path, resume_step: int):
         from megarl.observability.metrics import keep_steps_before, read_jsonl
@@ -100,7 +90,18 @@ class StepRouting:
         """routing/* of the old log-prob pass (empty without vLLM routing to compare) from
         per-token log-probs and per-token misses (``routing_out["misses"]``): the same numbers the
         ranks' per-sample :func:`routing_sums` give through :meth:`metrics_from_sums` (the oracle
-        the tests compare them with)."""
+        the tests compare them with).
+
+        The metrics (every step the samples carry vLLM's routing): ``routing/agree`` (share of
+        token-layer top-k sets where the trainer's own routing in the old log-prob pass equals
+        vLLM's, compared as sets; ``routing/agree_layer<i>`` per MoE layer i, 0-based),
+        ``routing/disagree_tokens`` (share of response tokens with at least one MoE layer routed
+        differently) and the rollout-vs-train log-prob gap |vLLM - trainer| of the response tokens
+        split by that: ``routing/logprob_diff_agree_mean`` / ``_disagree_mean`` (NaN without such
+        tokens; only tokens of the trained version in the off-policy modes). With replay, the
+        training passes report ``actor/routing_replayed`` (token-layers whose experts were replayed
+        in the last training pass) and ``actor/routing_replay_mismatch`` (those whose routing map,
+        what the token dispatcher used, was not exactly the replayed experts: 0)."""
         misses = routing_out.get("misses")
         if misses is None:
             return {}
@@ -127,7 +128,10 @@ class StepRouting:
 
     def write(self, step: int, tokens_per_expert, routing_out: dict) -> None:
         """One line of ``moe.jsonl`` (MoE models only: ``tokens_per_expert`` [Lm][E] from the
-        last training pass, None for a dense model)."""
+        last training pass, None for a dense model): the per-expert token counts of every MoE
+        layer and the per-layer agreement. The MoE load metrics of every step come from
+        :class:`megarl.engine.moe_stats.MoEStats`: ``actor/moe_load_imbalance`` (max over mean
+        tokens per expert, worst layer), ``actor/moe_aux_loss``, ``actor/moe_z_loss``."""
         if tokens_per_expert is None:
             return
         row = {"step": step, "tokens_per_expert": tokens_per_expert}
