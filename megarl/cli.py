@@ -84,7 +84,8 @@ def _cmd_generate(args) -> int:
         log = logging.getLogger("megarl")
         from megarl.models.fixtures import resolve_model_path
         from megarl.rewards import RewardPool
-        from megarl.rollout.engine import make_rollout_llm, sample
+        from megarl.rollout.build import make_rollout_llm
+        from megarl.rollout.sampling import sample
         from megarl.rollout.vllm_engine import shutdown_llm
         from megarl.tasks import PromptRecord
         from megarl.trainer.rollout import Rollouts

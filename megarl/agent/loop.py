@@ -54,7 +54,7 @@ class Trajectory:
         return f"{self.prompt_index}/{self.sample_index}"
 
     def sample(self) -> dict:
-        """As :func:`megarl.rollout.engine.samples_of`, plus the mask and what the reward gets."""
+        """As :func:`megarl.rollout.sampling.samples_of`, plus the mask and what the reward gets."""
         return {"token_ids": list(self.ids), "logprobs": list(self.logprobs), "clipped": self.clipped,
                 "loss_mask": list(self.mask), "reward_text": self.final_text,
                 "reward_extra": {"tool_calls_ok": self.calls_ok, "tool_calls_bad": self.calls_bad},
@@ -227,7 +227,7 @@ def stored_trajectory(t: Trajectory) -> dict:
     """A finished trajectory's ``stored_ids`` (prompt + response: the model's tokens and the tool
     results', int32) and ``stored_logprobs`` (float64, NaN on the tool results) in Ray's object
     store, put by this process (the controller: the trajectory is joined here), as
-    :meth:`megarl.rollout.engine.EngineActor._stash` puts an engine's samples."""
+    :meth:`megarl.rollout.stash.Stash.put_pairs` puts an engine's samples."""
     import numpy as np
 
     from megarl.data.store import Stored

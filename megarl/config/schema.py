@@ -143,7 +143,7 @@ class RolloutConfig:
     """Generation budget per sample; longer responses are truncated (and counted as clipped)."""
     kv_cache_gib: Optional[float] = None
     """KV cache size per engine in GiB on CPU; null: what the largest batch one engine serves at
-    once needs at full length (:func:`megarl.rollout.engine.kv_cache_gib`). On GPU see
+    once needs at full length (:func:`megarl.rollout.build.kv_cache_gib`). On GPU see
     gpu_memory_utilization."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take when colocated with training."""

@@ -164,7 +164,7 @@ class Outbox:
 PAYLOADS = ("routed_experts", "stored_ids", "stored_logprobs")
 """The sample fields an engine may put into the object store (:func:`claim` takes them all): the
 routing, and the sequence's token ids (prompt + response, int32) and vLLM's log-probs (float64)
-for the training ranks (:meth:`megarl.rollout.engine.EngineActor._stash`). The micro-batches carry
+for the training ranks (:meth:`megarl.rollout.stash.Stash.put_pairs`). The micro-batches carry
 the handles, the ranks resolve them (:func:`fetch_batches`, the log-probs as :class:`Rows` of a
 :class:`Column`). The controller keeps no copy of the ids or log-probs: the engine sends the
 sample's metadata instead (its response length, the response decoded for the rewards, and a

@@ -32,7 +32,7 @@ def prompt_key(prompt_ids) -> int:
 
 
 def as_draft(sample: dict) -> dict:
-    """The stored form of a sample (:func:`megarl.rollout.engine.samples_of` with top-k)."""
+    """The stored form of a sample (:func:`megarl.rollout.sampling.samples_of` with top-k)."""
     return {"token_ids": np.asarray(sample["token_ids"], np.int32),
             "logprobs": np.asarray(sample["logprobs"], np.float32),
             "top_ids": np.asarray(sample["top_ids"], np.int32),

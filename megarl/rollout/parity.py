@@ -3,7 +3,7 @@
 For fixed prompts it compares greedy continuations (token ids) and the log-probs of the prompt
 tokens. transformers is the oracle: its greedy loop here is a plain argmax over full forwards (no
 KV cache, no generation heuristics). For MoE models it also compares the routing vLLM returns
-(:mod:`megarl.rollout.engine`'s ``routed_experts``, captured by :mod:`megarl.compat.vllm_cpu` V4)
+(:mod:`megarl.rollout.moe_routing`'s ``routed_experts``, captured by :mod:`megarl.compat.vllm_cpu` V4)
 for each prompt + greedy continuation with the top-k of transformers' routers on the same full
 sequence (:func:`hf_routing`), as sets per token and layer. Run as a module it prints one JSON
 line per model::
@@ -84,12 +84,12 @@ def hf_routing(path: str, sequences: list[list[int]]) -> list:
 def vllm_outputs(llm, prompt_ids: list[list[int]], num_new: int, one_at_a_time: bool, routing: bool = False):
     """(greedy token ids, prompt log-probs) from a vLLM engine for tokenised prompts; with
     ``routing``, also each prompt + continuation's ``routed_experts`` (the engine must capture
-    routing and have megarl's worker extension: :class:`megarl.rollout.engine.RoutingReader`)."""
+    routing and have megarl's worker extension: :class:`megarl.rollout.moe_routing.RoutingReader`)."""
     from vllm import SamplingParams, TokensPrompt
 
     reader = None
     if routing:
-        from megarl.rollout.engine import RoutingReader
+        from megarl.rollout.moe_routing import RoutingReader
 
         reader = RoutingReader(llm)
     params = SamplingParams(temperature=0.0, max_tokens=num_new, ignore_eos=True, prompt_logprobs=0)

@@ -60,7 +60,7 @@ class FakeEngine:
                        for _ in range(1 if greedy else self.n)]
             import numpy as np
 
-            for s in samples:   # what the ranks read, put as EngineActor._stash does (object_store plane)
+            for s in samples:   # what the ranks read, put as Stash.put_pairs does (object_store plane)
                 s["stored_ids"] = self.outbox.put(np.asarray(list(p) + s["token_ids"], np.int32))
                 s["stored_logprobs"] = self.outbox.put(np.asarray(s["logprobs"], np.float64))
             if self.mode == "routing":

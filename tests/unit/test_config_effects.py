@@ -154,7 +154,7 @@ def test_flops_cost_loads_for_every_family(fixture):
 def test_rollout_keys_reach_the_vllm_engine(monkeypatch):
     import megarl.compat
     import megarl.rollout.vllm_engine as vllm_engine
-    from megarl.rollout.engine import make_rollout_llm
+    from megarl.rollout.build import make_rollout_llm
 
     seen = {}
     monkeypatch.setattr(vllm_engine, "make_llm", lambda path, **kwargs: seen.update(kwargs, path=path))
@@ -184,7 +184,7 @@ def test_kv_cache_is_sized_from_the_batch_when_unset(tmp_path):
     larger; a floor of 16 MiB; an explicit value as given."""
     import json
 
-    from megarl.rollout.engine import kv_cache_gib
+    from megarl.rollout.build import kv_cache_gib
 
     (tmp_path / "config.json").write_text(json.dumps({   # SmolLM2-135M's attention shapes
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30,
@@ -205,7 +205,7 @@ def test_kv_cache_is_sized_from_the_batch_when_unset(tmp_path):
 def test_rollout_keys_set_the_sampling_params():
     from types import SimpleNamespace
 
-    from megarl.rollout.engine import sample
+    from megarl.rollout.sampling import sample
 
     class FakeLLM:
         def generate(self, prompts, params, use_tqdm=False):

@@ -20,7 +20,7 @@ from helpers import AlternatingRewards, PrefixTokenizer
 from megarl.config.schema import MegaRLConfig
 from megarl.data.store import Stored, fetch
 from megarl.observability.timeline import Timeline
-from megarl.rollout.engine import to_metadata
+from megarl.rollout.stash import to_metadata
 from megarl.trainer.batch import Rollout, TokenVersions
 from megarl.trainer.modes import AsyncSource, version_gaps, version_runs
 from megarl.trainer.rollout import Rollouts
@@ -32,7 +32,7 @@ class ScriptedFleet:
     prompt + this call's tokens) and log-probs (this call's), as the object-store plane's engines
     and fleet give them (Ray's store: the ``store`` fixture); unless the request is ``"inline"``
     (a resumed sample) its ids and log-probs then leave it for its metadata (the engine's
-    :func:`megarl.rollout.engine.to_metadata`)."""
+    :func:`megarl.rollout.stash.to_metadata`)."""
 
     def __init__(self, tick_s=0.01, fail=False, store=False):
         self.tick_s, self.fail, self.active, self.calls, self.resumed = tick_s, fail, False, [], 0

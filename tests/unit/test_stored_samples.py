@@ -38,11 +38,11 @@ class Tokenizer:
 
 
 def generations(engine: Engine, prompts, sizes, stash, metadata=False):
-    """Per prompt, its samples as EngineActor.generate_stream gives them (stash: its _stash;
+    """Per prompt, its samples as EngineActor.generate_stream gives them (stash: its Stash.put_pairs;
     ``metadata``: the ids and log-probs only in the store, the controller gets the metadata, as
     without rollout.speculative). A prompt's samples of equal size are equal (a group with
     repeated responses)."""
-    from megarl.rollout.engine import to_metadata
+    from megarl.rollout.stash import to_metadata
 
     g = torch.Generator().manual_seed(len(sizes))
     out = []

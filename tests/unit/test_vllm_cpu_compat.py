@@ -173,7 +173,7 @@ def test_routing_store_writes_at_positions_and_hands_out_once():
 
 
 def test_sample_routing_pads_with_minus_one_and_picks_moe_layers():
-    from megarl.rollout.engine import sample_routing
+    from megarl.rollout.moe_routing import sample_routing
 
     raw = np.arange(4 * 3 * 2).reshape(4, 3, 2).astype(np.uint8)   # vLLM GPU: every decoder layer, tokens - 1 rows
     out = sample_routing(raw, 5, 2, 2, layers=[1, 2])
@@ -232,7 +232,7 @@ def test_routing_reader_attaches_rows_per_sample(monkeypatch, gpu):
     from types import SimpleNamespace
 
     import megarl.compat
-    from megarl.rollout.engine import RoutingReader
+    from megarl.rollout.moe_routing import RoutingReader
     from megarl.rollout.worker_ext import MOE_LAYOUT, TAKE_ROUTING
 
     monkeypatch.setattr(megarl.compat, "cuda_available", lambda: gpu)
