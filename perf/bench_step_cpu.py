@@ -7,7 +7,7 @@ update), timed with the speed-ups switched on one after the other in the same pr
 
 1. ``before``: every position's logits, math attention, glibc's default heap;
 2. ``+ logits``: the output layer computes the logits of the response positions only
-   (:meth:`megarl.engine.policy.PolicyEngine._install_logit_selection`);
+   (:meth:`megarl.engine.schedule.MicroBatchRunner.install_logit_selection`);
 3. ``+ fused attention``: the log-prob pass uses ``scaled_dot_product_attention``, as the frozen
    reference model's passes do (``fused_without_grad``, :mod:`megarl.compat.te_cpu`; the trained
    model keeps the math attention, so the training step does not change here);
@@ -17,7 +17,7 @@ update), timed with the speed-ups switched on one after the other in the same pr
 
 Rows 1-5 step as megatron-core does unpatched (per-tensor AdamW loop; gloo's one-rank
 reduce-scatter and all-gather of the whole buffers). The CPU optimizer cuts (Adam on torch's fused
-CPU kernel, :meth:`megarl.engine.policy.PolicyEngine._fuse_cpu_adam`; no data-parallel collectives
+CPU kernel, :func:`megarl.engine.train.fuse_cpu_adam`; no data-parallel collectives
 within a one-rank group, patch P11 of :mod:`megarl.compat.megatron_cpu`) are then compared in two
 fresh processes, without and with them, each with the heap kept from its start as the training
 worker does, ``--fresh-steps`` training steps at ``--large-micro-batch`` tokens: what they save
@@ -145,7 +145,7 @@ def main(argv=None):
     from megarl.precision import cpu_line
 
     engine = one_rank_engine(args)
-    selection = engine._select_logits
+    selection = engine.runner.select_logits
 
     def run(label: str, tokens: int) -> dict:
         logprob_s, _ = timed(lambda: engine.forward_logprobs(batch(args.response, tokens)), args.repeats)
@@ -157,9 +157,9 @@ def main(argv=None):
 
     rows = []
     without_optimizer_cuts(engine)
-    engine._select_logits, te_cpu.FUSED_INFERENCE_ATTENTION = False, False
+    engine.runner.select_logits, te_cpu.FUSED_INFERENCE_ATTENTION = False, False
     rows.append(run("before", args.micro_batch))
-    engine._select_logits = selection
+    engine.runner.select_logits = selection
     rows.append(run("+ logits of response positions", args.micro_batch))
     te_cpu.FUSED_INFERENCE_ATTENTION = True
     for chunk in engine.model.chunks:   # as in the reference engine

@@ -9,7 +9,7 @@ shards' boxes (:func:`megarl.engine.export.fill_from_hf`, no scatter); and optio
 chunk in megatron-core DDP.
 
 Megatron settings chosen here (:func:`_config_overrides`): ``calculate_per_token_loss=False`` with
-the loss scaling of :mod:`megarl.engine.policy`; variable sequence lengths except under VPP on
+the loss scaling of :mod:`megarl.engine.train`; variable sequence lengths except under VPP on
 CPU (fixed shapes there, see the comment); ``batch_p2p_comm=False`` on CPU; sequence parallelism
 only when ``topology.sp``; uneven first/last pipeline stages only when the topology sets them;
 the ``alltoall`` MoE dispatcher unless ``model.moe_dispatcher`` names a flex backend (GPU only).

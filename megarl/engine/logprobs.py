@@ -114,13 +114,27 @@ class PackedMicroBatch:
     index: int = 0
     """Position of this micro-batch in the call (the replayer keeps per-micro-batch state)."""
     response_positions_R: Optional[torch.Tensor] = None
-    """When set (:class:`megarl.engine.policy.PolicyEngine` at cp = 1 and no sequence-parallel
+    """When set (:class:`megarl.engine.schedule.MicroBatchRunner` at cp = 1 and no sequence-parallel
     output layer): the positions of the packed row whose next-token logits are read, the output
     layer computes only these, and :func:`response_logprobs` gets logits ``[1, R, V/tp]``."""
 
     @property
     def num_packed_tokens(self) -> int:
         return self.tokens_1T.shape[1]
+
+
+@dataclass
+class LogprobOutput:
+    """Response-token log-probs of one micro-batch (layout of ``batch.cu_seqlens_N1``)."""
+
+    logprobs_R: torch.Tensor
+    entropy_R: Optional[torch.Tensor]
+    cu_seqlens_N1: torch.Tensor
+    routing_miss_R: Optional[torch.Tensor] = None
+    """routing ``compare`` / ``replay``: per response token, the MoE layers whose own routing
+    differed from the given one (:meth:`megarl.engine.replay.RouterReplayer.token_misses`)."""
+    routing: Optional[list] = None
+    """routing ``record``: per sequence, the routing the layers chose ``[L, Lm, K]``."""
 
 
 def _align_tp(tp: int, cp: int, sp: bool) -> int:

@@ -2,7 +2,7 @@
 
 One child process (gloo needs its own) builds the tiny Qwen2 fixture (GQA, fp32) three times from
 the same checkpoint: a trained engine that computes the logits of the response positions only
-(the default), one that computes every position's (``_select_logits`` off), and a frozen
+(the default), one that computes every position's (``runner.select_logits`` off), and a frozen
 reference engine whose passes use torch's fused attention. On packed micro-batches of mixed
 prompt and response lengths it checks:
 - the log-probs and entropies of the two trained engines agree (<= 1e-6), and so do their
@@ -59,9 +59,9 @@ CHILD = textwrap.dedent(r"""
     optim = OptimOptions(optimizer="adam", lr=1e-3)
     selecting = PolicyEngine(opts, groups, optim)
     full = PolicyEngine(opts, groups, optim)
-    full._select_logits = False
+    full.runner.select_logits = False
     ref = reference_engine(opts, groups)
-    out["selects"] = [selecting._select_logits, ref._select_logits]
+    out["selects"] = [selecting.runner.select_logits, ref.runner.select_logits]
 
     g = torch.Generator().manual_seed(0)
     def batches():
