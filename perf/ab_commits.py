@@ -45,7 +45,7 @@ CASES = {   # name -> overrides of the e2e recipe
     "speculative_exact": ["model.path=fixture:tiny-qwen2", "rollout.speculative=exact", "data.num_prompts=3"],
 }
 TIMINGS = ("time/", "throughput/", "timeline/", "sync/seconds", "sync/engine", "sync/vllm_load_seconds",
-           "rollout/busy_ratio", "rollout/engine", "memory/", "gpu/")
+           "rollout/busy_ratio", "rollout/engine", "memory/", "gpu/", "spec/residual_s", "spec/verify_s")
 
 
 def run(code: Path, work: Path, name: str) -> list[dict]:
