@@ -7,10 +7,14 @@ step 2 of a fresh run with ``algorithm.ppo_epochs`` = ``algorithm.mini_batches``
 on the last training rank (the one that computes a loss under every pipeline layout). Several
 faults: comma-separated. :class:`megarl.trainer.placement.Placement` forwards the variable to the
 Ray actors and checks it before any actor starts.
+
+A training worker reaches the faults through one hook, :func:`train_loss_hook`, which leaves the
+loss function unchanged when nothing is planned.
 """
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 ENV = "MEGARL_FAULTS"
 FAULTS = {"nan_loss": "the policy loss of the N-th train call of each training worker becomes NaN (last rank)"}
@@ -35,3 +39,25 @@ def nan_loss(loss_fn):
         return loss * float("nan"), metrics
 
     return poisoned
+
+
+def train_loss_hook(rank: int, world_size: int) -> Callable:
+    """What a training worker applies to each ``train`` call's loss function: the identity when
+    ``$MEGARL_FAULTS`` plans nothing (checked here, when the worker starts); else a hook that
+    counts the calls and poisons the planned ones' loss (:func:`nan_loss`) on the last rank."""
+    plan = planned()
+    if not plan:
+        return _unchanged
+    poisoned_calls = plan.get("nan_loss", set()) if rank == world_size - 1 else set()
+    num_calls = 0
+
+    def hook(loss_fn):
+        nonlocal num_calls
+        num_calls += 1
+        return nan_loss(loss_fn) if num_calls in poisoned_calls else loss_fn
+
+    return hook
+
+
+def _unchanged(loss_fn):
+    return loss_fn

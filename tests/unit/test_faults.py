@@ -30,6 +30,25 @@ def test_nan_loss_poisons_the_loss_not_the_metrics():
     assert math.isnan(loss.item()) and metrics == {"kl": 0.5}
 
 
+def test_train_loss_hook_poisons_the_planned_calls_of_the_last_rank_only(monkeypatch):
+    """The hook a training worker applies to each train call's loss function: the identity
+    without a plan; with ``nan_loss@2`` the 2nd call's loss is NaN on the last rank, and every
+    other call (and every call of another rank) is left as it is."""
+    def loss_fn(lp, batch):
+        return lp.sum(), {}
+
+    monkeypatch.delenv(faults.ENV, raising=False)
+    assert faults.train_loss_hook(1, 2)(loss_fn) is loss_fn
+    monkeypatch.setenv(faults.ENV, "nan_loss@2")
+    last, first = faults.train_loss_hook(1, 2), faults.train_loss_hook(0, 2)
+    got = [last(loss_fn)(torch.ones(3), None)[0].item() for _ in range(3)]
+    assert got[0] == got[2] == 3.0 and math.isnan(got[1])
+    assert all(first(loss_fn) is loss_fn for _ in range(3))
+    monkeypatch.setenv(faults.ENV, "nan_los@2")
+    with pytest.raises(ValueError, match="MEGARL_FAULTS"):
+        faults.train_loss_hook(0, 2)
+
+
 def test_max_skipped_updates_stops_after_that_many_in_a_row():
     from megarl.trainer.workers import NonFiniteLossError, WorkerGroup
 
