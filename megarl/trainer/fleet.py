@@ -15,7 +15,7 @@ of one prompt) the same way. A pause event stops the call: every engine is pause
 generated so far, and stays paused until :meth:`Fleet.resume_all`, after the weight sync; the
 caller continues each from its prompt and generated prefix.
 
-Faults: an engine dies (its actor process, :class:`megarl.trainer.workers.WorkerDied`, or a vLLM
+Faults: an engine dies (its actor process, :class:`megarl.trainer.calls.WorkerDied`, or a vLLM
 worker process of it, :class:`megarl.rollout.vllm_engine.EngineDied`) or hangs (it reports at
 least every few seconds while busy; nothing for ``rollout.engine_timeout_s`` seconds is
 :class:`EngineHung`). Up to ``rollout.engine_restarts`` times per call, the engine is restarted
@@ -45,6 +45,7 @@ import time
 from typing import Callable, Optional
 
 from megarl.rollout.engine import response_length
+from megarl.trainer.calls import WorkerDied, death_reason, wait_all
 
 log = logging.getLogger("megarl")
 
@@ -265,7 +266,6 @@ class Fleet:
 
         from megarl.data.store import claim
         from megarl.rollout.vllm_engine import EngineDied
-        from megarl.trainer.workers import WorkerDied, _reason
 
         streams, heard, restarts, pausing = {}, {}, 0, False
         stats = {k: {"busy_s": 0.0, "tokens": 0} for k in range(len(self.engines))}
@@ -327,7 +327,7 @@ class Fleet:
                     carried[k] = dict(stats[k])   # a later stream of this engine (a feed's) counts on
                     continue
                 except ray.exceptions.RayActorError as err:
-                    failed(k, WorkerDied(f"{self.name(k)} died during generate: {_reason(err)}"))
+                    failed(k, WorkerDied(f"{self.name(k)} died during generate: {death_reason(err)}"))
                     continue
                 except EngineDied as err:
                     failed(k, err)
@@ -359,7 +359,5 @@ class Fleet:
 
     def call_all(self, method: str, *args) -> list:
         """``method(*args)`` on every engine, waited for with deaths named."""
-        from megarl.trainer.workers import wait_all
-
         refs = [getattr(e, method).remote(*args) for e in self.engines]
         return wait_all(refs, [self.name(k) for k in range(len(self.engines))], method)

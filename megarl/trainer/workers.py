@@ -6,11 +6,12 @@ the rollout fleet (:class:`megarl.trainer.fleet.Fleet`, ``rollout.dp`` engine ac
 generated and how it is scored is :mod:`megarl.trainer.rollout`'s business, where the actors live
 is :mod:`megarl.trainer.placement`'s.
 
-Failures: every call waits with :func:`wait_all`, so the first failure surfaces at once, a dead
-actor as :class:`WorkerDied` naming its rank (or engine), pid, node and the phase. A dead vLLM
-worker process is named by its engine (:class:`megarl.rollout.vllm_engine.EngineDied`).
-After a failure the group's shutdown waits at most ``FAILED_STOP_WAIT_S`` for the actors before
-killing them. A worker that hangs without dying is not detected here.
+Failures: every call waits with :func:`megarl.trainer.calls.wait_all`, so the first failure
+surfaces at once, a dead actor as :class:`megarl.trainer.calls.WorkerDied` naming its rank (or
+engine), pid, node and the phase. A dead vLLM worker process is named by its engine
+(:class:`megarl.rollout.vllm_engine.EngineDied`). After a failure the group's shutdown waits at
+most ``FAILED_STOP_WAIT_S`` for the actors before killing them. A worker that hangs without dying
+is not detected here.
 """
 from __future__ import annotations
 
@@ -21,26 +22,11 @@ import torch
 
 from megarl.config.schema import MegaRLConfig
 from megarl.trainer.batch import Rollout, micro_batches_for, scatter_sequences
+from megarl.trainer.calls import wait_all
 
-FAILURE_GRACE_S = 5.0
-"""After a call raised on one worker: how long the other workers' calls may still take before the
-error is raised. A rank's death makes its peers' collectives fail as well (gloo: connection closed
-by peer) or block; the death, not its echo, is the error to report."""
-NODE_LOSS_GRACE_S = 60.0
-"""The grace period instead when the first failure is a lost connection to a peer rank (gloo or
-NCCL): the peer's process or whole node may be gone. A lost node's actors are declared dead only
-when Ray's health checks of that node fail (about 15-30 s with Ray's defaults), and that death,
-naming the node, is the error to report."""
-_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exited",
-              "connection refused")
 FAILED_STOP_WAIT_S = 10.0
 """After a failed call: how long the actors' own shutdown (their vLLM engines) may take before they
 are killed; a rank blocked in a collective whose peer died never runs it."""
-
-
-class WorkerDied(RuntimeError):
-    """A training worker or a rollout engine (a Ray actor process) died: its rank or engine, pid,
-    node, the phase and Ray's reason are in the message."""
 
 
 class NonFiniteLossError(RuntimeError):
@@ -447,56 +433,6 @@ class WorkerGroup:
         n = len(self.workers)
         parts = self._fan_out("hash_checkpoint_files", [(str(folder), relpaths[i::n], sync) for i in range(n)])
         return {rel: entry for part in parts for rel, entry in part.items()}
-
-
-def wait_all(refs: list, names: list[str], phase: str, grace_s: float = FAILURE_GRACE_S,
-             done_at: list | None = None) -> list:
-    """``ray.get(refs)``, except that a failure is raised as soon as it happens, not when the list
-    reaches it: the peers of a dead rank may block in a collective for gloo's whole timeout.
-
-    ``names[i]`` names the actor of ``refs[i]`` and ``phase`` the call, for :class:`WorkerDied`,
-    raised for a dead actor (Ray's RayActorError). A method's own exception (Ray's RayTaskError,
-    also an instance of the worker's exception class) is raised as it is, unless another actor's
-    death, seen within ``grace_s`` seconds (``NODE_LOSS_GRACE_S`` when it is a lost connection to a
-    peer), explains it. ``done_at``, when given, gets the ``time.monotonic()`` at which each
-    result was seen.
-    """
-    import ray
-
-    index = {ref: i for i, ref in enumerate(refs)}
-    values, pending, failure, deadline = [None] * len(refs), list(refs), None, None
-    while pending:
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
-        if not done:
-            break                                     # the grace period after a failure is over
-        if pending:                                   # the others that are done too: fewer waits
-            more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
-            done += more
-        for ref in done:
-            if done_at is not None:
-                done_at[index[ref]] = time.monotonic()
-            try:
-                values[index[ref]] = ray.get(ref)
-            except ray.exceptions.RayActorError as err:
-                if not err.actor_init_failed:         # a start-up error is the worker's own exception
-                    raise WorkerDied(f"{names[index[ref]]} died during {phase}: {_reason(err)}") from err
-                failure = failure or err
-            except Exception as err:
-                failure = failure or err
-        if failure is not None and deadline is None:
-            lost_peer = any(p in str(failure).lower() for p in _PEER_LOST)
-            deadline = time.monotonic() + (max(grace_s, NODE_LOSS_GRACE_S) if lost_peer else grace_s)
-    if failure is not None:
-        raise failure
-    return values
-
-
-def _reason(err: Exception) -> str:
-    """Ray's reason for an actor's death, in one line (its message spans many)."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    why = next((line for line in lines if line.startswith("The actor is dead because")), lines[0] if lines else "")
-    return f"{type(err).__name__}: {why.split(' Some common causes')[0][:300]}"
 
 
 def _mini_batches(rollout: Rollout, count: int) -> list[list[int]]:

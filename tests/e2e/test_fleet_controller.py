@@ -232,7 +232,7 @@ def test_an_engine_that_stops_reporting_is_hung_within_the_timeout(fleet_of):
 
 
 def test_an_engine_whose_process_dies_mid_stream_is_named(fleet_of):
-    from megarl.trainer.workers import WorkerDied
+    from megarl.trainer.calls import WorkerDied
 
     fleet = fleet_of((0.3, "ok"), (0.05, "die"))
     dead = fleet.infos[1]["pid"]

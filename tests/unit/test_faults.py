@@ -96,12 +96,12 @@ def test_an_error_of_a_dead_engine_process_names_it():
 
 
 def test_ray_death_reason_in_one_line():
-    from megarl.trainer.workers import _reason
+    from megarl.trainer.calls import death_reason
 
     message = ("The actor died unexpectedly before finishing this task.\n\tclass_name: HybridWorker\n\tpid: 12\n"
                "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit "
                "detail: Worker unexpectedly exits with a connection error code 2. End of file. Some common causes "
                "include: (1) the process was killed by the OOM killer")
-    assert _reason(RuntimeError(message)) == (
+    assert death_reason(RuntimeError(message)) == (
         "RuntimeError: The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR "
         "Worker exit detail: Worker unexpectedly exits with a connection error code 2. End of file.")
