@@ -48,6 +48,7 @@ the table with the CPU flags. Rows carry a ``code`` column: ``before <rev>`` and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -134,9 +135,9 @@ class PeakRSS:
 
 
 def payload_bytes(obj) -> int:
-    """The array bytes in ``obj`` (tensors and numpy arrays, inside lists, tuples, dicts and
-    micro-batches); a handle on the object store (``Stored``, ``Rows``) counts 0: its bytes do
-    not pass through the process that holds it."""
+    """The array bytes in ``obj`` (tensors and numpy arrays, inside lists, tuples, dicts,
+    dataclasses and micro-batches); a handle on the object store (``Stored``, ``Rows``) counts 0:
+    its bytes do not pass through the process that holds it."""
     import numpy as np
     import torch
 
@@ -150,6 +151,8 @@ def payload_bytes(obj) -> int:
         return payload_bytes(obj.payload)
     if isinstance(obj, SequenceBatch):
         return payload_bytes(obj.input_ids) + payload_bytes(obj.extras) + payload_bytes(obj.routing)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):   # the workers' replies (trainer/messages.py)
+        return sum(payload_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
     if isinstance(obj, dict):
         return sum(payload_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):

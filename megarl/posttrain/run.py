@@ -98,7 +98,7 @@ def _rank_batches(group, examples: Examples, indices: list, pad_id) -> list:
 
     topo = group.cfg.topology.to_topology()
     plan = plan_batches([examples.length(i, topo.tp, topo.cp) for i in indices], topo, group.budget)
-    return [micro_batches(examples, indices, plan, info["dp_rank"], pad_id) for info in group.info]
+    return [micro_batches(examples, indices, plan, info.dp_rank, pad_id) for info in group.info]
 
 
 def run_stage(cfg, stage: str, resume: bool = False, verbose: bool = False) -> Path:

@@ -1,7 +1,7 @@
 """A reward model's term of ``data.reward`` (``[WEIGHT*]model:PATH``): scored on the training workers.
 
 After a step's samples are generated (and their rule terms scored in the reward pool), the frozen
-reward model (:meth:`megarl.trainer.worker.HybridWorker._build_reward_model`, beside the reference,
+reward model (:class:`megarl.trainer.roles.RewardModelRole`, beside the reference,
 offloaded with it) scores every sample in one packed forward pass sharded over the DP ranks
 (:meth:`megarl.trainer.workers.WorkerGroup.reward_model_scores`); the scores are normalised
 (``data.reward_norm``) and added, weighted, to each sample's reward. The pass is its own phase:

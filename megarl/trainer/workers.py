@@ -23,6 +23,7 @@ import torch
 from megarl.config.schema import MegaRLConfig
 from megarl.trainer.batch import Rollout, micro_batches_for, scatter_sequences
 from megarl.trainer.calls import wait_all
+from megarl.trainer.messages import PassRequest, UpdateRequest
 
 FAILED_STOP_WAIT_S = 10.0
 """After a failed call: how long the actors' own shutdown (their vLLM engines) may take before they
@@ -89,15 +90,15 @@ class WorkerGroup:
         for k, engine in enumerate(infos):
             for r in range(tp):
                 rank = self.info[k * tp + r]
-                if rank["node_id"] != engine["node_id"]:
+                if rank.node_id != engine["node_id"]:
                     raise ValueError(
                         f"rollout engine {k} runs on {engine['node']}, but its vLLM TP rank {r} would load the weights "
-                        f"that training rank {k * tp + r} on {rank['node']} writes into node-local memory; place every "
+                        f"that training rank {k * tp + r} on {rank.node} writes into node-local memory; place every "
                         "engine on the node of its training ranks (rollout.placement=colocated with rollout.tp dividing "
                         "the devices per node)")
         nodes: dict = {}
         for i, rank in enumerate(self.info):
-            nodes.setdefault(rank["node"], [[], []])[0].append(i)
+            nodes.setdefault(rank.node, [[], []])[0].append(i)
         for k, engine in enumerate(infos):
             nodes.setdefault(engine["node"], [[], []])[1].append(k)
         logging.getLogger("megarl").info("placement: " + "; ".join(
@@ -106,7 +107,7 @@ class WorkerGroup:
             for node, (ranks, engines) in nodes.items()))
         if log_dir is not None:
             (log_dir / "placement.json").write_text(json.dumps(
-                {"ranks": [{k: r[k] for k in ("rank", "pid", "node_name", "ip", "node_id")} for r in self.info],
+                {"ranks": [{k: getattr(r, k) for k in ("rank", "pid", "node_name", "ip", "node_id")} for r in self.info],
                  "engines": [{k: e[k] for k in ("pid", "node_name", "ip", "node_id")} for e in infos]}, indent=1))
 
     def __enter__(self) -> "WorkerGroup":
@@ -171,7 +172,7 @@ class WorkerGroup:
 
     def _who(self, rank: int) -> str:
         """``training worker rank R (pid P on NODE)`` (pid and node once known)."""
-        notes = f" (pid {self.info[rank]['pid']} on {self.info[rank]['node']})" if self.info else ""
+        notes = f" (pid {self.info[rank].pid} on {self.info[rank].node})" if self.info else ""
         return f"training worker rank {rank}{notes}"
 
     # ------------------------------------------------------------------ rollout
@@ -182,7 +183,7 @@ class WorkerGroup:
         Megatron state is in host memory meanwhile."""
         offload = self.cfg.trainer.offload_train_state
         if offload:
-            self.offloaded_bytes = sum(o["offloaded_bytes"] for o in self._all("offload"))
+            self.offloaded_bytes = sum(self._all("offload"))
         try:
             gens = self.fleet.generate(prompt_ids, seeds, greedy, on_done, drafts)
         except BaseException:
@@ -236,13 +237,13 @@ class WorkerGroup:
         lossless; the rank decodes them in :func:`megarl.trainer.worker.receive`)."""
         from megarl.data.wire import encode_batches
 
-        return [encode_batches(micro_batches_for(rollout, plan, i["dp_rank"], per_sample, routing)) for i in self.info]
+        return [encode_batches(micro_batches_for(rollout, plan, i.dp_rank, per_sample, routing)) for i in self.info]
 
     def _forward(self, method: str, rollout: Rollout, plan, *args, routing=None, per_sample=None) -> dict:
         """A forward-only worker method on every rank's micro-batches (``per_sample``: their
         extras): the DP leaders' outputs (one per micro-batch) by DP rank."""
         outs = self._fan_out(method, [(b, *args) for b in self._per_rank(rollout, plan, per_sample or {}, routing)])
-        return {i["dp_rank"]: o for i, o in zip(self.info, outs) if o is not None}
+        return {i.dp_rank: o for i, o in zip(self.info, outs) if o is not None}
 
     def logprobs(self, rollout: Rollout, plan, reference: bool, routing: list | None = None,
                  routing_action: str | None = None, record_routing: bool = False, per_sample: dict | None = None,
@@ -261,13 +262,18 @@ class WorkerGroup:
         compared with (``routing_action`` ``compare``) or replayed in (``replay``) the model's own;
         ``record_routing`` keeps the model's own. :attr:`routing_out` then holds ``recorded`` (per
         sample, a handle on ``[P + R, Lm, K]``) and ``report`` (agreement)."""
-        by_rank = self._forward("logprobs", rollout, plan, reference, routing_action, record_routing, version,
-                                with_kl, routing=routing if routing_action else None, per_sample=per_sample)
-        outs = {r: o for r, (o, _) in by_rank.items()}
-        per_rank = lambda i: {r: [x[i] for x in o] for r, o in outs.items()}  # noqa: E731
-        self.routing_out = {"report": next(iter(by_rank.values()))[1],
-                            "recorded": scatter_sequences(rollout, plan, per_rank(1)) if record_routing else None}
-        kept = per_rank(0)
+        request = PassRequest(reference=reference, routing=routing_action, record_routing=record_routing,
+                              version=version, with_kl=with_kl)
+        by_rank = self._forward("logprobs", rollout, plan, request, routing=routing if routing_action else None,
+                                per_sample=per_sample)
+
+        def per_rank(field: str) -> dict:   # {DP rank: [field of each micro-batch]}
+            return {r: [getattr(m, field) for m in p.micro_batches] for r, p in by_rank.items()}
+
+        self.routing_out = {"report": next(iter(by_rank.values())).routing_report,
+                            "recorded": scatter_sequences(rollout, plan, per_rank("recorded_routing"))
+                            if record_routing else None}
+        kept = per_rank("outputs")
         names = next(iter(kept.values()))[0].keys()
         return {k: scatter_sequences(rollout, plan, {r: [x[k] for x in o] for r, o in kept.items()}) for k in names}
 
@@ -302,8 +308,9 @@ class WorkerGroup:
         (and ``versions_T``, ``ref_logprobs_T``); else ``readouts`` is None."""
         a = self.cfg.algorithm
         assert not own_old_logprobs or (a.ppo_epochs, a.mini_batches) == (1, 1), "own old log-probs: one update only"
-        metrics, outs = self._optimize("train", "actor", rollout, plan, per_sample, kl_coef, routing is not None,
-                                       own_old_logprobs, version, routing=routing)
+        request = UpdateRequest(kl_coef=kl_coef, replay_routing=routing is not None,
+                                own_old_logprobs=own_old_logprobs, version=version)
+        metrics, outs = self._optimize("train", "actor", rollout, plan, per_sample, request, routing=routing)
         if not own_old_logprobs:
             return metrics, None
         return metrics, scatter_sequences(rollout, plan, outs)
@@ -331,10 +338,10 @@ class WorkerGroup:
         seqs = [trim_pads(p + r, len(p), pad_id) for p, r in zip(rollout.prompt_ids, rollout.responses())]
         plan = plan_batches([len(s) for s in seqs], self.cfg.topology.to_topology(), self.budget)
         batches = [[SequenceBatch([torch.tensor(seqs[i], dtype=torch.long) for i in mb],
-                                  [len(rollout.prompt_ids[i]) for i in mb]) for mb in plan.micro_batches[info["dp_rank"]]]
+                                  [len(rollout.prompt_ids[i]) for i in mb]) for mb in plan.micro_batches[info.dp_rank]]
                    for info in self.info]
         outs = self._fan_out("reward_scores", [(b,) for b in batches])
-        by_rank = {i["dp_rank"]: o for i, o in zip(self.info, outs) if o is not None}
+        by_rank = {i.dp_rank: o for i, o in zip(self.info, outs) if o is not None}
         scores = scatter_sequences(rollout, plan, {r: [s.tolist() for s in o] for r, o in by_rank.items()})
         return [float(s) for s in scores]
 
@@ -343,8 +350,8 @@ class WorkerGroup:
 
     def _optimize(self, method: str, tag: str, rollout: Rollout, plan, per_sample: dict, *args,
                   routing: list | None = None) -> tuple[dict, dict]:
-        """``ppo_epochs`` passes over ``mini_batches`` chunks of whole groups, one optimizer step each.
-        Returns the metrics and the last pass's ``outputs`` by DP rank (the read-outs of the
+        """``ppo_epochs`` passes over ``mini_batches`` chunks of whole groups, one optimizer step each
+        (the worker ``method`` returns a :class:`megarl.trainer.messages.UpdateResult`). Returns the metrics and the last pass's ``outputs`` by DP rank (the read-outs of the
         training forward's own log-probs, from the DP leaders of a ``train`` with
         ``own_old_logprobs``; else empty).
         ``<tag>/skipped_updates`` counts the updates skipped for a non-finite loss or gradient
@@ -363,8 +370,8 @@ class WorkerGroup:
                 sub_routing = [routing[i] for i in keep] if routing is not None and len(chunks) > 1 else routing
                 batches = self._per_rank(sub, sub_plan, sub_samples, sub_routing)
                 outs = self._fan_out(method, [(b, *args) for b in batches])
-                outputs = {i["dp_rank"]: o.pop("outputs") for i, o in zip(self.info, outs) if "outputs" in o}
-                results.append(outs[0])
+                outputs = {i.dp_rank: o.outputs for i, o in zip(self.info, outs) if o.outputs is not None}
+                results.append(outs[0].metrics)
                 self._count_skips(tag, results[-1])
         out = {f"{tag}/{k}": v for k, v in results[-1].items() if isinstance(v, (int, float))}
         self.moe_tokens_per_expert = results[-1].get("moe_tokens_per_expert")   # MoE: [Lm][E], last pass
