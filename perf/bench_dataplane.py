@@ -19,7 +19,7 @@ revision runs its default. Measured in that process:
   (ascending sizes: memory the allocator kept from a smaller run is reused, so the peak of a run
   is what its batch needed on top); the slope over the three sizes in KiB per sample;
 * the array bytes the controller sends to and gets from the training workers per step
-  (``WorkerGroup._fan_out``'s arguments and results: tensors and numpy arrays; a handle on the
+  (``TrainingRanks.fan_out``'s arguments and results: tensors and numpy arrays; a handle on the
   object store counts 0), and its slope in KiB per sample: what the controller handles of the
   step's per-token data on its way to and from the ranks (the engines' results are not counted);
 * the bytes the engines send the controller per sample (``engine_b_per_sample``: each finished
@@ -162,22 +162,27 @@ def payload_bytes(obj) -> int:
 
 class WorkerTraffic:
     """The array bytes the controller sends to the training workers (call arguments) and gets
-    back (results), counted on every ``WorkerGroup._fan_out`` (every call of a step's phases)."""
+    back (results), counted on every ``TrainingRanks.fan_out`` (every call of a step's phases; in
+    a revision without :mod:`megarl.trainer.ranks`, ``WorkerGroup._fan_out``)."""
 
     def __init__(self):
-        from megarl.trainer.workers import WorkerGroup
-
+        try:
+            from megarl.trainer.ranks import TrainingRanks as owner
+            name = "fan_out"
+        except ImportError:
+            from megarl.trainer.workers import WorkerGroup as owner
+            name = "_fan_out"
         self.sent = self.received = 0
-        self.original = WorkerGroup._fan_out
+        self.original = getattr(owner, name)
         traffic = self
 
-        def counted(group, method: str, args_per_worker: list) -> list:
+        def counted(callee, method: str, args_per_worker: list) -> list:
             traffic.sent += payload_bytes(args_per_worker)
-            out = traffic.original(group, method, args_per_worker)
+            out = traffic.original(callee, method, args_per_worker)
             traffic.received += payload_bytes(out)
             return out
 
-        WorkerGroup._fan_out = counted
+        setattr(owner, name, counted)
 
     def total(self) -> int:
         return self.sent + self.received

@@ -9,8 +9,8 @@ when that is at most half its bytes, else a float64 tensor of float32 values as 
 gives back the very tensor and the numerics cannot change. For an outcome reward this takes the
 bytes per response token from 17 to about 8.
 
-Encoding happens where micro-batches leave the controller (``WorkerGroup._per_rank`` in
-:mod:`megarl.trainer.workers`), decoding where a worker receives them
+Encoding happens where micro-batches leave the controller
+(:meth:`megarl.trainer.ranks.TrainingRanks.per_rank`), decoding where a worker receives them
 (:func:`megarl.trainer.worker.receive`), so the micro-batch code sees plain tensors.
 """
 from __future__ import annotations

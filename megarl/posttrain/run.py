@@ -96,9 +96,10 @@ def _rank_batches(group, examples: Examples, indices: list, pad_id) -> list:
     sequences share a micro-batch."""
     from megarl.data import plan_batches
 
-    topo = group.cfg.topology.to_topology()
-    plan = plan_batches([examples.length(i, topo.tp, topo.cp) for i in indices], topo, group.budget)
-    return [micro_batches(examples, indices, plan, info.dp_rank, pad_id) for info in group.info]
+    ranks = group.ranks
+    topo = ranks.cfg.topology.to_topology()
+    plan = plan_batches([examples.length(i, topo.tp, topo.cp) for i in indices], topo, ranks.budget)
+    return [micro_batches(examples, indices, plan, info.dp_rank, pad_id) for info in ranks.infos]
 
 
 def run_stage(cfg, stage: str, resume: bool = False, verbose: bool = False) -> Path:

@@ -3,7 +3,7 @@
 After a step's samples are generated (and their rule terms scored in the reward pool), the frozen
 reward model (:class:`megarl.trainer.roles.RewardModelRole`, beside the reference,
 offloaded with it) scores every sample in one packed forward pass sharded over the DP ranks
-(:meth:`megarl.trainer.workers.WorkerGroup.reward_model_scores`); the scores are normalised
+(:meth:`megarl.trainer.ranks.RankPasses.reward_model_scores`); the scores are normalised
 (``data.reward_norm``) and added, weighted, to each sample's reward. The pass is its own phase:
 ``time/reward_model_s`` in the metrics, ``reward_scores`` spans in the timeline.
 """

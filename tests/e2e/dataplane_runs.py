@@ -27,8 +27,8 @@ def main(recipe: str, out: str, lifetime: int = 0) -> None:
     (Path(out) / "logs").mkdir(parents=True, exist_ok=True)
     with WorkerGroup(cfg, Path(out) / "logs") as group:
         refs = []   # per step, after its weight sync (the step's passes still held): the ranks' references
-        train(cfg, group=group, after_sync=lambda g, step: refs.append(sum(g._all("object_refs"))))
-        refs.append(sum(group._all("object_refs")))   # after the run: the last step's objects released
+        train(cfg, group=group, after_sync=lambda g, step: refs.append(sum(g.ranks.call("object_refs"))))
+        refs.append(sum(group.ranks.call("object_refs")))   # after the run: the last step's objects released
         print(f"done main refs {' '.join(map(str, refs))}", flush=True)
         for mode in ("on_policy", "async") if lifetime else ():
             cfg = load_config(recipe, [f"trainer.run_dir={Path(out) / mode}", f"trainer.steps={lifetime}",
@@ -38,7 +38,7 @@ def main(recipe: str, out: str, lifetime: int = 0) -> None:
             counts = {"ranks": [], "controller": [], "engines": []}
 
             def count(g, step: int) -> None:
-                counts["ranks"].append(sum(g._all("object_refs")))
+                counts["ranks"].append(sum(g.ranks.call("object_refs")))
                 counts["controller"].append(reference_count())
                 counts["engines"].append(sum(g.fleet.call_all("object_refs")))
 

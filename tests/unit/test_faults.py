@@ -50,19 +50,21 @@ def test_train_loss_hook_poisons_the_planned_calls_of_the_last_rank_only(monkeyp
 
 
 def test_max_skipped_updates_stops_after_that_many_in_a_row():
-    from megarl.trainer.workers import NonFiniteLossError, WorkerGroup
+    from megarl.trainer.updates import NonFiniteLossError, RankUpdates
 
-    group = SimpleNamespace(cfg=load_config(None, ["trainer.max_skipped_updates=1"]),
-                            skipped_in_a_row={"actor": 0, "critic": 0})
+    ranks = SimpleNamespace(cfg=load_config(None, ["trainer.max_skipped_updates=1"]))
+    updates = RankUpdates(ranks)
     skipped, applied = {"update_successful": False, "loss": math.nan}, {"update_successful": True, "loss": 0.1}
-    WorkerGroup._count_skips(group, "actor", skipped)
-    WorkerGroup._count_skips(group, "actor", applied)             # an applied update resets the count
-    WorkerGroup._count_skips(group, "actor", skipped)
+    updates.count_skips("actor", skipped)
+    updates.count_skips("actor", applied)             # an applied update resets the count
+    updates.count_skips("actor", skipped)
     with pytest.raises(NonFiniteLossError, match=r"2 actor updates in a row .* trainer\.max_skipped_updates=1"):
-        WorkerGroup._count_skips(group, "actor", skipped)
-    group.cfg = load_config(None, ["trainer.max_skipped_updates=0"])
+        updates.count_skips("actor", skipped)
+    updates.reset_skips()                             # a new run on the same ranks starts from zero
+    updates.count_skips("actor", skipped)
+    ranks.cfg = load_config(None, ["trainer.max_skipped_updates=0"])
     with pytest.raises(NonFiniteLossError):
-        WorkerGroup._count_skips(group, "critic", skipped)
+        updates.count_skips("critic", skipped)
     with pytest.raises(Exception, match="max_skipped_updates"):
         load_config(None, ["trainer.max_skipped_updates=-1"])
 

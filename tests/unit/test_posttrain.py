@@ -326,16 +326,22 @@ def test_stage_data_steps_and_options_from_the_config(tmp_path, tok):
 
 
 def test_every_worker_method_the_group_calls_exists():
-    """WorkerGroup calls HybridWorker methods by name (``_all("name")``, ``_fan_out("name")``,
-    ``_forward("name")``): each must exist (a lost ``def`` line otherwise surfaces only in e2e runs)."""
+    """The controller calls HybridWorker methods by name (``ranks.call("name")``,
+    ``ranks.fan_out("name")``, ``ranks.forward("name")``, ``ranks.rank0("name")``,
+    ``self.optimize("name")``): each must exist (a lost ``def`` line otherwise surfaces only in
+    e2e runs)."""
     import re
     from pathlib import Path
 
+    import megarl.trainer.ranks as ranks
+    import megarl.trainer.updates as updates
     import megarl.trainer.workers as workers
     from megarl.trainer.worker import HybridWorker
 
-    text = Path(workers.__file__).read_text()
-    called = set(re.findall(r'_(?:all|fan_out|forward|optimize)\("(\w+)"', text))
-    assert {"values", "reward_scores", "posttrain_step", "posttrain_eval", "train", "logprobs"} <= called
+    text = "".join(Path(m.__file__).read_text() for m in (workers, ranks, updates))
+    called = set(re.findall(r'(?:ranks\.|self\.)(?:call|fan_out|forward|rank0|optimize)\("(\w+)"', text))
+    assert {"values", "reward_scores", "posttrain_step", "posttrain_eval", "train", "logprobs", "train_critic",
+            "info", "attach_engines", "replace_engine", "sync_weights", "advantages", "precision",
+            "save_checkpoint", "hash_checkpoint_files", "offload", "onload", "set_config"} <= called, called
     missing = [m for m in called if not callable(getattr(HybridWorker, m, None))]
     assert not missing, missing
