@@ -282,9 +282,12 @@ def test_a_dead_or_hung_engine_is_restarted_and_its_unfinished_prompts_reissued(
 def plasma_bytes() -> int:
     """Bytes in use in the local node's shared-memory object store (Ray's own accounting)."""
     import re
+
+    import ray
     from ray._private.internal_api import memory_summary
 
-    text = memory_summary(stats_only=True)
+    # this test's Ray by its address: without one Ray refuses to choose when another instance runs on the machine
+    text = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
     found = re.search(r"Plasma memory usage (\d+) MiB", text)
     assert found, text
     return int(found.group(1)) * 2**20
