@@ -1,41 +1,22 @@
 """The controller's handle on the rollout fleet: ``rollout.dp`` vLLM engines, each an
 :class:`megarl.rollout.engine.EngineActor`.
 
-Generation: the prompts of a call are dealt to the engines by
-:class:`megarl.rollout.router.LengthRouter` (predicted work per engine even; the ``rollout.n``
-samples of a prompt stay on one engine, for its prefix cache), every engine streams its finished
-prompts back as they finish, and ``on_done`` sees them at once (the caller scores them while the
-engines go on). Sampling seeds come with the prompts (functions of seed, step and prompt), so
-what is sampled does not depend on the number of engines or on the routing.
+Generation: a call's prompts are dealt by :class:`megarl.rollout.router.LengthRouter` (even
+predicted work; a prompt's ``rollout.n`` samples on one engine, for its prefix cache), every engine
+streams its prompts back as they finish and ``on_done`` sees them at once (the caller scores them
+while the engines go on). Seeds come with the prompts (functions of seed, step and prompt), so what
+is sampled does not depend on the number of engines or the routing. Requests
+(:meth:`Fleet.generate_requests`, ``trainer.mode: async``) are single samples dealt in groups the
+same way; a pause stops every engine, which returns its unfinished requests with what they
+generated so far and stays paused until :meth:`Fleet.resume_all`.
 
-Requests (:meth:`Fleet.generate_requests`, partial rollouts of ``trainer.mode: async``): one
-sample each, with its own prompt, seed and token budget, dealt in groups (by default, the requests
-of one prompt) the same way. A pause event stops the call: every engine is paused
-(:meth:`megarl.rollout.engine.EngineActor.pause`), returns its unfinished requests with what they
-generated so far, and stays paused until :meth:`Fleet.resume_all`, after the weight sync; the
-caller continues each from its prompt and generated prefix.
-
-Faults: an engine dies (its actor process, :class:`megarl.trainer.calls.WorkerDied`, or a vLLM
-worker process of it, :class:`megarl.rollout.vllm_engine.EngineDied`) or hangs (it reports at
-least every few seconds while busy; nothing for ``rollout.engine_timeout_s`` seconds is
-:class:`EngineHung`). Up to ``rollout.engine_restarts`` times per call, the engine is restarted
-(``restart(k)``: a new actor on the same devices, loaded with the current weights) and given its
-unfinished prompts again, with the same seeds: the call's samples are those it would have
-returned without the fault. Beyond that the error, naming the engine, fails the step, and the run
-can resume from its last checkpoint (``megarl train --resume``).
-
-Payloads in the object store: a message's samples carry
-keys of what their engine put (:class:`megarl.data.store.Pending`); each message's handles are
-claimed from that engine as it arrives (:func:`megarl.data.store.claim`), before anyone sees the
-samples; so are the token ids and log-probs it put for the training ranks (``stored_ids``,
-``stored_logprobs``). Those objects belong to the engine's keeper
-(:class:`megarl.data.keeper.Keeper`), not to the engine: the samples a restarted engine had
-delivered keep them.
-
-Metrics of the last call (:attr:`Fleet.metrics`): per engine generated tokens and busy seconds,
-``rollout/busy_ratio``, the max/mean busy seconds across engines (1.0: no engine waits for
-another; the long tail shows as > 1; an engine given no prompt counts as idle), and
-``rollout/engine_restarts``.
+Faults: a dead engine (its actor, :class:`megarl.trainer.calls.WorkerDied`; a vLLM worker process,
+:class:`megarl.rollout.vllm_engine.EngineDied`) or a hung one (no report for
+``rollout.engine_timeout_s`` seconds while busy: :class:`EngineHung`) is restarted up to
+``rollout.engine_restarts`` times per call (``restart(k)``: a new actor on the same devices, with
+the current weights) and given its unfinished prompts again with the same seeds: the call returns
+the samples it would have returned without the fault. Beyond that the error, naming the engine,
+fails the step; the run can resume from its last checkpoint (``megarl train --resume``).
 """
 from __future__ import annotations
 
@@ -79,7 +60,7 @@ class Fleet:
         self.cfg, self.engines, self.infos, self.restart = cfg, engines, infos, restart
         r = cfg.rollout
         self.router = LengthRouter(len(engines), default_response_tokens=r.max_response_tokens / 2, n=r.n)
-        self.metrics: dict = {}
+        self.metrics: dict = {}   # the last call's: _metrics and rollout/engine_restarts
 
     def name(self, k: int) -> str:
         """``rollout engine K (pid P on NODE, vLLM TP ranks on training devices a..b)``."""
@@ -261,7 +242,12 @@ class Fleet:
         busy seconds and tokens (those of its dead streams included), the restarts, and whether
         it paused the engines. ``tick(running engines)``, every loop until it says no more: the
         engines to start and whether more may come (see :meth:`generate_requests`' feed); the call
-        runs while it has streams or more may come."""
+        runs while it has streams or more may come.
+
+        A message's samples carry keys of what their engine put (:class:`megarl.data.store.Pending`);
+        their handles are claimed as the message arrives (:func:`megarl.data.store.claim`), before
+        anyone sees the samples. The objects belong to the engine's keeper
+        (:class:`megarl.data.keeper.Keeper`): a restarted engine's delivered samples keep them."""
         import ray
 
         from megarl.data.store import claim
@@ -348,6 +334,9 @@ class Fleet:
         return stats, restarts, pausing
 
     def _metrics(self, stats: dict) -> dict:
+        """A call's :attr:`metrics`: per engine generated tokens and busy seconds, and
+        ``rollout/busy_ratio``, the max/mean busy seconds across engines (1.0: no engine waits for
+        another; the long tail shows as > 1; an engine given no prompt counts as idle)."""
         from megarl.rollout.router import busy_ratio
 
         m = {}
