@@ -69,7 +69,7 @@ def _cmd_config(args) -> int:
 
 def _cmd_generate(args) -> int:
     """Samples of the configured model for the task's held-out prompts (or ``--prompt``s), with
-    the training run's chat template, sampling settings and reward (:mod:`megarl.trainer.rollout`)."""
+    the training run's chat template, sampling settings and reward (:mod:`megarl.driver.rollouts`)."""
     import logging
     from pathlib import Path
 
@@ -88,7 +88,7 @@ def _cmd_generate(args) -> int:
         from megarl.rollout.sampling import sample
         from megarl.rollout.vllm_engine import shutdown_llm
         from megarl.tasks import PromptRecord
-        from megarl.trainer.rollout import Rollouts
+        from megarl.driver.rollouts import Rollouts
 
         t0 = time.time()
         model_dir = resolve_model_path(cfg.model.path)
@@ -136,7 +136,7 @@ def _cmd_train(args) -> int:
 
     cfg = load_config(args.recipe, args.overrides)
     _preflight(args, cfg, "train")
-    from megarl.trainer.loop import train   # imports torch (seconds): only once the checks passed
+    from megarl.driver.loop import train   # imports torch (seconds): only once the checks passed
 
     return _run_guarded(args, cfg, lambda: train(cfg, resume=args.resume, verbose=args.verbose),
                         lambda run_dir: f"run finished: {run_dir}/metrics.jsonl (megarl plot {run_dir})")
@@ -168,8 +168,8 @@ def _run_guarded(args, cfg, run, finished) -> int:
 
     from megarl.config.errors import ConfigError
     from megarl.posttrain.data import DataError
-    from megarl.trainer.checkpoint import describe_error   # torch-free
-    from megarl.trainer.interrupt import RunInterrupted
+    from megarl.checkpoint_files import describe_error   # torch-free
+    from megarl.driver.interrupt import RunInterrupted
 
     try:
         result = run()
@@ -206,7 +206,7 @@ def _resume_line(what: str, cfg, args) -> str:
     import shlex
     from pathlib import Path
 
-    from megarl.trainer.checkpoint import CheckpointManager
+    from megarl.driver.checkpoint import CheckpointManager
 
     latest = CheckpointManager(cfg.checkpoint.dir or Path(cfg.trainer.run_dir) / "checkpoints").latest()
     if latest is None:
@@ -247,8 +247,8 @@ def _cmd_plot(args) -> int:
 
 def _cmd_checkpoint(args) -> int:
     """One line per checkpoint of ``args.dir``; exit 0 when all are intact, 1 when any is damaged,
-    2 when there is none (:mod:`megarl.trainer.checkpoint`: torch-free, so this starts fast)."""
-    from megarl.trainer.checkpoint import CheckpointManager, find_checkpoints
+    2 when there is none (:mod:`megarl.driver.checkpoint`: torch-free, so this starts fast)."""
+    from megarl.driver.checkpoint import CheckpointManager, find_checkpoints
 
     folders = find_checkpoints(args.dir)
     if not folders:

@@ -5,7 +5,7 @@ input can provoke on purpose.
 ``MEGARL_FAULTS="nan_loss@2"``: the policy loss of each training worker's 2nd ``train`` call (RL
 step 2 of a fresh run with ``algorithm.ppo_epochs`` = ``algorithm.mini_batches`` = 1) becomes NaN
 on the last training rank (the one that computes a loss under every pipeline layout). Several
-faults: comma-separated. :class:`megarl.trainer.placement.Placement` forwards the variable to the
+faults: comma-separated. :class:`megarl.actors.placement.Placement` forwards the variable to the
 Ray actors and checks it before any actor starts.
 
 A training worker reaches the faults through one hook, :func:`train_loss_hook`, which leaves the

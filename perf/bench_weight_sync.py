@@ -6,7 +6,7 @@
 
 In one run, on the same model and Megatron layout, with one running vLLM engine (driver: rank 0):
 * bridge: ``WeightBridge.sync()`` (plan buckets, shared-memory transport, vLLM reload per bucket);
-* baseline: every rank gathers every full tensor (``PolicyEngine.export_hf``: TP all-gather, PP
+* baseline: every rank gathers every full tensor (``PolicyModel.export_hf``: TP all-gather, PP
   broadcast, EP all-gather), rank 0 serialises the HF state dict (safetensors bytes) and vLLM
   loads it with the same ``reload_weights`` path (``collective_rpc``);
 * memcpy: ``torch`` copy of the same number of bytes in one process.
@@ -14,7 +14,7 @@ Seconds are the best of ``--repeats``; GB/s = HF bytes of the model / seconds.
 
 The 671B section evaluates the plan from shapes only (config dict below, from the published
 DeepSeek-V3 config) for published layouts (training PP16 x EP16 on 256 devices with 8 engines x TP32
-and 32 engines x TP8; TP8 PP12 EP8 with 3 x TP32) and prints, with ``megarl.bridge.plan.link_bytes``,
+and 32 engines x TP8; TP8 PP12 EP8 with 3 x TP32) and prints, with ``megarl.bridge.transfers.link_bytes``,
 bytes received / sent per device by link type (same device, same node, network) and per engine, vs
 the baseline (every full tensor on every rank). ``--plan-only`` writes perf/results/plan_671b_<date>.md.
 """
@@ -45,7 +45,7 @@ LINK_NAMES = {"local": "local (same device: CUDA IPC)", "intra_node": "intra_nod
 
 def plan_671b() -> list[str]:
     from megarl.bridge.mapping import get_mapping
-    from megarl.bridge.plan import LINK_TYPES, MegatronLayout, VllmLayout, baseline_bytes_per_device, link_bytes
+    from megarl.bridge.transfers import LINK_TYPES, MegatronLayout, VllmLayout, baseline_bytes_per_device, link_bytes
     from megarl.parallel import Topology
 
     def gb(n):
@@ -113,12 +113,12 @@ def bench(args) -> list[str]:
     from transformers import AutoConfig
 
     from megarl.bridge import SyncOptions, WeightBridge, rpc
-    from megarl.engine import reference_engine
+    from megarl.policy import reference_model
     from megarl.models.fixtures import resolve_model_path
 
     path = resolve_model_path(args.model)
     groups = groups_for(args.layout, world)
-    engine = reference_engine(ModelOptions(path=path), groups)
+    engine = reference_model(ModelOptions(path=path), groups)
     llm = None
     if rank == 0:
         from megarl.rollout.vllm_engine import make_llm

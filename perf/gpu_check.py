@@ -8,9 +8,9 @@ run; ``--cpu-smoke`` runs them all in one child process, one megatron import on 
 part                what runs
 ==================  ============================================================================
 env                 versions, the device, and one large bf16 matmul (the achievable peak)
-logsoftmax          :func:`megarl.engine.logprobs.vocab_parallel_logprobs` (log-prob + entropy of
+logsoftmax          :func:`megarl.policy.logprobs.vocab_parallel_logprobs` (log-prob + entropy of
                     every token from ``[T, V]`` logits) forward and backward, against plain torch
-smollm2             the policy engine (:class:`megarl.engine.PolicyEngine`, bf16, Adam) on
+smollm2             the policy engine (:class:`megarl.policy.PolicyModel`, bf16, Adam) on
                     SmolLM2-135M's shape: response log-probs, then GRPO train steps
 dense               the same on a random ~1.7B dense model (Qwen3-1.7B's shape)
 moe                 the same on a random ~1.25B MoE (Qwen3-MoE layout, 64 experts, top-8)
@@ -31,7 +31,7 @@ synchronised around every timed region.
 SmolLM2's real weights cannot travel (the GGUF file of the ``smollm2`` fixture is 98 MB, the
 lent machine takes 64 MiB and reaches no network), so every model here is random bf16 weights
 of the named shape, written as an HF folder on the machine and loaded through megarl's own
-path (:func:`megarl.engine.build.build_model`). Speed does not depend on the weights' values.
+path (:func:`megarl.policy.build.build_model`). Speed does not depend on the weights' values.
 
 How megarl runs on a GPU machine without Transformer Engine (the lent one has none)
 -----------------------------------------------------------------------------------
@@ -46,7 +46,7 @@ TE imports). Megatron's own fusions are switched off (``bias_activation_fusion``
 
 This check found that the engine could not be built in bf16 on any device (megatron's
 ``Float16Module`` wrapper was not taken off, so no weight name matched its HF tensor): fixed in
-:func:`megarl.engine.build._unwrap`; ``--cpu-smoke`` builds the engine in bf16 and keeps it so.
+:func:`megarl.policy.build._unwrap`; ``--cpu-smoke`` builds the engine in bf16 and keeps it so.
 
 The engine has only run on CPU so far: it creates its bookkeeping tensors (token counts, the
 finite-update flag, attention masks of :mod:`megarl.compat.te_cpu`, MoE padding masks) without a
@@ -302,7 +302,7 @@ def micro_batches(lengths, vocab: int, w: Workload, seed: int, device: str) -> l
     with random tokens, advantages and a full mask, on ``device``."""
     import torch
 
-    from megarl.engine import SequenceBatch
+    from megarl.policy import SequenceBatch
 
     g = torch.Generator().manual_seed(seed)
     groups, cur, cur_tokens = [], [], 0
@@ -380,7 +380,7 @@ def part_logsoftmax(smoke: bool) -> dict:
     """The engine's log-softmax (+ entropy) vs torch's log_softmax, same fp32 maths."""
     import torch
 
-    from megarl.engine.logprobs import vocab_parallel_logprobs
+    from megarl.policy.logprobs import vocab_parallel_logprobs
 
     tokens, vocab = (256, 1024) if smoke else (8192, 151936)   # one micro-batch of the engine parts
     device = "cpu" if smoke else "cuda"
@@ -427,7 +427,7 @@ def part_engine(model: str, smoke: bool) -> dict:
     """Build the policy engine on a random model, then time response log-probs and train steps."""
     import torch
 
-    from megarl.engine import ModelOptions, OptimOptions, PolicyEngine
+    from megarl.policy import ModelOptions, OptimOptions, PolicyModel
     from megarl.models.dims import ModelDims
     from megarl.parallel import Topology, build_process_groups
 
@@ -441,7 +441,7 @@ def part_engine(model: str, smoke: bool) -> dict:
         write_s = time.perf_counter() - t0
         _reset_peak()
         t0 = time.perf_counter()
-        engine = PolicyEngine(ModelOptions(path=folder, dtype="bfloat16", config_overrides=dict(NO_FUSIONS)), groups,
+        engine = PolicyModel(ModelOptions(path=folder, dtype="bfloat16", config_overrides=dict(NO_FUSIONS)), groups,
                               OptimOptions(optimizer="adam", lr=1e-6))
         _sync()
         build_s = time.perf_counter() - t0
@@ -489,14 +489,14 @@ def _outcome(call) -> str:
 
 
 def part_engine_as_worker(smoke: bool) -> dict:
-    """The engine as megarl.trainer.worker starts it on a GPU: an NCCL default group, inputs on
+    """The engine as megarl.actors.worker starts it on a GPU: an NCCL default group, inputs on
     the device, no default device. First the build as the worker does it (megatron's TE spec as
     it is; when that fails, again with megarl's TE modules), then a log-prob call and a train
     step. Outcomes are reported, not raised. (Megatron's fusions stay off here too: they cost
     compile time and have nothing to do with devices.)"""
     import torch.distributed as dist
 
-    from megarl.engine import ModelOptions, OptimOptions, PolicyEngine
+    from megarl.policy import ModelOptions, OptimOptions, PolicyModel
     from megarl.models.dims import ModelDims
     from megarl.parallel import Topology, build_process_groups
 
@@ -510,10 +510,10 @@ def part_engine_as_worker(smoke: bool) -> dict:
         write_random_hf_model(config, folder)
         options = ModelOptions(path=folder, dtype="bfloat16", config_overrides=dict(NO_FUSIONS))
         optim = OptimOptions(optimizer="adam", lr=1e-6)
-        out["build_as_is"] = _outcome(lambda: built.append(PolicyEngine(options, groups, optim)))
+        out["build_as_is"] = _outcome(lambda: built.append(PolicyModel(options, groups, optim)))
         if not built:   # no Transformer Engine: build with megarl's modules to try the calls
             use_megarl_te_modules()
-            built.append(PolicyEngine(options, groups, optim))
+            built.append(PolicyModel(options, groups, optim))
     engine = built[0]
     mbs = micro_batches(grpo_lengths(w, seed=1), ModelDims.from_hf(config).vocab_size, w, seed=2,
                         device="cpu" if smoke else "cuda")
@@ -585,7 +585,7 @@ def part_cuda_ipc(smoke: bool) -> dict:
 
     from megarl.bridge import SyncOptions, WeightBridge
     from megarl.bridge.mapping import get_mapping, hf_to_megatron, hf_to_vllm_shard, split_shard
-    from megarl.bridge.plan import MegatronLayout
+    from megarl.bridge.transfers import MegatronLayout
     from megarl.parallel import Topology
 
     config = MODELS["dense"][1 if smoke else 0]

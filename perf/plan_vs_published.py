@@ -78,7 +78,7 @@ DECODE_CHECKS = [
 
 def decode_checks() -> list[tuple]:
     """The decode-step model on the settings of :data:`DECODE_CHECKS`."""
-    from megarl.engine.build import read_hf_config
+    from megarl.policy.build import read_hf_config
     from megarl.models.dims import ModelDims
     from megarl.planner.hardware import get_gpu
     from megarl.planner.memory import kv_bytes_per_token

@@ -63,9 +63,9 @@ class Trajectory:
 
 
 class AgentLoop:
-    """``sample_fn`` of :class:`megarl.trainer.rollout.Rollouts` for ``rollout.agent: tools``.
+    """``sample_fn`` of :class:`megarl.driver.rollouts.Rollouts` for ``rollout.agent: tools``.
 
-    ``fleet``: a callable giving the current :class:`megarl.trainer.fleet.Fleet` (its engines
+    ``fleet``: a callable giving the current :class:`megarl.rollout.fleet.Fleet` (its engines
     may be replaced between steps); ``formatter``: a :class:`megarl.agent.parse.TurnFormatter`
     of the policy's tokenizer; ``runner``: a :class:`megarl.agent.tools.ToolRunner`.
     :attr:`metrics`: :func:`agent_metrics` of the last call."""
@@ -101,7 +101,7 @@ class _Call:
     pool's threads only put results into :attr:`tool_done`.
 
     Scheduling: every trajectory's next turn is a request of its own, sent into the running stream
-    of the engine that generated its earlier turns (:meth:`megarl.trainer.fleet.Fleet.generate_requests`
+    of the engine that generated its earlier turns (:meth:`megarl.rollout.fleet.Fleet.generate_requests`
     with a feed, :meth:`megarl.rollout.engine.EngineActor.submit`), so turns of different
     trajectories interleave on the engines, a trajectory waiting for a tool blocks no other, and
     the engine's prefix cache holds the trajectory so far. Tool calls run in a bounded pool

@@ -124,7 +124,7 @@ def mismatch_sums(
     weights_T: torch.Tensor | None = None,
 ) -> dict:
     """The sums, maxima and counts behind :func:`mismatch_metrics` (float64), for any part of a
-    step's tokens (a sample: :mod:`megarl.trainer.readout`); :func:`mismatch_from_sums` adds parts up."""
+    step's tokens (a sample: :mod:`megarl.data.readout`); :func:`mismatch_from_sums` adds parts up."""
     mask_b = mask_T.bool()
     log_ratio_T = _log_ratio(train_logprobs_T, rollout_logprobs_T).double()[mask_b]
     clamped = log_ratio_T.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)

@@ -1,4 +1,4 @@
-"""The losses of ``megarl sft`` and ``megarl rm``, in :meth:`megarl.engine.PolicyEngine.train_step`'s
+"""The losses of ``megarl sft`` and ``megarl rm``, in :meth:`megarl.policy.PolicyModel.train_step`'s
 convention: each micro-batch returns its share of the step loss (the step loss is the sum over
 micro-batches and DP ranks), normalised by the step's global counts.
 

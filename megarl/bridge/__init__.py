@@ -1,7 +1,7 @@
 """Weight bridge: Megatron shards -> vLLM's tensor-parallel layout, loaded in place.
 
 Three layers: :mod:`megarl.bridge.mapping` (pure per-family layout functions),
-:mod:`megarl.bridge.plan` (deterministic transfer plan from shapes only), and
+:mod:`megarl.bridge.transfers` (deterministic transfer plan from shapes only), and
 :mod:`megarl.bridge.transport` + :mod:`megarl.bridge.sync` (moving bytes, vLLM hand-off; settings
 from the ``bridge:`` config section).
 
@@ -12,7 +12,7 @@ public modules, and the worker side uses nothing else of the bridge:
 :mod:`megarl.bridge.verify` (the checksum both sides compute in verification mode).
 """
 from megarl.bridge.mapping import get_mapping
-from megarl.bridge.plan import MegatronLayout, Planner, Transfer, VllmLayout, build_plan
+from megarl.bridge.transfers import MegatronLayout, Planner, Transfer, VllmLayout, build_plan
 
 __all__ = ["MegatronLayout", "Planner", "SyncOptions", "Transfer", "VllmLayout", "WeightBridge",
            "WeightSyncError", "build_plan", "get_mapping"]

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from megarl.bridge import rpc
 from megarl.bridge.buffer import DestBuffer, buffer_layout, shm_name, sweep_stale_buffers
 from megarl.bridge.mapping import get_mapping, slices
-from megarl.bridge.plan import FORMATS, MegatronLayout, Planner, VllmLayout
+from megarl.bridge.transfers import FORMATS, MegatronLayout, Planner, VllmLayout
 from megarl.bridge.transport import get_transport
 from megarl.bridge.verify import is_readable, weighted_checksum
 
@@ -107,7 +107,7 @@ class WeightBridge:
     """Megatron -> vLLM weight sync for one (model, Megatron layout, vLLM engine).
 
     ``shards``: a callable returning this rank's ``LocalShard`` list
-    (``PolicyEngine.local_shards``). ``vllm_devices``: the Megatron rank colocated with (or writing
+    (``PolicyModel.local_shards``). ``vllm_devices``: the Megatron rank colocated with (or writing
     the buffers of) each vLLM TP rank of each engine, ``[k * tp + r]`` (default 0..tp-1: one
     engine). ``llm``: on the rank of an engine's first device, that engine (``vllm.LLM`` or a
     :class:`megarl.rollout.engine.RemoteEngine`); None elsewhere. ``node``: a name of the node this

@@ -1,6 +1,6 @@
 """Fixes for megatron-core 0.16 bugs that hit megarl on every device (CPU and GPU alike).
 
-Applied by :func:`apply` (idempotent) before any model is built (``megarl.engine.build``), each
+Applied by :func:`apply` (idempotent) before any model is built (``megarl.policy.build``), each
 replaced at its definition site, never by editing megatron-core:
 
 M1  the expert-bias token count of ``TopKRouter`` broadcasts the padding mask along the expert

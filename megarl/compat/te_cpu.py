@@ -330,7 +330,7 @@ class CpuTEDotProductAttention(MegatronModule):
         """One whole sequence, q [s,1,h,d], k/v [s,1,hkv,d] -> [s,1,h,dv].
 
         In a frozen model (``fused_without_grad``: the reference model, set by
-        :class:`megarl.engine.policy.PolicyEngine`) without gradients: torch's fused CPU attention
+        :class:`megarl.policy.model.PolicyModel`) without gradients: torch's fused CPU attention
         (``scaled_dot_product_attention``: fp32 softmax and accumulation, GQA without repeating
         K/V); a quickstart-shaped bf16 log-prob pass (3,360 tokens, 30 layers) takes 3.8 s against
         4.5 s through the math path. Otherwise the math path below: the fused

@@ -398,7 +398,7 @@ def cross_validate(cfg: MegaRLConfig) -> None:
         raise invalid_value("rollout.max_response_tokens", cfg.rollout.max_response_tokens,
                             f"max_prompt_tokens + max_response_tokens <= max_position_embeddings={max_len}")
     if cfg.trainer.balance_cost == "flops":
-        from megarl.data.plan import flops_coefficients
+        from megarl.data.batching import flops_coefficients
 
         try:
             flops_coefficients(hf)

@@ -1,7 +1,7 @@
 """Which forward passes a step runs, from the config alone (the loop, and the planner's
 data-plane bytes, ask the same question).
 
-Here, not in :mod:`megarl.trainer.algorithm`, so that :mod:`megarl.planner` can ask without
+Here, not in :mod:`megarl.actors.algorithm`, so that :mod:`megarl.planner` can ask without
 importing the trainer.
 """
 from __future__ import annotations

@@ -358,7 +358,7 @@ class AlgorithmConfig:
     correction_high: float = 2.0
     """mask and icepop: the band's upper end."""
     router_replay: Literal["off", "r2", "r3"] = "off"
-    """MoE models: which routing the trainer's MoE layers use (megarl/engine/replay.py). off: their
+    """MoE models: which routing the trainer's MoE layers use (megarl/policy/replay.py). off: their
     own (top-k of the router's scores). r2: the old log-prob pass records the trainer's own
     routing and the training passes replay it (the routing stays fixed while the weights move
     within a step). r3 (rollout routing replay): vLLM returns the experts it routed every prompt
@@ -495,7 +495,7 @@ class TrainerConfig:
     balance_cost: Literal["tokens", "flops"] = "tokens"
     """Cost of a sequence when balancing data-parallel ranks and micro-batches: its tokens, or its
     forward FLOPs a*len + b*len^2 with (a, b) derived from the model's config.json (layers,
-    widths, heads, experts: megarl.data.plan.flops_coefficients), which weighs long sequences
+    widths, heads, experts: megarl.data.batching.flops_coefficients), which weighs long sequences
     more."""
     offload_train_state: bool = False
     """Colocated: move Megatron params, grads and optimizer state to host memory while vLLM

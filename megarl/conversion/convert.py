@@ -2,7 +2,7 @@
 
 :func:`hf_to_megatron`: validate (model type, layout, shard files, tensor names and shapes), build
 this rank's empty model chunks, fill them from the safetensors boxes they need (the engine's
-loader, :func:`~megarl.engine.export.fill_from_hf`) and write the distributed checkpoint.
+loader, :func:`~megarl.policy.export.fill_from_hf`) and write the distributed checkpoint.
 
 :func:`megatron_to_hf`: build the model from the checkpoint folder at any layout, load it, stream
 full HF tensors out of the engine's exporter (collective; every rank sees every tensor in the same
@@ -73,8 +73,8 @@ def read_config(folder: str) -> dict:
 
 def hf_to_megatron(hf_folder: str, out: str, topology: Topology, keep_mtp: bool = False) -> dict:
     """Convert an HF folder to a Megatron distributed checkpoint at ``topology`` (collective)."""
-    from megarl.engine.build import ModelOptions, build_model
-    from megarl.engine.export import fill_from_hf
+    from megarl.policy.build import ModelOptions, build_model
+    from megarl.policy.export import fill_from_hf
     from megarl.models.registry import get_family
     from megarl.parallel.groups import build_process_groups, destroy_process_groups
 
@@ -140,7 +140,7 @@ def megatron_to_hf(ckpt: str, out: str, topology: Topology, max_shard_bytes: int
     """Convert a checkpoint written by :func:`hf_to_megatron` to an HF folder (collective)."""
     from safetensors.torch import save_file
 
-    from megarl.engine.export import export_hf_weights
+    from megarl.policy.export import export_hf_weights
     from megarl.parallel.groups import build_process_groups, destroy_process_groups
 
     t0 = time.time()

@@ -1,7 +1,7 @@
 """HF checkpoint checks and the Megatron distributed checkpoint.
 
 Filling a model from HF safetensors is the engine's own loader
-(:func:`megarl.engine.export.fill_from_hf`, through the family mapping: each process reads only the
+(:func:`megarl.policy.export.fill_from_hf`, through the family mapping: each process reads only the
 boxes of its shards); this module checks an HF folder against the mapping before that
 (:func:`check_hf_tensors`: missing tensors, shapes, unused tensors, DeepSeek MTP layers).
 
@@ -108,7 +108,7 @@ def mtp_tensor_names(names, num_layers: int) -> list[str]:
 
 # ----------------------------------------------------------------------------- dist checkpoint
 def _modules(engine_or_model) -> list:
-    model = getattr(engine_or_model, "model", engine_or_model)   # PolicyEngine -> BuiltModel
+    model = getattr(engine_or_model, "model", engine_or_model)   # PolicyModel -> BuiltModel
     return model.modules
 
 
@@ -171,7 +171,7 @@ def load_megatron_checkpoint(engine_or_model, path: str) -> None:
 
 def build_model_from_checkpoint(path: str, groups, dtype: Optional[str] = None):
     """A BuiltModel for ``groups``' layout with the checkpoint's weights (the folder holds the HF config)."""
-    from megarl.engine.build import ModelOptions, build_model
+    from megarl.policy.build import ModelOptions, build_model
 
     meta = read_meta(path)
     model = build_model(ModelOptions(path=path, dtype=dtype or meta["dtype"]), groups, load_weights=False)

@@ -49,7 +49,7 @@ class VerifyResult:
 
 def compare_weights(model, hf_folder: str) -> tuple[dict, int]:
     """(name -> max abs diff of differing tensors, number of tensors) (collective; rank 0 compares)."""
-    from megarl.engine.export import export_hf_weights
+    from megarl.policy.export import export_hf_weights
 
     reader = HFCheckpoint(hf_folder) if dist.get_rank() == 0 else None
     diffs, count = {}, 0
@@ -99,7 +99,7 @@ def hf_logprobs(folder: str, ids) -> torch.Tensor:
 
 
 def engine_logprobs(engine, ids) -> torch.Tensor:
-    from megarl.engine import SequenceBatch
+    from megarl.policy import SequenceBatch
 
     outs = engine.forward_logprobs([SequenceBatch(list(ids), [1] * len(ids))])
     return torch.cat([o.logprobs_R for o in outs]).double()
@@ -107,7 +107,7 @@ def engine_logprobs(engine, ids) -> torch.Tensor:
 
 def verify(hf_folder: str, ckpt: str, groups, prompts=DEFAULT_PROMPTS, tol: float | None = None) -> VerifyResult:
     """Both checks at ``groups``' layout (collective); every rank returns the same result."""
-    from megarl.engine import ModelOptions, reference_engine
+    from megarl.policy import ModelOptions, reference_model
 
     meta = read_meta(ckpt)
     result = VerifyResult(tol=DEFAULT_TOL[meta["dtype"]] if tol is None else tol)
@@ -118,7 +118,7 @@ def verify(hf_folder: str, ckpt: str, groups, prompts=DEFAULT_PROMPTS, tol: floa
     vocab = int(read_config_vocab(ckpt))
     ids = prompt_ids(ckpt, prompts, vocab)
     ref = hf_logprobs(hf_folder, ids) if dist.get_rank() == 0 else None
-    engine = reference_engine(ModelOptions(path=hf_folder, dtype="float32"), groups)
+    engine = reference_model(ModelOptions(path=hf_folder, dtype="float32"), groups)
     load_megatron_checkpoint(engine, ckpt)
     got = engine_logprobs(engine, ids)
     del engine

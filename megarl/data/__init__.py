@@ -9,7 +9,7 @@ from megarl.data.microbatch import (micro_batches_all_ranks, micro_batches_this_
                                     split_micro_batches)
 from megarl.data.packing import (PackedSequences, gather_cp_shares, pack_sequences,
                                  packed_seq_params_kwargs, sequence_alignment, unpack_sequences)
-from megarl.data.plan import BatchBudget, BatchPlan, plan_batches, restore_order
+from megarl.data.batching import BatchBudget, BatchPlan, plan_batches, restore_order
 
 __all__ = [
     "BatchBudget", "BatchPlan", "PackedSequences", "balance_partitions", "branch_and_bound",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 
 class Keeper:
-    """One per rollout engine slot (:class:`megarl.trainer.placement.Placement`): puts arrays on
+    """One per rollout engine slot (:class:`megarl.actors.placement.Placement`): puts arrays on
     behalf of the engine, and owns them."""
 
     def put(self, arrays: list) -> list:

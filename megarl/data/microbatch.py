@@ -12,7 +12,7 @@
 3. Order for the pipeline: cheapest micro-batches at both ends (1F1B warm-up and cool-down).
 
 Empty micro-batches are never produced: more micro-batches than sequences is a ``ValueError``
-(:func:`megarl.data.plan.plan_batches` avoids it by balancing equal sequence counts first).
+(:func:`megarl.data.batching.plan_batches` avoids it by balancing equal sequence counts first).
 Shape legend (lists): ``_N`` per sequence of one rank (indices 0..N-1), ``_M`` per micro-batch,
 ``_R`` per rank.
 """

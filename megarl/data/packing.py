@@ -109,7 +109,7 @@ def pack_sequences(
 
     ``pad_to``: the full row's length ``Tf`` (before the CP split) when every micro-batch of a
     call must have one shape (megatron's fixed-shape pipeline exchange, see
-    :mod:`megarl.engine.build`): the extra tokens lengthen the last sequence's padding, so the
+    :mod:`megarl.policy.build`): the extra tokens lengthen the last sequence's padding, so the
     result is the same as without them. It must be at least the row's own length and keep the
     alignment (a multiple of :func:`sequence_alignment` more)."""
     import torch

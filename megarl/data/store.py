@@ -170,7 +170,7 @@ the handles, the ranks resolve them (:func:`fetch_batches`, the log-probs as :cl
 sample's metadata instead (its response length, the response decoded for the rewards, and a
 :func:`digest` of its ids for ``rollout/distinct_frac``); the controller's few readers of the ids
 themselves (a reward model's inputs, the generations log's samples) fetch them
-(:meth:`megarl.trainer.batch.Rollout.responses`). Speculative rollouts (their drafts are the
+(:meth:`megarl.data.batch.Rollout.responses`). Speculative rollouts (their drafts are the
 samples), an async sample resumed across a sync (the producer joins its parts) and the agent loop
 (it joins the turns) keep their copies."""
 

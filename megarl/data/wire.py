@@ -10,8 +10,8 @@ gives back the very tensor and the numerics cannot change. For an outcome reward
 bytes per response token from 17 to about 8.
 
 Encoding happens where micro-batches leave the controller
-(:meth:`megarl.trainer.ranks.TrainingRanks.per_rank`), decoding where a worker receives them
-(:func:`megarl.trainer.worker.receive`), so the micro-batch code sees plain tensors.
+(:meth:`megarl.actors.ranks.TrainingRanks.per_rank`), decoding where a worker receives them
+(:func:`megarl.actors.worker.receive`), so the micro-batch code sees plain tensors.
 """
 from __future__ import annotations
 

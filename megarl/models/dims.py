@@ -119,7 +119,7 @@ def check_model_layout(hf_config: dict, topology, *, train: bool = False) -> Mod
     mixture-of-experts model with tp > 1 unless sequence parallelism is on (TopologyError).
 
     ``topology`` is a :class:`megarl.parallel.Topology`. The engine
-    (:func:`megarl.engine.build.check_layout`) and :mod:`megarl.preflight` both call this.
+    (:func:`megarl.policy.build.check_layout`) and :mod:`megarl.preflight` both call this.
     """
     from megarl.models.registry import get_family
     from megarl.parallel.topology import TopologyError

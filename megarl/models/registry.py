@@ -60,7 +60,7 @@ def get_family(model_type: str) -> Family:
 def make_bridge(hf_config: Any, dtype, extra_args: dict | None = None):
     """The family's mbridge bridge for ``hf_config``: its ``config`` is the megatron
     TransformerConfig and ``get_model`` builds the TE-spec model chunks (weights are loaded by
-    :func:`megarl.engine.export.fill_from_hf`, not by mbridge).
+    :func:`megarl.policy.export.fill_from_hf`, not by mbridge).
 
     Megatron's parallel state must be initialised (mbridge reads the layout from it).
     ``extra_args`` are TransformerConfig fields that override the family defaults.

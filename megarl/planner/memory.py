@@ -41,7 +41,7 @@ def train_state(dense: int, expert: int, *, dtype: str, optimizer: str, dp_cp: i
 
     * **parameters**: ``(dense + expert) x bytes(model.dtype)``;
     * **gradients**: ``(dense + expert) x 4``: megatron-core DDP keeps fp32 main grads in one
-      contiguous buffer on every rank (:func:`megarl.engine.build.wrap_ddp`: ``grad_reduce_in_fp32``);
+      contiguous buffer on every rank (:func:`megarl.policy.build.wrap_ddp`: ``grad_reduce_in_fp32``);
     * **optimizer state** (megatron's distributed optimizer, always on in megarl): per parameter
       an fp32 master copy (4 bytes; none when the model is fp32 already) plus Adam's two fp32
       moments (8; SGD: none, megarl's SGD has no momentum), sharded over the ranks that hold the
@@ -193,7 +193,7 @@ class DataPlane:
 
 
 READOUT_BYTES = 128
-"""What the controller gets of a forward pass per sample (megarl/trainer/readout.py: about a dozen float64 sums, maxima and counts, and a handle)."""
+"""What the controller gets of a forward pass per sample (megarl/data/readout.py: about a dozen float64 sums, maxima and counts, and a handle)."""
 
 
 TEXT_BYTES_PER_TOKEN = 4

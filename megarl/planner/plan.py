@@ -118,7 +118,7 @@ def _parts(parts: dict) -> str:
 def make_plan(cfg, recipe: str = "") -> Plan:
     """The plan of a loaded config (:func:`megarl.config.load_config`)."""
     from megarl.compat import setup_cpu
-    from megarl.engine.build import ModelOptions, read_hf_config
+    from megarl.policy.build import ModelOptions, read_hf_config
     from megarl.models.dims import ModelDims
     from megarl.models.fixtures import resolve_model_path
     from megarl.parallel.topology import TopologyError

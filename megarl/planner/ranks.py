@@ -4,7 +4,7 @@ No GPU, no weights, no other process: for one representative rank of each kind, 
 fakes the world in this process (``init_process_group("fake")`` on torch's ``FakeStore`` at the
 full world size), runs megatron-core's ``initialize_model_parallel`` for the layout (no gloo
 groups: they need a real rendezvous), builds the model through megarl's own path (the family's
-mbridge bridge with :func:`megarl.engine.build._config_overrides`) under
+mbridge bridge with :func:`megarl.policy.build._config_overrides`) under
 ``torch.device("meta")``, counts per parameter kind and tears everything down.
 
 A rank's parameters depend only on its pipeline stage (its dense and MoE layers, and whether it
@@ -138,10 +138,10 @@ def _count(count: RankCount, chunks: list, topology: Topology) -> None:
 def count_rank(folder: str, hf_config, topology: Topology, kind: StageKind, options) -> RankCount:
     """Build rank :func:`first_rank_of_stage` of ``kind`` on the meta device under a fake world
     and count its parameters. ``options`` is the engine's
-    :class:`~megarl.engine.build.ModelOptions` (dtype, recompute, router losses)."""
+    :class:`~megarl.policy.build.ModelOptions` (dtype, recompute, router losses)."""
     import torch
 
-    from megarl.engine.build import _DTYPES, _config_overrides, _restore_attention_env
+    from megarl.policy.build import _DTYPES, _config_overrides, _restore_attention_env
     from megarl.models.registry import make_bridge
 
     rank = first_rank_of_stage(topology, kind.stages[0])

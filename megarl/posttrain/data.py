@@ -27,7 +27,7 @@ from typing import Any, Optional
 BUILTIN = ("builtin:arithmetic_sft", "builtin:arithmetic_prefs")
 SFT_SEED_OFFSET = 7_919
 """The built-in sets draw their problems from ``data.seed + SFT_SEED_OFFSET`` (the RL task's
-prompt stream of the same level draws from other seeds: :class:`megarl.trainer.rollout.PromptSource`)."""
+prompt stream of the same level draws from other seeds: :class:`megarl.driver.rollouts.PromptSource`)."""
 
 
 class DataError(ValueError):

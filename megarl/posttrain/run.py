@@ -76,7 +76,7 @@ def micro_batches(examples: Examples, indices: list, plan, dp_rank: int, pad_id=
     pair's two sequences are adjacent (chosen, rejected) and its margin is in ``margin_P``."""
     import torch
 
-    from megarl.engine import SequenceBatch
+    from megarl.policy import SequenceBatch
 
     out = []
     for entry in plan.micro_batches[dp_rank]:
@@ -113,10 +113,10 @@ def run_stage(cfg, stage: str, resume: bool = False, verbose: bool = False) -> P
     from megarl.observability.console import run_console
     from megarl.posttrain.data import step_indices, steps_per_epoch
     from megarl.algorithms.posttrain import summarize
-    from megarl.trainer.checkpoint import CheckpointManager
-    from megarl.trainer.interrupt import RunInterrupted, StopRequest
-    from megarl.trainer.loop import _release, precision_line
-    from megarl.trainer.workers import WorkerGroup
+    from megarl.driver.checkpoint import CheckpointManager
+    from megarl.driver.interrupt import RunInterrupted, StopRequest
+    from megarl.driver.loop import _release, precision_line
+    from megarl.actors.group import WorkerGroup
 
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; expected one of {sorted(STAGES)}")

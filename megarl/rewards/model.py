@@ -1,9 +1,9 @@
 """A reward model's term of ``data.reward`` (``[WEIGHT*]model:PATH``): scored on the training workers.
 
 After a step's samples are generated (and their rule terms scored in the reward pool), the frozen
-reward model (:class:`megarl.trainer.roles.RewardModelRole`, beside the reference,
+reward model (:class:`megarl.actors.roles.RewardModelRole`, beside the reference,
 offloaded with it) scores every sample in one packed forward pass sharded over the DP ranks
-(:meth:`megarl.trainer.ranks.RankPasses.reward_model_scores`); the scores are normalised
+(:meth:`megarl.actors.ranks.RankPasses.reward_model_scores`); the scores are normalised
 (``data.reward_norm``) and added, weighted, to each sample's reward. The pass is its own phase:
 ``time/reward_model_s`` in the metrics, ``reward_scores`` spans in the timeline.
 """
@@ -75,7 +75,7 @@ class RewardModelTerm:
 
 
 def reward_metrics(rollout) -> dict:
-    """A rollout's (:class:`megarl.trainer.batch.Rollout`) reward mean and std, and with a weighted
+    """A rollout's (:class:`megarl.data.batch.Rollout`) reward mean and std, and with a weighted
     sum each term's raw mean (``reward/<name>_mean``)."""
     import torch
 

@@ -6,7 +6,7 @@
     1.0*model:runs/rm/hf + 0*gsm8k      weight 0: scored and logged, not added (a monitor)
 
 Rule terms run in the reward pool (:mod:`megarl.rewards.pool`) while samples stream in; a model
-term runs on the training workers after generation (:meth:`megarl.trainer.workers.WorkerGroup.reward_model_scores`)
+term runs on the training workers after generation (:meth:`megarl.actors.group.WorkerGroup.reward_model_scores`)
 and is normalised by ``data.reward_norm`` before it is weighted.
 """
 from __future__ import annotations

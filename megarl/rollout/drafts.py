@@ -95,7 +95,7 @@ class DraftStore:
 
     def load(self, folder: str | Path, load_plain) -> bool:
         """Replace the store by ``folder/drafts.pt`` read with ``load_plain`` (the checkpoints'
-        weights-only loader, :func:`megarl.trainer.checkpoint.load_plain`); False when the
+        weights-only loader, :func:`megarl.checkpoint_files.load_plain`); False when the
         checkpoint has none."""
         path = Path(folder) / FILE
         if not path.is_file():

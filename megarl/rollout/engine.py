@@ -20,12 +20,9 @@ from megarl.compat import heap
 from megarl.rollout.build import make_rollout_llm, sleeps
 from megarl.rollout.generation import Generation
 from megarl.rollout.moe_routing import routing_reader
-from megarl.rollout.stash import Stash, response_length
+from megarl.rollout.stash import Stash
 
-__all__ = ["CONTROL", "CONTROL_METHODS", "EngineActor", "RemoteEngine", "engine_actor_class", "response_length",
-           "sleeps"]
-"""What callers import from here (:func:`response_length` is defined in :mod:`megarl.rollout.stash`,
-:func:`sleeps` in :mod:`megarl.rollout.build`)."""
+__all__ = ["CONTROL", "CONTROL_METHODS", "EngineActor", "RemoteEngine", "engine_actor_class"]
 
 CONTROL = "control"
 """The Ray concurrency group of :data:`CONTROL_METHODS` (one thread of its own)."""
@@ -56,10 +53,10 @@ class EngineActor:
         """``index``: the engine's number k; ``cores``: see
         :func:`megarl.rollout.build.make_rollout_llm`; ``gpu_ids``: colocated on GPU, the GPUs of
         the training devices it shares (Ray gives an actor without GPUs of its own none);
-        ``log_file``: as :class:`megarl.trainer.worker.HybridWorker`'s; ``keeper``: the
+        ``log_file``: as :class:`megarl.actors.worker.HybridWorker`'s; ``keeper``: the
         :class:`megarl.data.keeper.Keeper` actor that puts and owns what this engine puts into the
         object store (None: this process owns it)."""
-        signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the driver's (megarl/trainer/interrupt.py)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the driver's (megarl/driver/interrupt.py)
         if gpu_ids:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
         if log_file is not None:

@@ -19,7 +19,7 @@ import weakref
 
 import numpy as np
 
-from megarl.rollout.stash import response_length
+from megarl.data.batch import response_length
 
 
 def captures_routing(cfg) -> bool:

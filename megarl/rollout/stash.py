@@ -17,13 +17,6 @@ from __future__ import annotations
 import numpy as np
 
 
-def response_length(sample: dict) -> int:
-    """A sample's (a ``sample_fn``'s dict) response tokens: its ids, or without them (in the
-    object store only: :func:`to_metadata`) its ``response_length``."""
-    ids = sample["token_ids"]
-    return len(ids) if ids is not None else int(sample["response_length"])
-
-
 def to_metadata(samples: list, tokenizer) -> None:
     """Replace each sample's ``token_ids`` and ``logprobs`` (put into the object store already)
     by what the controller reads of it: ``response_length``, ``text`` (``tokenizer``'s decoding,
@@ -91,7 +84,7 @@ class Stash:
 
     def to_metadata(self, samples: list) -> None:
         """:func:`to_metadata` with the model's own tokenizer (the controller's,
-        :class:`megarl.trainer.rollout.Rollouts`), loaded at first use."""
+        :class:`megarl.driver.rollouts.Rollouts`), loaded at first use."""
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 

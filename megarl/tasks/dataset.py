@@ -39,7 +39,7 @@ class PromptRecord:
     """Other columns of the row."""
     uid: str | None = None
     """A stable id of the prompt within its run's prompt set (its row, or its place in a
-    generated pool; :class:`megarl.trainer.rollout.PromptSource`): what the draft store of
+    generated pool; :class:`megarl.driver.rollouts.PromptSource`): what the draft store of
     speculative rollouts is keyed by. None: a prompt that never recurs. Not a column."""
 
     def to_row(self) -> dict[str, Any]:

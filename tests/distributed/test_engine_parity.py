@@ -9,7 +9,7 @@ num_layers_in_first/last_pipeline_stage, from topology.first_stage_layers / last
 on a 3-layer variant of llama and DeepSeek-V3 at pp=2 with 1 layer on the first stage, then on
 the last (the stages' layers are checked too: DeepSeek's dense layer 0 alone, then with MoE layer 1;
 measured: llama 8.6e-7, DeepSeek-V3 8.9e-6 at both splits). The weights are loaded through megarl's family mapping
-(megarl.engine.export.fill_from_hf; tied embeddings: SmolLM2). mbridge fixes exercised here (see
+(megarl.policy.export.fill_from_hf; tied embeddings: SmolLM2). mbridge fixes exercised here (see
 megarl.models.mbridge_fixes): F1 rope_theta from rope_parameters (every family), F2-F5 DeepSeek (MLA
 config rename, group-limited routing, no MTP, rope_interleave), F6 Qwen3-MoE router normalisation, F7
 DeepSeek-V3's YaRN rope scaling (the tiny fixture keeps the real model's: factor 40, mscale 1). Measured: HF diffs 2e-6..1e-5 (SmolLM2 1.4e-5); packed vs unpacked <= 6.7e-6 (SmolLM2 2.5e-5).

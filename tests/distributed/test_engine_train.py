@@ -20,7 +20,7 @@
   from the plain step's by 0.016 (qwen3-moe) / 0.014 (DeepSeek-V3). Replaying the model's own
   recorded routing gives the plain step exactly (0.0).
 - DeepSeek-V3 at pp=2 x vpp=2 (one decoder layer per virtual stage; on CPU megatron exchanges
-  fixed shapes, every micro-batch padded to one length: see megarl.engine.build): plain step vs
+  fixed shapes, every micro-batch padded to one length: see megarl.policy.build): plain step vs
   tp1 1.2e-7, replayed 6.0e-8, recorded routing identical, train forward = old pass exactly.
 - The train step's own forward (train_step(return_logprobs=True): what a step that updates once
   uses instead of the old log-prob pass) returns on every last-stage rank the old pass's

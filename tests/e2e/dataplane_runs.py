@@ -2,7 +2,7 @@
 (tests/e2e/test_dataplane_e2e.py runs it as a subprocess).
 
 ``python dataplane_runs.py RECIPE OUT_DIR``: builds one WorkerGroup, runs
-``megarl.trainer.loop.train`` with RECIPE in ``OUT_DIR/main`` and prints ``done main refs N1 N2
+``megarl.driver.loop.train`` with RECIPE in ``OUT_DIR/main`` and prints ``done main refs N1 N2
 .. N`` (the object references the training ranks hold after each step's weight sync, then after
 the run).
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 from megarl.config import load_config
 from megarl.data.store import reference_count
-from megarl.trainer.loop import train
-from megarl.trainer.workers import WorkerGroup
+from megarl.driver.loop import train
+from megarl.actors.group import WorkerGroup
 
 
 def main(recipe: str, out: str, lifetime: int = 0) -> None:

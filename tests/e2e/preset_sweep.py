@@ -3,15 +3,15 @@
 
 ``python preset_sweep.py RECIPE OUT_DIR NAME [NAME ...]``: builds one WorkerGroup from the first
 preset's config (pf_ppo first: its critic is then there for every preset that needs one), then
-runs ``megarl.trainer.loop.train`` of each preset on it (:meth:`WorkerGroup.reuse_for`), each in
+runs ``megarl.driver.loop.train`` of each preset on it (:meth:`WorkerGroup.reuse_for`), each in
 ``OUT_DIR/NAME``; prints ``done NAME`` after each and exits 0 when all ran.
 """
 import sys
 from pathlib import Path
 
 from megarl.config import load_config
-from megarl.trainer.loop import train
-from megarl.trainer.workers import WorkerGroup
+from megarl.driver.loop import train
+from megarl.actors.group import WorkerGroup
 
 
 def main(recipe: str, out: str, names: list[str]) -> None:

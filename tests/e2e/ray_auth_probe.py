@@ -7,7 +7,7 @@ The GCS retries a refused client once a second for RAY_gcs_server_port_wait_time
 callers set it low so that a refusal takes seconds, not Ray's default 20.
 
 ``python ray_auth_probe.py local``: start a local cluster the way ``megarl train`` does
-(:func:`megarl.trainer.placement.init_ray`), then run three clients against it: without the token
+(:func:`megarl.actors.placement.init_ray`), then run three clients against it: without the token
 (no RAY_AUTH_* variables, HOME without ~/.ray), with a wrong token, and with the run's token;
 prints one JSON line with the mode and the three results, and stops Ray.
 """
@@ -54,7 +54,7 @@ def local() -> dict:
     import ray
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    from megarl.trainer.placement import init_ray, ray_auth_mode
+    from megarl.actors.placement import init_ray, ray_auth_mode
 
     for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
         os.environ.pop(var, None)

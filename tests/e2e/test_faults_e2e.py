@@ -50,7 +50,7 @@ import psutil
 import pytest
 from e2e_common import ProcessWatch, metrics, recipe, session_tied_llama, start
 
-from megarl.trainer.checkpoint import CheckpointManager
+from megarl.driver.checkpoint import CheckpointManager
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 RECIPE = recipe("  name: gspo\n  advantage: rloo\n  kl_coef: 0.01", steps=6, save_every=1, tensorboard=True)

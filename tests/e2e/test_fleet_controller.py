@@ -1,4 +1,4 @@
-"""The rollout fleet's controller (megarl/trainer/fleet.py) around a real local Ray, with fake
+"""The rollout fleet's controller (megarl/rollout/fleet.py) around a real local Ray, with fake
 engines: actors that follow :class:`megarl.rollout.engine.EngineActor`'s ``info`` and
 ``generate_stream`` contract without vLLM, so routing, streaming, fault detection and metrics are
 checked in seconds (the real engines are exercised by the e2e runs).
@@ -146,10 +146,10 @@ def ray_local():
 @pytest.fixture
 def fleet_of(ray_local):
     """``fleet_of((delay_s, mode), ...)``: a Fleet over one fake engine per spec, each with a keeper
-    (the owner of its objects, as :class:`megarl.trainer.placement.Placement` gives every engine
+    (the owner of its objects, as :class:`megarl.actors.placement.Placement` gives every engine
     slot); killed after the test."""
     from megarl.data.keeper import keeper_actor_class
-    from megarl.trainer.fleet import Fleet
+    from megarl.rollout.fleet import Fleet
 
     made = []
 
@@ -220,7 +220,7 @@ def test_drafts_travel_with_their_prompts_to_their_engines(fleet_of):
 
 
 def test_an_engine_that_stops_reporting_is_hung_within_the_timeout(fleet_of):
-    from megarl.trainer.fleet import EngineHung
+    from megarl.rollout.fleet import EngineHung
 
     fleet = fleet_of((0.05, "ok"), (0.05, "hang"))
     t0 = time.monotonic()
@@ -232,7 +232,7 @@ def test_an_engine_that_stops_reporting_is_hung_within_the_timeout(fleet_of):
 
 
 def test_an_engine_whose_process_dies_mid_stream_is_named(fleet_of):
-    from megarl.trainer.calls import WorkerDied
+    from megarl.calls import WorkerDied
 
     fleet = fleet_of((0.3, "ok"), (0.05, "die"))
     dead = fleet.infos[1]["pid"]
@@ -244,10 +244,10 @@ def test_an_engine_whose_process_dies_mid_stream_is_named(fleet_of):
 
 
 def test_router_learns_response_lengths_and_balances_the_next_call(fleet_of):
-    from megarl.rollout.router import LengthRouter
+    from megarl.rollout.dispatch import LengthDispatcher
 
     fleet = fleet_of((0.0, "ok"), (0.0, "ok"))
-    assert type(fleet.router) is LengthRouter
+    assert type(fleet.router) is LengthDispatcher
     ids = prompts(40, 2, 2, 2)
     served = lambda out: [sorted(i for i, s in enumerate(out) if s[0]["engine"] == k) for k in (0, 1)]  # noqa: E731
     # nothing observed yet: every prompt costs the same, dealt in turn
@@ -302,8 +302,8 @@ def test_routing_travels_by_reference_and_is_freed_after_each_step(fleet_of, ray
     from megarl.data import plan_batches
     from megarl.data.store import Stored, fetch_batches, stored_bytes
     from megarl.parallel import Topology
-    from megarl.trainer.batch import Rollout, micro_batches_for
-    from megarl.data.plan import BatchBudget
+    from megarl.data.batch import Rollout, micro_batches_for
+    from megarl.data.batching import BatchBudget
 
     @ray_local.remote(num_cpus=0)
     def rank_sums(micro_batches):   # what a training rank does first (HybridWorker.logprobs / train)
@@ -363,9 +363,9 @@ def test_async_mode_holds_at_most_its_buffer_and_frees_every_group(ray_local):
 
     from megarl.data.store import Stored
     from megarl.observability.timeline import Timeline
-    from megarl.trainer.fleet import Fleet
-    from megarl.trainer.modes import AsyncSource
-    from megarl.trainer.rollout import Rollouts
+    from megarl.rollout.fleet import Fleet
+    from megarl.driver.modes import AsyncSource
+    from megarl.driver.rollouts import Rollouts
 
     cfg = load_config(None, ["rollout.n=2", f"rollout.engine_timeout_s={TIMEOUT_S}", "rollout.max_response_tokens=12",
                              "rollout.dp=2", "topology.world_size=2", "trainer.mode=async", "trainer.max_staleness=1",

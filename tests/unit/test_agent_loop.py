@@ -95,8 +95,8 @@ def test_tool_turn_ids_inserted_exactly_and_masked(tokenizer, store):
     from types import SimpleNamespace
 
     from megarl.data.store import Stored, fetch, fetch_batches
-    from megarl.trainer.batch import Rollout, micro_batches_for
-    from megarl.trainer.readout import forward_readout_inputs
+    from megarl.data.batch import Rollout, micro_batches_for
+    from megarl.data.readout import forward_readout_inputs
 
     ids, lp = fetch([s["stored_ids"], s["stored_logprobs"]])
     assert ids.dtype == torch.int32 and ids.tolist() == prompt + s["token_ids"]
@@ -171,7 +171,7 @@ def test_loss_mask_reaches_the_micro_batches_and_the_mismatch_metrics():
     from types import SimpleNamespace
 
     from megarl.algorithms.offpolicy import correct_rollout
-    from megarl.trainer.batch import Rollout, micro_batches_for
+    from megarl.data.batch import Rollout, micro_batches_for
 
     gens = [[{"token_ids": [5, 6, 7, 8], "logprobs": [-1.0, math.nan, math.nan, -2.0], "clipped": False,
               "loss_mask": [True, False, False, True]}],
@@ -193,7 +193,7 @@ def test_loss_mask_reaches_the_micro_batches_and_the_mismatch_metrics():
 
 def test_agent_config_keys_take_effect(tokenizer):
     """rollout.agent, tools, tool_timeout_s, tool_workers, tool_output_chars, python_memory_mb."""
-    from megarl.trainer.rollout import Rollouts
+    from megarl.driver.rollouts import Rollouts
 
     cfg = load_config("configs/agent_calculator.yaml", [
         "rollout.tools=calculator,python", "rollout.tool_timeout_s=1.0", "rollout.tool_workers=3",
@@ -240,8 +240,8 @@ def test_agent_config_errors_name_the_key(overrides, key):
 
 
 def test_the_alarm_compares_sampled_tokens_only():
-    from megarl.trainer.batch import Rollout
-    from megarl.trainer.loop import WeightSyncAlarm, alarm_metrics
+    from megarl.data.batch import Rollout
+    from megarl.driver.loop import WeightSyncAlarm, alarm_metrics
 
     gens = [[{"token_ids": [5, 6, 7], "logprobs": [-1.0, math.nan, -2.0], "clipped": False,
               "loss_mask": [True, False, True]}]]

@@ -247,7 +247,7 @@ def test_registries_name_every_estimator_and_loss():
 
 
 def test_the_trainer_passes_sample_logprobs_and_greedy_baselines_to_the_estimators_that_name_them():
-    from megarl.trainer.batch import Rollout, compute_advantages
+    from megarl.data.batch import Rollout, compute_advantages
 
     nan = float("nan")
     roll = Rollout([[1], [1], [2]], [[5, 6], [7], [8, 9]], [[-0.7, -1.4], [-0.2], [nan, -0.1]], [0, 0, 1],

@@ -14,7 +14,7 @@ import bench_grpo_cpu as bench   # noqa: E402
 
 def test_trl_gets_the_batches_megarl_draws_in_order(tmp_path):
     from megarl.config.schema import DataConfig
-    from megarl.trainer.rollout import PromptSource
+    from megarl.driver.rollouts import PromptSource
 
     bench.write_prompts(tmp_path / "p.jsonl", steps=3, prompts=4, level=2, seed=5)
     rows = read_jsonl(tmp_path / "p.jsonl")

@@ -65,7 +65,7 @@ def test_unknown_storage_names_the_known_ones():
 
 
 def test_transport_registry_and_formats_match_the_config_choices():
-    from megarl.bridge.plan import FORMATS
+    from megarl.bridge.transfers import FORMATS
 
     hints = typing.get_type_hints(BridgeConfig)
     assert set(typing.get_args(hints["transport"])) == set(TRANSPORTS)

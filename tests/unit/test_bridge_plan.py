@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megarl.bridge.mapping import (get_mapping, hf_to_megatron, hf_to_vllm_shard, slices, split_shard)
-from megarl.bridge.plan import (LINK_TYPES, MegatronLayout, Planner, VllmLayout, baseline_bytes_per_device,
+from megarl.bridge.transfers import (LINK_TYPES, MegatronLayout, Planner, VllmLayout, baseline_bytes_per_device,
                                 build_plan, bytes_per_device, link_bytes, link_of)
 from megarl.parallel import Topology
 

@@ -16,7 +16,7 @@ import torch
 from megarl.bridge import rpc
 from megarl.bridge.buffer import open_manifest
 from megarl.bridge.mapping import get_mapping, hf_to_megatron, hf_to_vllm_shard, split_shard
-from megarl.bridge.plan import MegatronLayout, Planner, Transfer, VllmLayout
+from megarl.bridge.transfers import MegatronLayout, Planner, Transfer, VllmLayout
 from megarl.bridge.transport import AutoTransport
 from megarl.parallel import Topology
 
@@ -32,7 +32,7 @@ def _hf_weights(mapping):
 
 
 def _shards(mapping, hf, src, rank):
-    """This rank's shards, with the fields of megarl.engine.export.LocalShard the bridge reads."""
+    """This rank's shards, with the fields of megarl.policy.export.LocalShard the bridge reads."""
     out = []
     for t in mapping.megatron_tensors():
         full = hf_to_megatron(mapping, t, hf)

@@ -13,7 +13,7 @@ import zlib
 
 import pytest
 
-from megarl.trainer.checkpoint import (MANIFEST, MARKER, CheckpointError, CheckpointManager, describe_error,
+from megarl.driver.checkpoint import (MANIFEST, MARKER, CheckpointError, CheckpointManager, describe_error,
                                        hash_files)
 
 
@@ -48,7 +48,7 @@ def test_writer_killed_mid_save_leaves_previous_checkpoint(tmp_path):
     mgr.save(1, write_state(10))
     code = textwrap.dedent(f"""
         import os, signal
-        from megarl.trainer.checkpoint import CheckpointManager
+        from megarl.driver.checkpoint import CheckpointManager
         mgr = CheckpointManager({str(tmp_path)!r}, keep_last=1)
         def write(folder):
             (folder / "shard0.bin").write_bytes(b"x" * 1000)

@@ -159,7 +159,7 @@ def test_dtype_float16_is_refused_and_every_allowed_dtype_builds():
     import typing
 
     from megarl.config.schema import ModelConfig
-    from megarl.engine.build import ModelOptions
+    from megarl.policy.build import ModelOptions
 
     assert error_of(["model.dtype=float16"]) == (
         "invalid value for config key 'model.dtype': got 'float16', expected one of 'float32', 'bfloat16', 'auto'")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megarl.config import load_config
-from megarl.trainer.algorithm import make_loss_fn, resolve
+from megarl.actors.algorithm import make_loss_fn, resolve
 
 
 def algorithm(*overrides):
@@ -14,7 +14,7 @@ def algorithm(*overrides):
 
 def one_token_loss(cfg, log_ratio, advantage, kl_coef=0.0, **extras):
     """Loss and metrics of ``make_loss_fn(cfg)`` for one sequence of two equal tokens."""
-    from megarl.engine import SequenceBatch
+    from megarl.policy import SequenceBatch
 
     old = torch.tensor([-1.0, -1.0])
     batch = SequenceBatch([torch.tensor([1, 2, 3])], [1], {
@@ -67,7 +67,7 @@ def test_kl_estimator_and_mode():
 
 
 def test_loss_agg_mode_weights_sequences():
-    from megarl.engine import SequenceBatch
+    from megarl.policy import SequenceBatch
 
     # a 1-token sequence with A = 1 and a 3-token one with A = -1, at ratio 1 (loss = -A)
     lp = torch.full((4,), -1.0)
@@ -113,7 +113,7 @@ def test_micro_batch_budget_and_flops_balance_cost():
     """trainer.balance_cost=flops weighs long sequences quadratically: on a skewed length set it
     balances the FLOPs of the DP ranks that the token cost leaves 8% apart."""
     from megarl.config.loader import model_hf_config
-    from megarl.data.plan import budget_from_config, flops_coefficients, plan_batches
+    from megarl.data.batching import budget_from_config, flops_coefficients, plan_batches
     from megarl.parallel import Topology
 
     hf = model_hf_config("fixture:smollm2")        # its config.json (the fixture is built offline)
@@ -278,7 +278,7 @@ class FakeRewards:
 def rollouts(*overrides):
     """:class:`Rollouts` of a config whose engine answers responses of 4 and 4 tokens per prompt
     in the first round, 8 and 9 in later ones."""
-    from megarl.trainer.rollout import Rollouts
+    from megarl.driver.rollouts import Rollouts
 
     cfg = load_config(None, ["rollout.n=2", "data.prompts_per_step=2", "rollout.max_response_tokens=10", *overrides])
     calls = []
@@ -328,8 +328,8 @@ def test_remax_greedy_baseline_and_pf_ppo_filtration():
     assert [len(x) for x in batch.response_ids] == [5, 6] * 2 and batch.group_ids == [0, 0, 1, 1]
     assert m["pf/kept_frac"] == 0.5 and m["rollout/num_samples"] == 4
     # best_random: the best plus a seeded random other one
-    from megarl.trainer.batch import Rollout
-    from megarl.trainer.rollout import filter_samples
+    from megarl.data.batch import Rollout
+    from megarl.driver.rollouts import filter_samples
 
     roll = Rollout([[1]] * 4, [[1]] * 4, [[0.0]] * 4, [0] * 4, [""] * 4, [False] * 4, rewards=[0.2, 0.9, 0.1, 0.9])
     kept, share = filter_samples(roll, "best_worst", seed=0)

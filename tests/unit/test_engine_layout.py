@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from megarl.engine.build import ModelOptions, check_layout
-from megarl.engine.policy import check_train_layout
-from megarl.engine.train import OptimOptions
+from megarl.policy.build import ModelOptions, check_layout
+from megarl.policy.model import check_train_layout
+from megarl.policy.train import OptimOptions
 from megarl.models.fixtures import ensure_fixture
 from megarl.models.registry import get_family
 from megarl.parallel import Topology, TopologyError

@@ -50,7 +50,7 @@ def test_train_loss_hook_poisons_the_planned_calls_of_the_last_rank_only(monkeyp
 
 
 def test_max_skipped_updates_stops_after_that_many_in_a_row():
-    from megarl.trainer.updates import NonFiniteLossError, RankUpdates
+    from megarl.actors.updates import NonFiniteLossError, RankUpdates
 
     ranks = SimpleNamespace(cfg=load_config(None, ["trainer.max_skipped_updates=1"]))
     updates = RankUpdates(ranks)
@@ -98,7 +98,7 @@ def test_an_error_of_a_dead_engine_process_names_it():
 
 
 def test_ray_death_reason_in_one_line():
-    from megarl.trainer.calls import death_reason
+    from megarl.calls import death_reason
 
     message = ("The actor died unexpectedly before finishing this task.\n\tclass_name: HybridWorker\n\tpid: 12\n"
                "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit "

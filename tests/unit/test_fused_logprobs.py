@@ -1,4 +1,4 @@
-"""The fused, chunked vocab-parallel log-softmax + entropy (megarl.engine.logprobs) equals the
+"""The fused, chunked vocab-parallel log-softmax + entropy (megarl.policy.logprobs) equals the
 unfused computation: log-probs, entropy and the gradient w.r.t. the logits (random upstream grads
 on the log-probs, the entropy, or both).
 
@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megarl.engine.logprobs import vocab_parallel_logprobs
+from megarl.policy.logprobs import vocab_parallel_logprobs
 
 TOL = 1e-6
 REL64 = 2.0 ** -22      # allowance against fp64: 2 fp32 ulps of the value
@@ -280,8 +280,8 @@ def _measure_policy(impl, tokens_per_micro_batch, sequences, length):
     from megarl.compat import setup_cpu
 
     setup_cpu()
-    import megarl.engine.logprobs as lpmod
-    from megarl.engine import ModelOptions, PolicyEngine, SequenceBatch
+    import megarl.policy.logprobs as lpmod
+    from megarl.policy import ModelOptions, PolicyModel, SequenceBatch
     from megarl.models.fixtures import ensure_fixture
     from megarl.parallel import Topology, build_process_groups
 
@@ -292,7 +292,7 @@ def _measure_policy(impl, tokens_per_micro_batch, sequences, length):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    engine = PolicyEngine(ModelOptions(path=str(ensure_fixture("smollm2"))), build_process_groups(Topology(world_size=1)))
+    engine = PolicyModel(ModelOptions(path=str(ensure_fixture("smollm2"))), build_process_groups(Topology(world_size=1)))
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(0, 49152, (length,), generator=g) for _ in range(sequences)]
     per_mb = max(1, tokens_per_micro_batch // length)

@@ -6,7 +6,7 @@ import io
 from helpers import read_jsonl
 
 from megarl.observability.generations import GenerationLog, main, pick_samples
-from megarl.trainer.batch import Rollout, TokenVersions
+from megarl.data.batch import Rollout, TokenVersions
 
 
 class Tok:

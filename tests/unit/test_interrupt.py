@@ -1,5 +1,5 @@
-"""SIGINT/SIGTERM of a run (megarl/trainer/interrupt.py), without Ray: the handlers' flag logic,
-and the real loop (``megarl.trainer.loop.train``) over an in-process fake worker group whose
+"""SIGINT/SIGTERM of a run (megarl/driver/interrupt.py), without Ray: the handlers' flag logic,
+and the real loop (``megarl.driver.loop.train``) over an in-process fake worker group whose
 phases send the signals, so that each case lands in a known phase of step 2. The real engines,
 Ray and a terminal's Ctrl-C to the process group are in tests/e2e/test_faults_e2e.py."""
 import os
@@ -11,9 +11,9 @@ import torch
 from helpers import read_jsonl
 
 from megarl.config import load_config
-from megarl.trainer.batch import Rollout
-from megarl.trainer.checkpoint import CheckpointManager
-from megarl.trainer.interrupt import RunInterrupted, StepAbandoned, StopRequest
+from megarl.data.batch import Rollout
+from megarl.driver.checkpoint import CheckpointManager
+from megarl.driver.interrupt import RunInterrupted, StepAbandoned, StopRequest
 
 
 def send(signum: int) -> None:
@@ -106,9 +106,9 @@ class FakeGroup:
     moe_tokens_per_expert = None
 
     def logprobs(self, rollout, plan, reference: bool, per_sample=None, version=None, with_kl=False, **routing):
-        """What the ranks return of a pass (megarl.trainer.worker.HybridWorker.logprobs), computed
+        """What the ranks return of a pass (megarl.actors.worker.HybridWorker.logprobs), computed
         here from constant log-probs: KL 0.2 per token, so the adaptive KL coefficient moves every step."""
-        from megarl.trainer.readout import controller_readouts, k1_sum
+        from megarl.data.readout import controller_readouts, k1_sum
 
         self.passes.append("reference" if reference else "old")
         self._phase("ref_logprobs" if reference else "logprobs")
@@ -124,7 +124,7 @@ class FakeGroup:
     FORWARD_LP = -1.0   # the training forward's log-probs (returned with own_old_logprobs)
 
     def train(self, rollout, plan, per_sample, kl_coef, routing=None, own_old_logprobs=False, version=None):
-        from megarl.trainer.readout import controller_readouts
+        from megarl.data.readout import controller_readouts
 
         self.trained.append((own_old_logprobs, sorted(per_sample)))
         self._phase("train")
@@ -181,12 +181,12 @@ def fake_run(tmp_path, monkeypatch):
     ``signals`` sent in (phase, step); returns (the RunInterrupted or None, metrics rows, the
     checkpoints as {step: metadata}, the fake group)."""
     import megarl.rewards
-    import megarl.trainer.rollout
-    import megarl.trainer.workers
-    from megarl.trainer.loop import train
+    import megarl.driver.rollouts
+    import megarl.actors.group
+    from megarl.driver.loop import train
 
-    monkeypatch.setattr(megarl.trainer.workers, "WorkerGroup", FakeGroup)
-    monkeypatch.setattr(megarl.trainer.rollout, "Rollouts", FakeRollouts)
+    monkeypatch.setattr(megarl.actors.group, "WorkerGroup", FakeGroup)
+    monkeypatch.setattr(megarl.driver.rollouts, "Rollouts", FakeRollouts)
     monkeypatch.setattr(megarl.rewards, "RewardPool", FakeRewardPool)
     FakeGroup.instances = []
     # Python's own SIGINT handler, also under nohup or a background shell job (which inherit SIGINT ignored)
@@ -250,7 +250,7 @@ def test_save_on_interrupt_false_writes_no_checkpoint(fake_run):
 
 
 def test_a_second_signal_stops_at_once_without_waiting_for_busy_actors(fake_run):
-    from megarl.trainer.loop import HARD_STOP_WAIT_S
+    from megarl.driver.loop import HARD_STOP_WAIT_S
 
     stopped, rows, checkpoints, group = fake_run({("train", 2): [signal.SIGINT, signal.SIGINT]})
     assert stopped.hard and stopped.exit_code == 130 and stopped.last_step == 1
@@ -267,7 +267,7 @@ def test_one_update_per_step_takes_the_old_log_probs_from_the_update_and_alarms_
     (megarl.config.passes.needs_old_logprob_pass): the update then gets no old_logprobs_T, and
     the entropy and the rollout-vs-train alarm read its own forward's, so the alarm stops a step
     after its update (its metrics are written) and before its checkpoint."""
-    from megarl.trainer.loop import WeightSyncAlarm
+    from megarl.driver.loop import WeightSyncAlarm
 
     stopped, rows, _, group = fake_run({})
     assert group.passes == ["old", "reference"] * 4 and all(own is False for own, _ in group.trained)
@@ -276,7 +276,7 @@ def test_one_update_per_step_takes_the_old_log_probs_from_the_update_and_alarms_
 
     stopped, rows, checkpoints, group = fake_run({}, "algorithm.kl_target=null")
     assert stopped is None and group.passes == ["reference"] * 4
-    # vLLM's log-probs go to the ranks, where the update's forward is read (megarl.trainer.readout)
+    # vLLM's log-probs go to the ranks, where the update's forward is read (megarl.data.readout)
     assert group.trained == [(True, ["advantages_T", "ref_logprobs_T", "rollout_logprobs_T"])] * 4
     assert [r["actor/old_logprob_pass"] for r in rows] == [0] * 4 and "time/logprobs_s" in rows[0]   # the reference pass
     assert rows[0]["actor/entropy"] == 0.5 and rows[0]["rollout/logprob_diff_mean"] == 0.0   # the update's forward
@@ -302,7 +302,7 @@ def test_one_update_per_step_takes_the_old_log_probs_from_the_update_and_alarms_
                                                            "(traceback in "),
 ])
 def test_train_command_ends_with_one_line_saying_where_to_resume(tmp_path, monkeypatch, capsys, raised, code, line):
-    import megarl.trainer.loop
+    import megarl.driver.loop
     from megarl.cli import main
 
     run_dir = tmp_path / "run"
@@ -314,7 +314,7 @@ def test_train_command_ends_with_one_line_saying_where_to_resume(tmp_path, monke
         (run_dir / "logs" / "driver.log").write_text("Traceback ...\n")
         raise raised
 
-    monkeypatch.setattr(megarl.trainer.loop, "train", stopped_train)
+    monkeypatch.setattr(megarl.driver.loop, "train", stopped_train)
     assert main(["train", f"trainer.run_dir={run_dir}", "data.prompts_per_step=2", "--no-preflight"]) == code
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(line), err

@@ -1,5 +1,5 @@
 """The old-log-prob and reference passes' per-token outputs stay on the training ranks. What a DP
-leader computes of a micro-batch (megarl/trainer/readout.py: ``old_pass_outputs``,
+leader computes of a micro-batch (megarl/data/readout.py: ``old_pass_outputs``,
 ``reference_pass_outputs``) equals the one-process oracle on the same tokens (``correct_rollout``, ``controller_readouts``), and the
 update's micro-batches, which regroup the samples, get back exactly each sample's tensors
 (megarl/data/store.py: ``Rows``, ``Column``, ``fetch_batches``). Ray's put/get are replaced by a
@@ -12,9 +12,9 @@ import torch
 
 from megarl.algorithms.offpolicy import correct_rollout
 from megarl.data.store import Column, Rows, Stored, fetch_batches, fetch_rows, put_rows
-from megarl.trainer.batch import Rollout, micro_batches_for
-from megarl.trainer.routing import StepRouting
-from megarl.trainer.readout import (controller_readouts, forward_readout_inputs, old_pass_outputs, readout_metrics,
+from megarl.data.batch import Rollout, micro_batches_for
+from megarl.driver.routing_replay import StepRouting
+from megarl.data.readout import (controller_readouts, forward_readout_inputs, old_pass_outputs, readout_metrics,
                                     reference_pass_outputs)
 
 
@@ -126,7 +126,7 @@ def test_advantages_on_a_rank_equal_the_controllers(store, estimator):
     tensors, the same metrics, and the update's micro-batches read back exactly those advantages
     and returns. Only lengths, rewards, groups and masks travel (``AdvantageInputs``)."""
     from megarl.algorithms.registry import get_advantage_estimator
-    from megarl.trainer.batch import advantage_metrics, compute_advantages, critic_metrics, stored_advantages
+    from megarl.data.batch import advantage_metrics, compute_advantages, critic_metrics, stored_advantages
 
     sizes = [3, 5, 4, 2]
     r, old, _ = rollout_of(sizes, seed=3)

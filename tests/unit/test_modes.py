@@ -1,4 +1,4 @@
-"""The async sample source's bookkeeping (megarl/trainer/modes.py) around a scripted fleet.
+"""The async sample source's bookkeeping (megarl/driver/modes.py) around a scripted fleet.
 
 The fleet here is a stand-in that emits one token per request every few milliseconds and honours
 the pause event like the real one (tests/e2e/test_modes_e2e.py runs the real fleet, engines
@@ -21,9 +21,10 @@ from megarl.config.schema import MegaRLConfig
 from megarl.data.store import Stored, fetch
 from megarl.observability.timeline import Timeline
 from megarl.rollout.stash import to_metadata
-from megarl.trainer.batch import Rollout, TokenVersions
-from megarl.trainer.modes import AsyncSource, version_gaps, version_runs
-from megarl.trainer.rollout import Rollouts
+from megarl.data.batch import Rollout, TokenVersions
+from megarl.data.batch import version_runs
+from megarl.driver.modes import AsyncSource, version_gaps
+from megarl.driver.rollouts import Rollouts
 
 
 class ScriptedFleet:

@@ -139,9 +139,9 @@ def test_correct_rollout_per_sample_and_metrics():
 def test_corrected_mask_reaches_the_loss_and_the_global_counts():
     """Driver -> micro-batch -> engine counts -> loss_fn: a dropped sequence leaves the token and
     sequence denominators (TrainStep.step sums _masked_counts over micro-batches and DP)."""
-    from megarl.engine.train import _masked_counts
-    from megarl.trainer.algorithm import make_loss_fn
-    from megarl.trainer.batch import Rollout, micro_batches_for
+    from megarl.policy.train import _masked_counts
+    from megarl.actors.algorithm import make_loss_fn
+    from megarl.data.batch import Rollout, micro_batches_for
 
     cfg = load_config(None, ["algorithm.rollout_correction=mask", "algorithm.correction_level=sequence",
                              "algorithm.correction_low=0.8", "algorithm.loss_agg_mode=seq-mean-token-mean"]).algorithm

@@ -12,7 +12,7 @@ import torch
 
 from megarl.config import load_config
 from megarl.config.passes import needs_old_logprob_pass
-from megarl.trainer.algorithm import make_loss_fn
+from megarl.actors.algorithm import make_loss_fn
 
 
 @pytest.mark.parametrize("overrides", [
@@ -55,7 +55,7 @@ def test_the_quickstart_skips_the_pass():
 
 def _batch(extras: dict):
     """Two sequences of 3 and 2 response tokens, the last token masked out."""
-    from megarl.engine import SequenceBatch
+    from megarl.policy import SequenceBatch
 
     batch = SequenceBatch([torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2, 3])], [1, 1], extras)
     batch.num_global_tokens, batch.num_global_sequences = 4, 2

@@ -1,5 +1,5 @@
-"""Training ranks are numbered node by node, the controller's node first (megarl.trainer.placement.rank_order)."""
-from megarl.trainer.placement import rank_order
+"""Training ranks are numbered node by node, the controller's node first (megarl.actors.placement.rank_order)."""
+from megarl.actors.placement import rank_order
 
 IPS = {"a": "10.0.0.2", "b": "10.0.0.10", "c": "10.0.0.9"}
 
@@ -22,7 +22,7 @@ def test_rendezvous_port_is_free_and_below_the_ephemeral_range(tmp_path):
     import random
     import socket
 
-    from megarl.trainer.placement import _ephemeral_low, _free_port
+    from megarl.actors.placement import _ephemeral_low, _free_port
 
     low = _ephemeral_low()
     port = _free_port("127.0.0.1", random.Random(0))

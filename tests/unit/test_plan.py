@@ -1,4 +1,4 @@
-"""Property and edge-case tests of megarl.data.plan.plan_batches."""
+"""Property and edge-case tests of megarl.data.batching.plan_batches."""
 
 import math
 import random
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from megarl.data.balance import flops_cost_coefficients, imbalance
 from megarl.data.packing import packed_tokens
-from megarl.data.plan import BatchBudget, plan_batches, restore_order
+from megarl.data.batching import BatchBudget, plan_batches, restore_order
 
 SETTINGS = settings(max_examples=60, deadline=None)
 

@@ -156,7 +156,7 @@ def test_meta_build_counts_equal_the_fixture(name, world, layout):
     from transformers import AutoConfig
 
     from megarl.compat import setup_cpu
-    from megarl.engine.build import ModelOptions
+    from megarl.policy.build import ModelOptions
     from megarl.parallel.topology import Topology
     from megarl.planner.ranks import count_rank, stage_kinds
 

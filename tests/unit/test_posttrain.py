@@ -105,7 +105,7 @@ def test_pairs_sequences_are_adjacent(tmp_path, tok):
 
 
 def test_a_pair_is_planned_at_the_packed_size_of_its_two_sequences():
-    from megarl.data.plan import packed_tokens
+    from megarl.data.batching import packed_tokens
 
     ex = D.Examples("pairs", [[1] * 5], [[2] * 8], [[3] * 4], [0.0])   # sequences of 13 and 9 tokens
     for tp, cp in ((1, 1), (2, 1), (2, 2), (1, 4)):
@@ -333,10 +333,10 @@ def test_every_worker_method_the_group_calls_exists():
     import re
     from pathlib import Path
 
-    import megarl.trainer.ranks as ranks
-    import megarl.trainer.updates as updates
-    import megarl.trainer.workers as workers
-    from megarl.trainer.worker import HybridWorker
+    import megarl.actors.ranks as ranks
+    import megarl.actors.updates as updates
+    import megarl.actors.group as workers
+    from megarl.actors.worker import HybridWorker
 
     text = "".join(Path(m.__file__).read_text() for m in (workers, ranks, updates))
     called = set(re.findall(r'(?:ranks\.|self\.)(?:call|fan_out|forward|rank0|optimize)\("(\w+)"', text))

@@ -304,7 +304,7 @@ def test_flex_moe_dispatcher_needs_a_gpu(tmp_path, monkeypatch):
     # `megarl plan` and `megarl config` do not build the model: a GB200 recipe is planned on a laptop
     preflight(load_config(write_recipe(tmp_path, **sections)), "config")
     # the engine refuses too (a worker that skipped preflight), and passes the backend on a GPU
-    from megarl.engine.build import ModelOptions, _config_overrides
+    from megarl.policy.build import ModelOptions, _config_overrides
     from megarl.parallel.topology import Topology
 
     with pytest.raises(ValueError, match="model.moe_dispatcher='deepep' needs a GPU"):

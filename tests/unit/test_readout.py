@@ -1,4 +1,4 @@
-"""Per-sample read-outs of the update's forward (megarl/trainer/readout.py): computed on the ranks
+"""Per-sample read-outs of the update's forward (megarl/data/readout.py): computed on the ranks
 from the micro-batches the controller sends, they give the metrics and the sample log that the
 per-token path gives (the alarm, the mismatch metrics of correct_rollout, entropy, k1 KL, version
 runs), here written out per token with the formulas the controller used before, to 1e-12."""
@@ -13,9 +13,9 @@ import torch
 from megarl.algorithms.offpolicy import correct_rollout
 from megarl.config.loader import load_config
 from megarl.config.passes import correction_in_forward
-from megarl.trainer.algorithm import forward_tis_weights
-from megarl.trainer.batch import Rollout, TokenVersions, micro_batches_for, scatter_sequences
-from megarl.trainer.readout import (controller_readouts, forward_readout_inputs, micro_batch_readouts,
+from megarl.actors.algorithm import forward_tis_weights
+from megarl.data.batch import Rollout, TokenVersions, micro_batches_for, scatter_sequences
+from megarl.data.readout import (controller_readouts, forward_readout_inputs, micro_batch_readouts,
                                     readout_metrics)
 
 VERSION = 3

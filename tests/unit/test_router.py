@@ -1,17 +1,17 @@
-"""megarl.rollout.router: LPT dealing, response-length learning and its fallbacks, hand-computed cases."""
+"""megarl.rollout.dispatch: LPT dealing, response-length learning and its fallbacks, hand-computed cases."""
 
 import random
 
 import pytest
 from helpers import flat_sorted
 
-from megarl.rollout.router import LengthRouter, busy_ratio, lpt, round_robin
+from megarl.rollout.dispatch import LengthDispatcher, busy_ratio, lpt, round_robin
 
 
 def test_lpt_known_case_two_engines():
     # n=1, default 0: cost = prompt length. Order 7(i1) 5(i3) 4(i4) 3(i0) 3(i5) 2(i2):
     # e0 7, e1 5, e1 9, e0 10, e1 12, e0 12 -> loads 12 / 12
-    router = LengthRouter(2, default_response_tokens=0)
+    router = LengthDispatcher(2, default_response_tokens=0)
     parts = router.assign([3, 7, 2, 5, 4, 3], keys=list(range(6)))
     assert parts == [[0, 1, 2], [3, 4, 5]]
 
@@ -25,7 +25,7 @@ def test_lpt_graham_worst_case_three_engines():
 
 
 def test_same_key_learning_isolates_a_long_prompt():
-    router = LengthRouter(2, default_response_tokens=16, n=4)
+    router = LengthDispatcher(2, default_response_tokens=16, n=4)
     keys = [f"p{i}" for i in range(8)]
     # step 1: nothing observed, all cost 10 + 4*16 = 74: dealt alternately (ties to the lower engine)
     assert router.assign([10] * 8, keys) == [[0, 2, 4, 6], [1, 3, 5, 7]]
@@ -37,7 +37,7 @@ def test_same_key_learning_isolates_a_long_prompt():
 
 
 def test_expected_length_fallback_order():
-    router = LengthRouter(3, default_response_tokens=100, n=2)
+    router = LengthDispatcher(3, default_response_tokens=100, n=2)
     assert router.expected_response_len("a") == 100          # nothing observed: the default
     router.observe("a", [10, 30])
     assert router.expected_response_len("a") == 20           # own group mean
@@ -56,7 +56,7 @@ def test_deterministic_and_every_prompt_once():
         for num_prompts in (0, 1, 5, 33):
             lens = [rng.randint(1, 50) for _ in range(num_prompts)]
             keys = list(range(num_prompts))
-            a, b = LengthRouter(num_engines, 8, n=4), LengthRouter(num_engines, 8, n=4)
+            a, b = LengthDispatcher(num_engines, 8, n=4), LengthDispatcher(num_engines, 8, n=4)
             for k in keys[::3]:
                 a.observe(k, [rng.randint(0, 99)])
             b.load_state_dict(a.state_dict())
@@ -68,7 +68,7 @@ def test_deterministic_and_every_prompt_once():
 
 
 def test_one_engine_takes_everything():
-    assert LengthRouter(1, 10).assign([4, 1, 9], ["x", "y", "z"]) == [[0, 1, 2]]
+    assert LengthDispatcher(1, 10).assign([4, 1, 9], ["x", "y", "z"]) == [[0, 1, 2]]
     assert round_robin(3, 1) == [[0, 1, 2]]
 
 
@@ -76,7 +76,7 @@ def test_router_beats_round_robin_on_bimodal_tokens():
     # 16 prompts, n=4, responses 16 tokens except 160 for every 8th: round-robin puts both long ones
     # on engine 0; the router, once it has observed them, splits them.
     resp = [160 if i % 8 == 0 else 16 for i in range(16)]
-    router = LengthRouter(2, default_response_tokens=16, n=4)
+    router = LengthDispatcher(2, default_response_tokens=16, n=4)
     for i, r in enumerate(resp):
         router.observe(i, [r] * 4)
     work = [10 + 4 * r for r in resp]
@@ -95,12 +95,12 @@ def test_round_robin_and_busy_ratio():
 
 def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="num_engines must be an integer >= 1, got 0"):
-        LengthRouter(0, 10)
+        LengthDispatcher(0, 10)
     with pytest.raises(ValueError, match="n .samples per prompt. must be an integer >= 1"):
-        LengthRouter(2, 10, n=0)
+        LengthDispatcher(2, 10, n=0)
     with pytest.raises(ValueError, match="default_response_tokens must be >= 0"):
-        LengthRouter(2, -1)
-    router = LengthRouter(2, 10)
+        LengthDispatcher(2, -1)
+    router = LengthDispatcher(2, 10)
     with pytest.raises(ValueError, match="keys has 1 entries but prompt_lens has 2"):
         router.assign([1, 2], [0])
     with pytest.raises(ValueError, match=r"prompt_lens\[1\] must be an integer >= 0"):
@@ -114,7 +114,7 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"missing entries \['key_mean'"):
         router.load_state_dict({})
     with pytest.raises(ValueError, match="saved with n=4 samples per prompt but this router has n=1"):
-        router.load_state_dict(LengthRouter(2, 10, n=4).state_dict())
+        router.load_state_dict(LengthDispatcher(2, 10, n=4).state_dict())
     with pytest.raises(ValueError, match="round_robin: num_engines"):
         round_robin(3, 0)
     with pytest.raises(ValueError, match="busy_ratio: loads is empty"):

@@ -12,8 +12,8 @@ import torch
 from helpers import read_jsonl
 
 from megarl.config import ConfigError, load_config
-from megarl.trainer.batch import Rollout, TokenVersions, micro_batches_for, scatter_sequences
-from megarl.trainer.routing import StepRouting
+from megarl.data.batch import Rollout, TokenVersions, micro_batches_for, scatter_sequences
+from megarl.driver.routing_replay import StepRouting
 
 
 def routed(rows: int, layers: int = 2, k: int = 2, fill: int = 1) -> np.ndarray:
@@ -65,7 +65,7 @@ def test_stored_routing_handles_pass_through_the_controller_as_metadata():
     import pickle
 
     from megarl.data.store import Stored, stored_bytes
-    from megarl.engine import SequenceBatch
+    from megarl.policy import SequenceBatch
 
     handle = lambda rows: Stored(None, (rows, 2, 2), "int16", rows * 8)   # noqa: E731
     gens = [[{"token_ids": [5, 6], "logprobs": [-1.0, -1.0], "clipped": False, "routed_experts": handle(5)},
@@ -149,7 +149,7 @@ def test_streamed_routing_is_claimed_by_key_from_its_engine(monkeypatch):
     import ray
 
     from megarl.data.store import Pending, RoutingLost, Stored, claim
-    from megarl.trainer.fleet import samples_in
+    from megarl.rollout.fleet import samples_in
 
     monkeypatch.setattr(ray, "get", lambda x: x)   # the fake actor answers at once
 

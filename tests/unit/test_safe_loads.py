@@ -4,7 +4,7 @@ A checkpoint folder is whatever ``--resume`` or ``checkpoint.dir`` points at. Ea
 pickle whose ``__reduce__`` would create a marker file when unpickled, loads it the way megarl
 does, and asserts the named error and that the marker was never created:
 
-- the RNG file (``rng_rankNNNNN.pt``): :func:`megarl.trainer.checkpoint.load_plain`;
+- the RNG file (``rng_rankNNNNN.pt``): :func:`megarl.checkpoint_files.load_plain`;
 - torch DCP's ``.metadata`` and a DCP byte item, through megatron_fixes M2; a real megatron
   checkpoint's metadata (written by megatron's dist_checkpointing here) still loads, and its
   types are exactly the allowlisted ones;
@@ -21,7 +21,8 @@ import torch
 
 from megarl.compat import megatron_fixes
 from megarl.compat.megatron_fixes import UnsafePickleError, find_unsafe, restricted_load
-from megarl.trainer.checkpoint import CheckpointManager, UnsafeCheckpointError, load_plain
+from megarl.checkpoint_files import UnsafeCheckpointError, load_plain
+from megarl.driver.checkpoint import CheckpointManager
 
 
 class _Planted:

@@ -178,7 +178,7 @@ def test_draft_store_bounds_keys_and_checkpoints(tmp_path):
     store.put("0", [1, 2, 3], [_sample([9])])                  # replaced, bytes follow
     assert store.bytes == 4 * 1 * 6
     store.save(tmp_path)
-    from megarl.trainer.checkpoint import load_plain
+    from megarl.checkpoint_files import load_plain
 
     other = DraftStore(max_bytes=10_000)
     assert other.load(tmp_path, load_plain) and other.bytes == store.bytes
@@ -192,7 +192,7 @@ def test_draft_store_bounds_keys_and_checkpoints(tmp_path):
 
 def test_prompt_epochs_pool_and_uids():
     from megarl.config.schema import DataConfig
-    from megarl.trainer.rollout import PromptSource
+    from megarl.driver.rollouts import PromptSource
 
     src = PromptSource(DataConfig(task="arithmetic", num_prompts=6, prompts_per_step=4, seed=3))
     steps = [src.batch(s, 4) for s in (1, 2, 3)]
@@ -234,7 +234,7 @@ def test_config_epochs_and_refusals(tmp_path):
 
 def test_rollouts_keep_a_bounded_draft_store_only_when_speculative():
     from megarl.config import load_config
-    from megarl.trainer.rollout import Rollouts
+    from megarl.driver.rollouts import Rollouts
 
     cfg = load_config(None, ["data.num_prompts=8", "rollout.speculative=lenient", "rollout.draft_store_mb=2"])
     assert Rollouts(cfg, sample_fn=None, tokenizer=object()).drafts.max_bytes == 2 * 2**20

@@ -29,7 +29,7 @@ CHILD = textwrap.dedent(r"""
     import torch.nn.functional as F
     from megarl.compat import heap, setup_cpu
     setup_cpu()
-    from megarl.engine import ModelOptions, OptimOptions, PolicyEngine, SequenceBatch, reference_engine
+    from megarl.policy import ModelOptions, OptimOptions, PolicyModel, SequenceBatch, reference_model
     from megarl.models.fixtures import ensure_fixture
     from megarl.parallel import Topology, build_process_groups
 
@@ -57,10 +57,10 @@ CHILD = textwrap.dedent(r"""
     path = str(ensure_fixture("tiny-qwen2"))
     opts = ModelOptions(path=path)
     optim = OptimOptions(optimizer="adam", lr=1e-3)
-    selecting = PolicyEngine(opts, groups, optim)
-    full = PolicyEngine(opts, groups, optim)
+    selecting = PolicyModel(opts, groups, optim)
+    full = PolicyModel(opts, groups, optim)
     full.runner.select_logits = False
-    ref = reference_engine(opts, groups)
+    ref = reference_model(opts, groups)
     out["selects"] = [selecting.runner.select_logits, ref.runner.select_logits]
 
     g = torch.Generator().manual_seed(0)
@@ -100,7 +100,7 @@ CHILD = textwrap.dedent(r"""
         return ppo_policy_loss(lp, lp.detach(), e["advantages_T"], e["mask_T"], mb.cu_seqlens_N1,
                                agg_mode="token-mean", num_tokens=mb.num_global_tokens)
     from megatron.core.distributed import param_and_grad_buffer as pgb
-    from megarl.engine.offload import _torch_optimizers
+    from megarl.policy.offload import _torch_optimizers
     G = pgb._ParamAndGradBucketGroup
     out["fused"] = sorted({g["fused"] for o in _torch_optimizers(selecting.optimizer) for g in o.param_groups})
     collectives = []

@@ -15,8 +15,8 @@ from megarl.data import BatchBudget, plan_batches
 from megarl.data.store import Column, Outbox, Stored, claim, fetch, fetch_batches
 from megarl.data.wire import decode_batches, encode_batches
 from megarl.parallel import Topology
-from megarl.trainer.batch import Rollout, micro_batches_for
-from megarl.trainer.readout import forward_readout_inputs
+from megarl.data.batch import Rollout, micro_batches_for
+from megarl.data.readout import forward_readout_inputs
 
 
 class Engine:
@@ -99,7 +99,7 @@ def test_ranks_fetch_exactly_what_the_controller_would_send(store):
 
 def test_samples_without_handles_mix_with_stored_ones(store):
     """An engine restarted mid-call: the fleet drops the handles of what it had delivered
-    (megarl/trainer/fleet.py), so a micro-batch may hold both kinds."""
+    (megarl/rollout/fleet.py), so a micro-batch may hold both kinds."""
     prompts, sizes = [[1, 2, 3], [4, 5]], [[3, 5], [4, 2]]
     gens = generations(Engine(), prompts, sizes, stash=True)
     for s in gens[0]:
@@ -208,8 +208,8 @@ def test_samples_only_in_the_store_reach_the_ranks_the_rewards_and_the_estimator
     run's; token-level tis's mask covers every token; the readers of ids (a reward model, the
     generations log) and of vLLM's log-probs (the optimal token baseline) get them fetched."""
     from megarl.algorithms.registry import get_advantage_estimator
-    from megarl.trainer.batch import compute_advantages
-    from megarl.trainer.rollout import Rollouts, _length_metrics
+    from megarl.data.batch import compute_advantages
+    from megarl.driver.rollouts import Rollouts, _length_metrics
 
     prompts, sizes = [[1, 2, 3], [4, 5]], [[3, 5, 3], [4, 2, 2]]
     only = Rollout.from_generations(prompts, ["", ""], generations(Engine(), prompts, sizes, stash=True,

@@ -206,7 +206,7 @@ def test_config_keys_reach_the_topology_and_are_checked_against_the_model():
 
 
 def test_engine_passes_uneven_stages_to_megatron_only_when_set():
-    from megarl.engine.build import ModelOptions, _config_overrides
+    from megarl.policy.build import ModelOptions, _config_overrides
 
     options = ModelOptions(path="fixture:tiny-llama")
     uneven = _config_overrides(options, Topology(world_size=16, pp=16, first_stage_layers=3, last_stage_layers=2))

@@ -6,9 +6,9 @@ from megarl.config.presets import resolve_algorithm
 from megarl.config.schema import AlgorithmConfig
 from megarl.data import BatchBudget, plan_batches
 from megarl.parallel import Topology
-from megarl.trainer.algorithm import make_loss_fn, make_value_loss_fn, needs_critic, resolve
-from megarl.trainer.batch import Rollout, compute_advantages, micro_batches_for, scatter_back
-from megarl.trainer.loop import WeightSyncAlarm, alarm_metrics, critic_metrics
+from megarl.actors.algorithm import make_loss_fn, make_value_loss_fn, needs_critic, resolve
+from megarl.data.batch import Rollout, compute_advantages, micro_batches_for, scatter_back
+from megarl.driver.loop import WeightSyncAlarm, alarm_metrics, critic_metrics
 
 
 def algorithm(**fields) -> AlgorithmConfig:
@@ -68,7 +68,7 @@ def test_extra_columns_reach_the_reward_through_dynamic_sampling(tmp_path, monke
 
     from megarl.config import load_config
     from megarl.rewards import RewardPool
-    from megarl.trainer.rollout import Rollouts
+    from megarl.driver.rollouts import Rollouts
 
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "e2e"))   # rewards_for_tests, for the workers too
     data = tmp_path / "prompts.jsonl"
@@ -134,7 +134,7 @@ def test_alarm_reports_and_stops():
 
 
 def test_loss_fn_at_ratio_one_is_minus_mean_advantage():
-    from megarl.engine import SequenceBatch
+    from megarl.policy import SequenceBatch
 
     cfg = algorithm(name="grpo", kl_coef=0.0)
     loss_fn = make_loss_fn(cfg, max_response_tokens=8)
@@ -177,7 +177,7 @@ def test_kl_penalty_as_token_reward_lowers_grpo_scores():
 
 
 def test_value_loss_fn_clips_around_old_values():
-    from megarl.engine import SequenceBatch
+    from megarl.policy import SequenceBatch
 
     cfg = algorithm(name="ppo", value_clip=0.1)
     loss_fn = make_value_loss_fn(cfg, max_response_tokens=8)

@@ -6,7 +6,7 @@ import pickle
 import torch
 
 from megarl.data.wire import Narrow, Runs, decode, decode_batches, encode, encode_batches
-from megarl.engine import SequenceBatch
+from megarl.policy import SequenceBatch
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

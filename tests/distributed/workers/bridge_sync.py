@@ -114,14 +114,14 @@ def main():
 
     from megarl.bridge import WeightBridge, WeightSyncError, get_mapping, rpc
     from megarl.config.schema import BridgeConfig
-    from megarl.engine import SequenceBatch, reference_engine
+    from megarl.policy import SequenceBatch, reference_model
 
     for k, spec in enumerate(layouts):
         ckpt = ckpts[k % 2]
         t = time.time()
         layout, _, suffix = spec.partition("@")   # pp2@gloo: over the gloo transport; pp2@nodes: see the docstring
         groups = groups_for(layout, world)
-        engine = reference_engine(ModelOptions(path=ckpt), groups)
+        engine = reference_model(ModelOptions(path=ckpt), groups)
         build_s = time.time() - t
         # the mapping's logical tensors are exactly the real megatron-core parameters
         mapping = get_mapping(AutoConfig.from_pretrained(ckpt))

@@ -30,7 +30,7 @@ from engine_common import (deeper_variant, fixture, groups_for, init, make_batch
                            remove_dir, report)
 from megarl.conversion import (HFCheckpoint, hf_to_megatron, load_megatron_checkpoint, megatron_to_hf, read_meta,
                                verify)
-from megarl.engine import ModelOptions, reference_engine
+from megarl.policy import ModelOptions, reference_model
 from megarl.models.registry import get_family
 from megarl.parallel.groups import destroy_process_groups
 
@@ -83,7 +83,7 @@ def main():
         if name in reload_layouts:
             ids, prompts = make_batch(cfg["vocab_size"])
             for target in reload_layouts[name]:
-                engine = reference_engine(ModelOptions(path=src), groups_for(target, world))
+                engine = reference_model(ModelOptions(path=src), groups_for(target, world))
                 ref = logprobs(engine, ids, prompts)
                 with torch.no_grad():
                     for m in engine.model.modules:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from engine_common import dp_share, fixture, groups_for, init, make_batch, report
 from megarl.algorithms.losses import value_loss
-from megarl.engine import ModelOptions, OptimOptions, PolicyEngine, SequenceBatch
+from megarl.policy import ModelOptions, OptimOptions, PolicyModel, SequenceBatch
 
 SEQS4 = [(13, 4), (21, 7), (9, 3), (16, 5)]
 
@@ -86,7 +86,7 @@ def run_family(tag, path, layouts, world, out, lr):
     returns = [torch.randn(n - p, generator=g) for n, p in SEQS4]
     first_after = None
     for spec in layouts:
-        engine = PolicyEngine(ModelOptions(path=path, value_head=True), groups_for(spec, world),
+        engine = PolicyModel(ModelOptions(path=path, value_head=True), groups_for(spec, world),
                               OptimOptions(optimizer="sgd", lr=lr, grad_clip=0.0))
         set_head(engine, w, b)
         mbs, sel = my_micro_batches(engine, ids, prompts, returns)

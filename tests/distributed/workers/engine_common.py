@@ -15,7 +15,7 @@ from megarl.compat import setup_cpu
 
 setup_cpu()
 
-from megarl.engine import ModelOptions, SequenceBatch  # noqa: E402
+from megarl.policy import ModelOptions, SequenceBatch  # noqa: E402
 from megarl.models.fixtures import ensure_fixture, tiny_config  # noqa: E402
 from megarl.parallel import Topology, build_process_groups  # noqa: E402
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from engine_common import (deeper_variant, fixture, groups_for, hf_logprobs, init, make_batch,
                            micro_batches, remove_dir, report)
-from megarl.engine import ModelOptions, SequenceBatch, reference_engine
+from megarl.policy import ModelOptions, SequenceBatch, reference_model
 from megarl.models.registry import get_family
 
 
@@ -46,7 +46,7 @@ def engine_logprobs(path, spec, world, ids, prompts, splits=((2,),), placement=N
     """Response log-probs of one engine at layout ``spec`` for each micro-batch split in ``splits``
     (one engine build for all of them); ``placement`` (a dict) receives the engine's layers per
     stage under "stages"."""
-    engine = reference_engine(ModelOptions(path=path), groups_for(spec, world))
+    engine = reference_model(ModelOptions(path=path), groups_for(spec, world))
     got = [torch.cat([o.logprobs_R for o in engine.forward_logprobs(micro_batches(ids, prompts, split))]).double()
            for split in splits]
     if placement is not None:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from engine_common import (deeper_variant, dp_share, export, fixture, groups_for, init, make_batch, max_diff,
                            remove_dir, report)
 from megarl.algorithms.losses import ppo_policy_loss
-from megarl.engine import ModelOptions, OptimOptions, PolicyEngine, SequenceBatch, reference_engine
+from megarl.policy import ModelOptions, OptimOptions, PolicyModel, SequenceBatch, reference_model
 
 SEQS4 = [(13, 4), (21, 7), (9, 3), (16, 5)]
 
@@ -122,7 +122,7 @@ def layout_equality(path, layouts, world, out, tag, model_kw, routing=False, own
     for layout in layouts:
         t0 = time.perf_counter()
         spec, _, recompute = layout.partition("/")
-        engine = PolicyEngine(ModelOptions(path=path, recompute=recompute or "none", **model_kw),
+        engine = PolicyModel(ModelOptions(path=path, recompute=recompute or "none", **model_kw),
                               groups_for(spec, world), optim)
         first = ref_weights is None
         before = export(engine) if first else None
@@ -227,7 +227,7 @@ def reference_and_offload(path, world, out):
     ids, prompts, adv = global_batch(json.load(open(f"{path}/config.json"))["vocab_size"])
     groups = groups_for("tp2", world)
     optim = OptimOptions(optimizer="adam", lr=1e-3, warmup_steps=2, grad_clip=1.0)
-    ref = reference_engine(ModelOptions(path=path), groups)
+    ref = reference_model(ModelOptions(path=path), groups)
     out["ref_requires_grad"] = any(p.requires_grad for c in ref.model.chunks for p in c.parameters())
     out["ref_has_optimizer"] = ref.optimizer is not None
 
@@ -235,7 +235,7 @@ def reference_and_offload(path, world, out):
     for name in ("plain", "offloaded", "optimizer_offload"):
         # optimizer_offload: megatron-core's HybridDeviceOptimizer keeps the fp32 main params and
         # Adam state on the host (trainer.optimizer_offload); it also offloads + onloads the rest
-        engine = PolicyEngine(ModelOptions(path=path), groups,
+        engine = PolicyModel(ModelOptions(path=path), groups,
                               dataclasses.replace(optim, cpu_offload=name == "optimizer_offload"))
         mbs = my_micro_batches(engine, ids, prompts, adv)
         attach_old_logprobs(engine, mbs)
@@ -246,7 +246,7 @@ def reference_and_offload(path, world, out):
         out[f"{name}|lr_step1"] = s1["lr"]
         if name == "optimizer_offload":
             from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
-            from megarl.engine.offload import _torch_optimizers
+            from megarl.policy.offload import _torch_optimizers
 
             inner = _torch_optimizers(engine.optimizer)
             out["optimizer_offload|hybrid"] = all(isinstance(o, HybridDeviceOptimizer) for o in inner)
@@ -285,7 +285,7 @@ def nan_skip(path, world, out):
     ids, prompts, adv = global_batch(json.load(open(f"{path}/config.json"))["vocab_size"])
     first_step = {}
     for name in ("plain", "ensured"):   # Adam state made before any update (to save a checkpoint) changes nothing
-        engine = PolicyEngine(ModelOptions(path=path), groups_for("", world),
+        engine = PolicyModel(ModelOptions(path=path), groups_for("", world),
                               OptimOptions(optimizer="adam", lr=1e-3, warmup_steps=2, grad_clip=1.0, weight_decay=0.1))
         mbs = my_micro_batches(engine, ids, prompts, adv)
         attach_old_logprobs(engine, mbs)
@@ -328,19 +328,19 @@ NEW_LOSSES = ("sapo", "cispo", "geo_mean", "clip_cov", "kl_cov", "gpg")
 
 def loss_layouts(path, world, out):
     """One SGD step with each policy loss of the algorithm-breadth issue, built the trainer's way
-    (megarl.trainer.algorithm.make_loss_fn from a resolved AlgorithmConfig), at tp2 and cp2 against
+    (megarl.actors.algorithm.make_loss_fn from a resolved AlgorithmConfig), at tp2 and cp2 against
     tp1 (dp2): the same micro-batches at every layout (2 sequences each), old log-probs shifted by
     a fixed ramp so the ratios leave 1 (clips, gates and covariance selections act; the cov losses
     select 20% of the tokens). One engine per layout, its weights restored between losses."""
     from megarl.config.presets import resolve_algorithm
     from megarl.config.schema import AlgorithmConfig
-    from megarl.trainer.algorithm import make_loss_fn
+    from megarl.actors.algorithm import make_loss_fn
 
     ids, prompts, adv = global_batch(json.load(open(f"{path}/config.json"))["vocab_size"])
     optim = OptimOptions(optimizer="sgd", lr=0.5, grad_clip=1.0)
     refs = {}
     for layout in ("", "tp2", "cp2"):
-        engine = PolicyEngine(ModelOptions(path=path), groups_for(layout, world), optim)
+        engine = PolicyModel(ModelOptions(path=path), groups_for(layout, world), optim)
         saved = snapshot(engine)
         for name in NEW_LOSSES:
             cfg = resolve_algorithm(AlgorithmConfig(policy_loss=name, cov_clip_ratio=0.2, cov_low=0.0,
@@ -376,7 +376,7 @@ def export_before(engine, saved):
 
 
 def _opt_tensors(engine):
-    from megarl.engine.offload import _torch_optimizers
+    from megarl.policy.offload import _torch_optimizers
 
     return [v for opt in _torch_optimizers(engine.optimizer) for st in opt.state.values()
             for v in st.values() if torch.is_tensor(v) and v.numel() > 1]

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from engine_common import dp_share, export, fixture, groups_for, init, make_batch, max_diff, report
-from megarl.engine import ModelOptions, OptimOptions, PolicyEngine, SequenceBatch
+from megarl.policy import ModelOptions, OptimOptions, PolicyModel, SequenceBatch
 from megarl.algorithms.posttrain import make_loss_fn
 
 SEQS4 = [(13, 4), (21, 7), (9, 3), (16, 5)]
@@ -61,7 +61,7 @@ def sft_layouts(path, world, out):
     for agg in ("token-mean", "seq-mean-token-sum"):
         ref = None
         for spec in LAYOUTS:
-            engine = PolicyEngine(ModelOptions(path=path), groups_for(spec, world),
+            engine = PolicyModel(ModelOptions(path=path), groups_for(spec, world),
                                   OptimOptions(optimizer="sgd", lr=0.5, grad_clip=1.0))
             before = export(engine) if ref is None else None
             mbs, _ = my_micro_batches(engine, ids, prompts)
@@ -94,7 +94,7 @@ def gathered_scores(engine, mbs, groups, n):
 
 
 def rm_layouts(path, world, out, rank):
-    from megarl.engine.value import head_weight
+    from megarl.policy.value import head_weight
     from megarl.models.seqcls import reward_model_config
 
     ids, prompts = batch(path)
@@ -104,7 +104,7 @@ def rm_layouts(path, world, out, rank):
     ref = None
     tmp = tempfile.mkdtemp(prefix="megarl_rm_") if rank == 0 else None
     for spec in LAYOUTS:
-        engine = PolicyEngine(ModelOptions(path=path, score_head=True), groups_for(spec, world),
+        engine = PolicyModel(ModelOptions(path=path, score_head=True), groups_for(spec, world),
                               OptimOptions(optimizer="sgd", lr=0.5, grad_clip=1.0))
         head = head_weight(engine.model.modules)
         if head is not None:
