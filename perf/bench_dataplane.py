@@ -151,7 +151,7 @@ def payload_bytes(obj) -> int:
         return payload_bytes(obj.payload)
     if isinstance(obj, SequenceBatch):
         return payload_bytes(obj.input_ids) + payload_bytes(obj.extras) + payload_bytes(obj.routing)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):   # the workers' replies (trainer/messages.py)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):   # the workers' replies (actors/messages.py)
         return sum(payload_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
     if isinstance(obj, dict):
         return sum(payload_bytes(v) for v in obj.values())
