@@ -93,6 +93,28 @@ logging:
 """
 
 
+LAYOUTS = {   # a name -> the modules that held it, newest layout first (a --before revision may be older)
+    "SequenceBatch": ("megarl.data.sequences", "megarl.engine"),
+    "TrainingRanks": ("megarl.actors.ranks", "megarl.trainer.ranks"),
+    "WorkerGroup": ("megarl.actors.group", "megarl.trainer.workers"),
+    "Rollout": ("megarl.data.batch", "megarl.trainer.batch"),
+    "ForwardPasses": ("megarl.driver.loop", "megarl.trainer.loop"),
+    "train": ("megarl.driver.loop", "megarl.trainer.loop"),
+}
+
+
+def megarl_name(name: str):
+    """``name`` from the first module of :data:`LAYOUTS` that the running revision has."""
+    import importlib
+
+    for module in LAYOUTS[name]:
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ModuleNotFoundError, AttributeError):
+            continue
+    raise ImportError(f"{name}: none of {LAYOUTS[name]} in this revision")
+
+
 def resident() -> dict:
     """This process's resident memory in bytes (/proc/self/status): ``rss``, and its parts
     ``anon`` (private: the heap, what the process itself allocated) and ``shmem`` (shared memory
@@ -141,7 +163,7 @@ def payload_bytes(obj) -> int:
     import numpy as np
     import torch
 
-    from megarl.policy import SequenceBatch
+    SequenceBatch = megarl_name("SequenceBatch")
 
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
@@ -167,11 +189,9 @@ class WorkerTraffic:
 
     def __init__(self):
         try:
-            from megarl.actors.ranks import TrainingRanks as owner
-            name = "fan_out"
+            owner, name = megarl_name("TrainingRanks"), "fan_out"
         except ImportError:
-            from megarl.actors.group import WorkerGroup as owner
-            name = "_fan_out"
+            owner, name = megarl_name("WorkerGroup"), "_fan_out"
         self.sent = self.received = 0
         self.original = getattr(owner, name)
         traffic = self
@@ -196,7 +216,8 @@ class EngineTraffic:
         import pickle
 
         from megarl.data.store import Stored
-        from megarl.data.batch import Rollout
+
+        Rollout = megarl_name("Rollout")
 
         self.bytes = self.samples = 0
         original = Rollout.from_generations.__func__
@@ -254,9 +275,7 @@ def step_data() -> list:
     :class:`ForwardPasses` (the passes' outputs that came back); :func:`held_bytes` measures them."""
     import gc
 
-    from megarl.data.batch import Rollout
-    from megarl.driver.loop import ForwardPasses
-
+    Rollout, ForwardPasses = megarl_name("Rollout"), megarl_name("ForwardPasses")
     return [o for o in gc.get_objects() if isinstance(o, (Rollout, ForwardPasses))]
 
 
@@ -288,8 +307,8 @@ def child(routing: str, code: str, code_root: Path, scales: list[int], base: int
     if not Path(megarl.__file__).resolve().is_relative_to(code_root.resolve()):
         raise SystemExit(f"megarl imported from {megarl.__file__}, not from {code_root}")
     from megarl.config import load_config
-    from megarl.driver.loop import train
-    from megarl.actors.group import WorkerGroup
+
+    train, WorkerGroup = megarl_name("train"), megarl_name("WorkerGroup")
 
     work = Path(tempfile.mkdtemp(prefix="bench-dataplane-"))
     cfgs = []
