@@ -180,3 +180,11 @@ def test_classes_and_module_docstrings_stay_short():
         if doc is not None and (n := doc.end_lineno - doc.lineno + 1) > MAX_MODULE_DOCSTRING_LINES:
             offenders.append(f"{path}: module docstring of {n} lines")
     assert not offenders, "\n".join(offenders)
+
+
+def test_the_driver_loop_stays_short():
+    """train() orders the run (set-up, steps, checkpoints, interrupt) in at most 60 lines; the
+    set-up and resume live in their own functions."""
+    tree = ast.parse((ROOT / "driver" / "loop.py").read_text())
+    spans = {n.name: n.end_lineno - n.lineno + 1 for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assert spans["train"] <= 60, spans
