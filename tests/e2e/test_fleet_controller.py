@@ -243,11 +243,11 @@ def test_an_engine_whose_process_dies_mid_stream_is_named(fleet_of):
     assert time.monotonic() - t0 < 10
 
 
-def test_router_learns_response_lengths_and_balances_the_next_call(fleet_of):
+def test_dispatch_learns_response_lengths_and_balances_the_next_call(fleet_of):
     from megarl.rollout.dispatch import LengthDispatcher
 
     fleet = fleet_of((0.0, "ok"), (0.0, "ok"))
-    assert type(fleet.router) is LengthDispatcher
+    assert type(fleet.dispatcher) is LengthDispatcher
     ids = prompts(40, 2, 2, 2)
     served = lambda out: [sorted(i for i, s in enumerate(out) if s[0]["engine"] == k) for k in (0, 1)]  # noqa: E731
     # nothing observed yet: every prompt costs the same, dealt in turn
