@@ -68,7 +68,7 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
     megarl_log = logging.getLogger("megarl")
     with contextlib.ExitStack() as cleanup:   # unwinds in reverse order, on success, error and interrupt
         run = start_run(cfg, cleanup, resume, verbose, after_sync, group)
-        steps, stop, group = run.steps, run.steps.stop, run.steps.group
+        steps, stop = run.steps, run.steps.stop
         stop.last_step = run.start
         steps.window_start = time.monotonic()   # a step's timeline window starts where the last one ended
         for step in range(run.start + 1, cfg.trainer.steps + 1):
@@ -364,8 +364,8 @@ class StepRunner:
             per_sample["advantages_T"], returns = got["advantages_T"], got["returns_T"]
             m.update(got["metrics"])
             return per_sample, returns
-        per_sample["advantages_T"], returns, m_adv = advantages_with_metrics(
-            rollout, self.adv_fn, self.adv_opts, None, old_lp, passes.ref_lp, passes.values)
+        # outcome advantages (no per-token input): one value a sample, from the rewards
+        per_sample["advantages_T"], returns, m_adv = advantages_with_metrics(rollout, self.adv_fn, self.adv_opts)
         m.update(m_adv)
         return per_sample, returns
 
