@@ -98,7 +98,7 @@ LAYOUTS = {   # a name -> the modules that held it, newest layout first (a --bef
     "TrainingRanks": ("megarl.actors.ranks", "megarl.trainer.ranks"),
     "WorkerGroup": ("megarl.actors.group", "megarl.trainer.workers"),
     "Rollout": ("megarl.data.batch", "megarl.trainer.batch"),
-    "ForwardPasses": ("megarl.driver.loop", "megarl.trainer.loop"),
+    "ForwardPasses": ("megarl.actors.step", "megarl.driver.loop", "megarl.trainer.loop"),
     "train": ("megarl.driver.loop", "megarl.trainer.loop"),
 }
 

@@ -1,11 +1,12 @@
 """The controller's handle on a run's HybridWorkers and rollout engines: one call per phase.
 
 A :class:`WorkerGroup` starts them (:class:`megarl.actors.placement.Placement`), hands each phase
-of the loop to the part that owns it and releases them on exit. Its parts: ``ranks``
-(:class:`megarl.actors.ranks.TrainingRanks`: calls fanned out over the training ranks, each with
-its DP rank's micro-batches; checkpoints, precision, the HF export), ``passes``
-(:class:`megarl.actors.ranks.RankPasses`: the forward passes before the update), ``updates``
-(:class:`megarl.actors.updates.RankUpdates`: the optimizer steps) and ``rollout``
+of the loop to the part that owns it and releases them on exit; a step's training (passes,
+advantages, updates) is one call, :meth:`WorkerGroup.train_step` (:mod:`megarl.actors.step`).
+Its parts: ``ranks`` (:class:`megarl.actors.ranks.TrainingRanks`: calls fanned out over the
+training ranks, each with its DP rank's micro-batches; checkpoints, precision, the HF export),
+``passes`` (:class:`megarl.actors.ranks.RankPasses`: the forward passes before the update),
+``updates`` (:class:`megarl.actors.updates.RankUpdates`: the optimizer steps) and ``rollout``
 (:class:`FleetOwner`: the rollout fleet beside the training ranks: generation with the training
 state offloaded, engine restarts, sleep and wake, the weight sync, the placement log).
 
@@ -25,6 +26,7 @@ from megarl.config.schema import MegaRLConfig
 from megarl.calls import wait_all
 from megarl.rollout.fleet import Fleet
 from megarl.actors.ranks import RankPasses, TrainingRanks
+from megarl.actors.step import RankStep
 from megarl.actors.updates import RankUpdates
 
 FAILED_STOP_WAIT_S = 10.0
@@ -119,6 +121,12 @@ class WorkerGroup:
     def sync_weights(self) -> dict:
         """:meth:`FleetOwner.sync_weights`."""
         return self.rollout.sync_weights()
+
+    def train_step(self, rollout, hooks, m: dict) -> None:
+        """One step's training after its rollout is scored (:meth:`megarl.actors.step.RankStep.run`):
+        the forward passes, the advantages, the critic's and the policy's updates; ``m`` collects
+        the metrics, ``hooks`` (:class:`megarl.actors.step.StepHooks`) is what the driver lends it."""
+        RankStep(self.cfg, self).run(rollout, hooks, m)
 
     def plan(self, rollout):
         """:meth:`megarl.actors.ranks.TrainingRanks.plan`."""

@@ -10,8 +10,8 @@ rewards, data plane); where the samples come from and when the weights reach the
 ``trainer.mode``'s (:mod:`megarl.driver.modes`), and the rest of the step is the same in every mode.
 
 Choices: on success, error or interrupt alike the run releases what it started through one
-ExitStack (reward workers, metrics sinks, vLLM engines, Ray actors, Ray); with one update per step
-the old log-prob pass is skipped (:meth:`StepRunner.forward_passes`); prompts and vLLM sampling
+ExitStack (reward workers, metrics sinks, vLLM engines, Ray actors, Ray); with one update per
+step the old log-prob pass is skipped (:mod:`megarl.actors.step`); prompts and vLLM sampling
 seeds are functions of (seed, step), so a run resumed from step k's checkpoint repeats steps
 k+1.. of an uninterrupted run. SIGINT/SIGTERM stop the run at the next safe point
 (:mod:`megarl.driver.interrupt`).
@@ -22,12 +22,13 @@ import contextlib
 import functools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 from megarl.config.schema import MegaRLConfig
-from megarl.data.batch import Rollout, advantages_with_metrics, critic_metrics
+from megarl.actors.step import StepHooks
+from megarl.data.batch import Rollout, critic_metrics
 from megarl.driver.interrupt import RunInterrupted, StepAbandoned, StopRequest
 
 HARD_STOP_WAIT_S = 5.0
@@ -192,44 +193,20 @@ def resume_from(cfg: MegaRLConfig, resume: bool, ckpt, group, rollouts, kl_ctl) 
     return start, meta
 
 
-@dataclass
-class ForwardPasses:
-    """What the forward passes before the update give; None for a pass that does not run. The
-    per-token outputs stay on the ranks: the controller holds a handle per sample
-    (:class:`megarl.data.store.Rows`) and the per-sample read-outs."""
-
-    plan: object
-    """The step's micro-batch plan (:meth:`WorkerGroup.plan`)."""
-    old: Optional[dict] = None
-    """The old-log-prob pass (:meth:`WorkerGroup.logprobs`): per sample, ``old_logprobs_T``, its
-    ``readouts``, the rollout correction's ``is_weights_T`` and ``mask_T``, and a routing
-    comparison's sums (``routing``)."""
-    ref_lp: Optional[list] = None
-    values: Optional[list] = None
-    routing_out: dict = field(default_factory=dict)
-    """The routing the old log-prob pass recorded (MoE routing actions)."""
-
-
 class StepRunner:
-    """The steps of RL, in order, for one run (:meth:`run`), each phase a method: generate, the
-    reward model's score, the forward passes (old / reference log-probs, critic values), what
-    reads the old log-probs, advantages, the updates, the weight sync and the step's metrics.
-    :func:`train` builds it with the run's parts and loops over the steps; the mode's sample
-    source (:mod:`megarl.driver.modes`) decides where samples come from and when the weights
-    reach the engines."""
+    """The steps of RL, in order, for one run (:meth:`run`), each stage a method: generate, the
+    reward model's score, the step's training on the ranks (:meth:`WorkerGroup.train_step`: the
+    forward passes, advantages and updates), the weight sync and the step's metrics. :func:`train`
+    builds it with the run's parts and loops over the steps; the mode's sample source
+    (:mod:`megarl.driver.modes`) decides where samples come from and when the weights reach the
+    engines."""
 
     def __init__(self, cfg: MegaRLConfig, *, group, rollouts, source, stop, log, timeline, generations, sample_log,
                  routing, rewards, reward_model, kl_ctl, after_sync: Optional[Callable] = None):
-        from megarl.config.passes import correction_in_forward, needs_old_logprob_pass
-        from megarl.actors.algorithm import resolve
-
         self.cfg, self.group, self.rollouts, self.source, self.stop = cfg, group, rollouts, source, stop
         self.log, self.timeline, self.generations, self.sample_log = log, timeline, generations, sample_log
         self.routing, self.rewards, self.reward_model, self.kl_ctl = routing, rewards, reward_model, kl_ctl
         self.after_sync = after_sync
-        self.adv_fn, self.adv_opts, _ = resolve(cfg.algorithm)
-        self.old_pass = needs_old_logprob_pass(cfg)
-        self.correct_in_forward = not self.old_pass and correction_in_forward(cfg.algorithm)
         self.window_start = time.monotonic()
         """Where the next step's timeline window starts (where the last one ended)."""
 
@@ -243,13 +220,16 @@ class StepRunner:
         self.score_with_reward_model(step, rollout, m)
         self.generations.write(step, rollout)                  # decoded samples: generations.jsonl
         self.stop.abandon_if_requested(m)                      # safe point: nothing updated yet
-        passes = self.forward_passes(step, rollout, timer, m)
-        per_sample, returns = self.advantages(step, rollout, passes, m)
-        self.stop.abandon_if_requested(m)                      # last safe point: the updates follow
-        self.update(step, rollout, passes, per_sample, returns, timer, m)
+        self.group.train_step(rollout, self.hooks(step, timer), m)
         self.phase(step, "sync")
         m.update(self.source.after_update(step, functools.partial(self.sync_weights, step, timer)))
         self.step_metrics(step, rollout, timer, m)
+
+    def hooks(self, step: int, timer) -> StepHooks:
+        """What the step's training borrows from the run (:class:`megarl.actors.step.StepHooks`)."""
+        return StepHooks(step=step, phase=functools.partial(self.phase, step), timer=timer,
+                         read=functools.partial(self.read_logprobs, step), routing=self.routing, kl_ctl=self.kl_ctl,
+                         safe_point=self.stop.abandon_if_requested)
 
     def phase(self, step: int, name: str, **fields) -> None:
         """The progress line; what a stop waits for."""
@@ -270,51 +250,6 @@ class StepRunner:
             self.phase(step, "reward_model")
             m.update(self.reward_model.apply(rollout, self.group))
 
-    def forward_passes(self, step: int, rollout: Rollout, timer, m: dict) -> ForwardPasses:
-        """The old log-prob pass (when the step needs one), the reference pass and the critic's
-        values, before the update.
-
-        With one update per step the old log-prob pass is skipped (``actor/old_logprob_pass`` 0;
-        :func:`megarl.config.passes.needs_old_logprob_pass` says when): the update takes its own
-        forward's log-probs as the old ones (ratio 1), and what reads them (the rollout-vs-train
-        alarm, entropy, KL and mismatch metrics, the sample log) reads that forward's after the
-        update. The alarm then stops a step after its update, still before its weight sync and
-        checkpoint."""
-        group = self.group
-        if self.old_pass or group.has_reference or group.has_critic:
-            self.phase(step, "logprobs", reward=m["reward/mean"])
-        with timer("logprobs"):   # ~0 s (the plan only) when no pass runs: the phase is always reported
-            out = ForwardPasses(plan=group.plan(rollout))
-            if self.old_pass:
-                self.old_logprobs(step, rollout, out)
-            if group.has_reference:
-                self.reference_logprobs(rollout, out)
-            if group.has_critic:
-                out.values = group.values(rollout, out.plan)
-        m["actor/old_logprob_pass"] = int(self.old_pass)
-        return out
-
-    def old_logprobs(self, step: int, rollout: Rollout, out: ForwardPasses) -> None:
-        """The policy's log-probs before the update, into ``out.old``: the tokens stay on the
-        ranks, their read-outs come back."""
-        from megarl.data.readout import forward_readout_inputs
-
-        out.old = self.group.logprobs(rollout, out.plan, reference=False, version=step - 1,
-                                      per_sample=forward_readout_inputs(rollout, step - 1, False),
-                                      **self.routing.old_pass(rollout))
-        out.routing_out = self.group.routing_out
-
-    def reference_logprobs(self, rollout: Rollout, out: ForwardPasses) -> None:
-        """The reference model's log-probs, into ``out.ref_lp`` (handles). After an old pass the
-        ranks add each sample's k1 sum (old - reference) to its read-outs."""
-        with_kl = out.old is not None
-        ref = self.group.logprobs(rollout, out.plan, reference=True, with_kl=with_kl,
-                                  per_sample={"old_logprobs_T": out.old["old_logprobs_T"]} if with_kl else None,
-                                  **self.routing.reference_pass(rollout))
-        out.ref_lp = ref["ref_logprobs_T"]
-        for readout, kl in zip(out.old["readouts"] if with_kl else (), ref.get("kl", ())):
-            readout["kl"] = kl
-
     def read_logprobs(self, step: int, rollout: Rollout, readouts: list[dict], m: dict) -> None:
         """What the policy's log-probs before the update feed, from the step's per-sample
         read-outs (:mod:`megarl.data.readout`): the alarm, metrics, the sample log, the KL
@@ -330,66 +265,6 @@ class StepRunner:
             m.setdefault("actor/kl", k1)   # a KL loss term reports its own estimator (the update's metrics win)
             self.kl_ctl.update(k1, len(rollout))
         m.update(got)
-
-    def advantages(self, step: int, rollout: Rollout, passes: ForwardPasses, m: dict) -> tuple[dict, list]:
-        """The update's per-sample inputs (old and reference log-probs, the rollout correction or
-        vLLM's log-probs for the update's forward to read, advantages) and the critic's returns.
-
-        With an old-log-prob pass its read-outs are here: read (alarm, metrics, sample log, KL
-        controller) before the update. Without one the update's forward reads its own log-probs on
-        the ranks (:mod:`megarl.data.readout`): they get vLLM's log-probs, the tokens' versions
-        when some are older than the policy trained, and with token-level tis the tokens it weighs.
-
-        Advantages from per-token inputs (a critic's values, a KL reward's old and reference
-        log-probs) are computed on rank 0, where those inputs are (:meth:`WorkerGroup.advantages`);
-        outcome-reward advantages (one value a sample) here."""
-        from megarl.data.readout import forward_readout_inputs
-
-        cfg, per_sample, old = self.cfg, {}, passes.old
-        if old is not None:
-            self.read_logprobs(step, rollout, old["readouts"], m)   # with the rollout_corr/* sums
-            m.update(self.routing.metrics_from_sums(passes.routing_out, old.get("routing", [])))
-            per_sample.update({k: old[k] for k in ("old_logprobs_T", "is_weights_T", "mask_T") if k in old})
-        else:
-            per_sample.update(forward_readout_inputs(rollout, step - 1, self.correct_in_forward))
-        if passes.ref_lp is not None:
-            per_sample["ref_logprobs_T"] = passes.ref_lp
-        # -beta * k1 as a per-token reward: the advantages read both passes' tokens
-        kl_coef = self.kl_ctl.value if old is not None and passes.ref_lp is not None and \
-            cfg.algorithm.kl_mode == "reward" else None
-        old_lp = old["old_logprobs_T"] if old is not None else None
-        if kl_coef is not None or passes.values is not None:
-            got = self.group.advantages(rollout, self.adv_fn, self.adv_opts, kl_coef, old_lp, passes.ref_lp,
-                                        passes.values)
-            per_sample["advantages_T"], returns = got["advantages_T"], got["returns_T"]
-            m.update(got["metrics"])
-            return per_sample, returns
-        # outcome advantages (no per-token input): one value a sample, from the rewards
-        per_sample["advantages_T"], returns, m_adv = advantages_with_metrics(rollout, self.adv_fn, self.adv_opts)
-        m.update(m_adv)
-        return per_sample, returns
-
-    def update(self, step: int, rollout: Rollout, passes: ForwardPasses, per_sample: dict, returns: list, timer,
-               m: dict) -> None:
-        """The critic's update (PPO), then the policy's. Without an old log-prob pass the update's
-        own forward gave the old log-probs: their readers come after it, so the alarm raised there
-        stops the run after the update but before the weight sync and the step's checkpoint (the
-        updated weights never leave the training workers)."""
-        group, routing = self.group, self.routing
-        if passes.values is not None:
-            self.phase(step, "critic")
-            with timer("critic"):
-                m.update(group.train_critic(rollout, passes.plan, {"old_values_T": passes.values, "returns_T": returns}))
-        forward_ran = self.old_pass or group.has_reference or group.has_critic
-        self.phase(step, "train", **({} if forward_ran else {"reward": m["reward/mean"]}))
-        with timer("train"):
-            m_train, readouts = group.train(rollout, passes.plan, per_sample, self.kl_ctl.value,
-                                            routing=routing.train_routing(rollout, passes.routing_out),
-                                            own_old_logprobs=not self.old_pass, version=step - 1)
-        m.update(m_train)
-        if readouts is not None:
-            self.read_logprobs(step, rollout, readouts, m)
-        routing.write(step, group.moe_tokens_per_expert, passes.routing_out)
 
     def sync_weights(self, step: int, timer) -> dict:
         """The weight sync, and what needs the engines idle: probes (``after_sync``), evaluation.

@@ -188,3 +188,22 @@ def test_the_driver_loop_stays_short():
     tree = ast.parse((ROOT / "driver" / "loop.py").read_text())
     spans = {n.name: n.end_lineno - n.lineno + 1 for n in tree.body if isinstance(n, ast.FunctionDef)}
     assert spans["train"] <= 60, spans
+
+
+PASS_METHODS = {"plan", "logprobs", "values", "advantages", "train", "train_critic", "forward_passes",
+                "old_logprobs", "reference_logprobs"}
+"""The names of a step's forward passes and updates (WorkerGroup's and RankStep's methods; the
+policy update is ``train``: ``update`` is also a dict's, and StepRunner has no method of that name)."""
+
+
+def test_the_step_is_one_call_to_the_training_ranks():
+    """StepRunner.run reads generate -> score -> train_step -> sync -> metrics in at most 15 lines
+    and calls no forward pass or update itself: those are WorkerGroup.train_step's."""
+    tree = ast.parse((ROOT / "driver" / "loop.py").read_text())
+    runner = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "StepRunner")
+    run = next(n for n in runner.body if isinstance(n, ast.FunctionDef) and n.name == "run")
+    assert run.end_lineno - run.lineno + 1 <= 15, run.end_lineno - run.lineno + 1
+    called = {c.func.attr for c in ast.walk(run) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)}
+    assert "train_step" in called and not called & PASS_METHODS, called
+    methods = {n.name for n in runner.body if isinstance(n, ast.FunctionDef)}
+    assert not methods & (PASS_METHODS | {"update"}), methods & (PASS_METHODS | {"update"})

@@ -80,7 +80,7 @@ class FakeGroup:
     def __init__(self, cfg, log_dir=None, verbose=False):
         # the run's handlers come after Ray (started in here) has installed its own
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        self.has_reference, self.has_critic = cfg.algorithm.kl_coef > 0, False
+        self.cfg, self.has_reference, self.has_critic = cfg, cfg.algorithm.kl_coef > 0, False
         self.placement, self.shut_down, self.step = FakePlacement(), False, 0
         self.passes, self.trained = [], []   # log-prob passes run; per update: (own_old_logprobs, per_sample keys)
         FakeGroup.instances.append(self)
@@ -98,6 +98,12 @@ class FakeGroup:
 
     def end_rollout(self) -> dict:
         return {}
+
+    def train_step(self, rollout, hooks, m) -> None:
+        """The real step's order (megarl.actors.step.RankStep) over this group's passes."""
+        from megarl.actors.step import RankStep
+
+        RankStep(self.cfg, self).run(rollout, hooks, m)
 
     def plan(self, rollout):
         return None
