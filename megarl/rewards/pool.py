@@ -64,8 +64,12 @@ class RewardWorkerCrash(RuntimeError):
     """The reward function's worker processes died on every call (see ``max_consecutive_crashes``)."""
 
 
-def _worker_init() -> None:
+def _worker_init(owner_pid: int | None = None) -> None:
+    """A worker ignores SIGINT and dies with the process that owns the pool (Linux
+    ``PR_SET_PDEATHSIG``): a controller killed with SIGKILL while it spawns a replacement worker
+    leaves no worker blocked forever on the pool's queue."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent(owner_pid)
     # Import the heavy modules once per worker, before any timed call.
     import megarl.rewards.math  # noqa: F401
 
@@ -73,6 +77,19 @@ def _worker_init() -> None:
         import math_verify  # noqa: F401
     except ImportError:
         pass
+
+
+def _die_with_parent(owner_pid: int | None) -> None:
+    """SIGKILL this process when its parent exits; exit now when the owner (a spawn worker's
+    parent; None: a forkserver's worker, whose parent is the fork server) is already gone."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return   # not Linux: the pool's own shutdown is the only cleanup
+    if owner_pid is not None and os.getppid() != owner_pid:
+        os._exit(1)
 
 
 def _worker_pid(delay_s: float, module: str | None = None) -> int:
@@ -160,7 +177,8 @@ class RewardPool:
     # -- pool lifecycle ---------------------------------------------------------------------------
 
     def _start(self, fn: Callable[..., Any]) -> cf.ProcessPoolExecutor:
-        executor = cf.ProcessPoolExecutor(self.num_workers, mp_context=self._context, initializer=_worker_init)
+        executor = cf.ProcessPoolExecutor(self.num_workers, mp_context=self._context, initializer=_worker_init,
+                                         initargs=(os.getpid() if self._context.get_start_method() == "spawn" else None,))
         # Spawned workers start on demand; keep submitting short tasks until every worker has
         # answered once, so that start-up and imports are done before any timed call.
         deadline = time.monotonic() + self.startup_timeout_s

@@ -308,3 +308,29 @@ def test_gsm8k_lenient_falls_back_to_last_number():
     assert lenient("1 + 8 = 9", "8") == 0.0            # last number 9 is wrong
     assert lenient("so 8 #### 9", "8") == 0.0          # '####' wins over the last-number fallback
     assert gsm8k_reward("4 + 5 = 9", "9") == 0.0       # the strict reward needs '####'
+
+
+def test_workers_die_with_a_killed_owner():
+    """SIGKILL to the process that owns a pool (not to its process group) takes its workers with it."""
+    import subprocess
+    import sys
+
+    code = ("from megarl.rewards import RewardPool\n"
+            "import sys, time\n"
+            "pool = RewardPool(num_workers=2, timeout_s=10.0).__enter__()\n"
+            "pool.score('gsm8k', ['#### 1'], ['1'])\n"
+            "print(*pool.worker_pids, flush=True)\n"
+            "time.sleep(600)\n")
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        workers = [int(p) for p in owner.stdout.readline().split()]
+        assert len(workers) == 2, workers
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait()
+        deadline = time.monotonic() + 20
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in workers):
+            assert time.monotonic() < deadline, [p for p in workers if psutil.pid_exists(p)]
+            time.sleep(0.1)
+    finally:
+        if owner.poll() is None:
+            os.killpg(owner.pid, signal.SIGKILL)
