@@ -17,7 +17,8 @@
   the overlong buffer set explicitly, which wins over the preset), with an evaluation and a
   checkpoint in a ``checkpoint.dir`` of its own at step 2, under rollout.placement=split (vLLM in
   a separate Ray actor fed by the bridge through a proxy): 2 steps; weights change and vLLM samples
-  from the synced policy. (REINFORCE++ with offloading runs in tests/e2e/test_slurm_e2e.py, GSPO with
+  from the synced policy. It runs first on the preset sweep's group, then one step of every
+  other preset on the same workers and engine. (REINFORCE++ with offloading runs in tests/e2e/test_slurm_e2e.py, GSPO with
   the RLOO baseline in tests/e2e/test_faults_e2e.py.)
 """
 import os
@@ -45,13 +46,14 @@ PPO_LR = "  min_lr: 2.0e-3\n  optimizer_offload: true"
 # sample (each prompt was sampled in step 1) and step 1's checkpoint sits in the middle of epoch 2
 PPO_SPEC = dict(trainer_extra=PPO_LR, rollout_extra="  speculative: exact", data_extra="  num_prompts: 3")
 CRASH_BOUND_S = 120   # step 2 done -> exit: step 3's generation, three reward pools dying, the stop (~7 s)
-# name -> (algorithm section, recipe() extras): the split placement rides along with DAPO
-OTHERS = {
-    "dapo_split": ("""  name: dapo
+# DAPO from its preset (the overlong buffer set explicitly, which wins over the preset's), 2 steps
+# with an evaluation and a checkpoint in a checkpoint.dir of its own at step 2: first on the preset
+# sweep's group (fresh weights), under the sweep's rollout.placement=split
+DAPO = """  name: dapo
   max_sampling_tries: 3
-  overlong_buffer: 4""", dict(save_every=2, data_extra="  eval_prompts: 4", trainer_extra="  eval_every: 2",
-                              checkpoint_extra="  dir: {run_dir}/dapo_checkpoints", rollout_extra="  placement: split")),
-}
+  overlong_buffer: 4"""
+DAPO_EXTRAS = dict(save_every=2, data_extra="  eval_prompts: 4", trainer_extra="  eval_every: 2",
+                   checkpoint_extra="  dir: {run_dir}/dapo_checkpoints", rollout_extra="  placement: split")
 # REINFORCE++ with Dr.GRPO's aggregation and trainer.offload_train_state rides along the two-node
 # Slurm job of tests/e2e/test_slurm_e2e.py
 
@@ -136,26 +138,24 @@ def test_ppo_resume_skips_a_damaged_checkpoint_and_repeats_step_2_then_a_crashin
     assert not left, "\n".join(left)
 
 
-@pytest.mark.parametrize("name", sorted(OTHERS))
-def test_algorithm_runs_two_steps(tmp_path, name):
-    algorithm, extras = OTHERS[name]
-    rows = run(tmp_path, name, recipe(algorithm, steps=2, **extras))
+def check_dapo(run_dir, rows) -> None:
+    """The preset turned DAPO's parts on (the recipe's overlong_buffer won over the preset's);
+    dynamic sampling kept whole groups, overlong shaping took reward off, the evaluation ran at
+    step 2 and the checkpoint went to the recipe's folder."""
     check_trains_and_syncs(rows, 2)
     assert rows[-1]["sync/version"] == 2
-    if name == "dapo_split":
-        # the preset turned DAPO's parts on; the recipe's overlong_buffer won over the preset's
-        resolved = yaml.safe_load((tmp_path / name / "config.yaml").read_text())["algorithm"]
-        assert {k: resolved[k] for k in ("clip_high", "dynamic_sampling", "overlong_buffer", "loss_agg_mode",
-                                         "kl_coef")} == dict(clip_high=0.28, dynamic_sampling=True,
-                                                             overlong_buffer=4, loss_agg_mode="token-mean",
-                                                             kl_coef=0.0)
-        for r in rows:
-            assert r["rollout/num_samples"] % 4 == 0 and r["rollout/num_samples"] > 0
-            if r["response_length/max"] > 8:             # overlong shaping took reward off
-                assert r["reward/mean"] < r["reward/accuracy"]
-        assert "eval/accuracy" not in rows[0] and "eval/accuracy" in rows[1]   # trainer.eval_every: 2
-        assert (tmp_path / name / "dapo_checkpoints" / "step_00000002").is_dir()
-        assert not (tmp_path / name / "checkpoints").exists()
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())["algorithm"]
+    assert {k: resolved[k] for k in ("clip_high", "dynamic_sampling", "overlong_buffer", "loss_agg_mode",
+                                     "kl_coef")} == dict(clip_high=0.28, dynamic_sampling=True,
+                                                         overlong_buffer=4, loss_agg_mode="token-mean",
+                                                         kl_coef=0.0)
+    for r in rows:
+        assert r["rollout/num_samples"] % 4 == 0 and r["rollout/num_samples"] > 0
+        if r["response_length/max"] > 8:             # overlong shaping took reward off
+            assert r["reward/mean"] < r["reward/accuracy"]
+    assert "eval/accuracy" not in rows[0] and "eval/accuracy" in rows[1]   # trainer.eval_every: 2
+    assert (run_dir / "dapo_checkpoints" / "step_00000002").is_dir()
+    assert not (run_dir / "checkpoints").exists()
 
 
 # every preset of the algorithm-breadth issue: (metric of its own that must be there, or None)
@@ -166,10 +166,12 @@ PRESETS = {"pf_ppo": "pf/kept_frac", "remax": "remax/greedy_reward_mean", "gpg":
 
 
 def test_every_preset_runs_a_step_on_one_group(tmp_path):
-    """One launch: one WorkerGroup (Ray, one training rank, one vLLM engine) and one step of every
-    preset on it in turn (tests/e2e/preset_sweep.py): the weights change at every preset's step
-    (the group carries them from one preset to the next), vLLM samples from the synced policy
-    (gap < 1e-4), and each preset's own metrics are there."""
+    """One launch: one WorkerGroup (Ray, one training rank, one vLLM engine in a Ray actor of its
+    own: rollout.placement=split) and, on it in turn (tests/e2e/preset_sweep.py), DAPO's 2 steps
+    with its evaluation and checkpoint (:func:`check_dapo`, on the fresh weights), then one step of
+    every other preset: the weights change at every preset's step (the group carries them from one
+    preset to the next), vLLM samples from the synced policy (gap < 1e-4), and each preset's own
+    metrics are there."""
     import subprocess
     import sys
 
@@ -177,14 +179,19 @@ def test_every_preset_runs_a_step_on_one_group(tmp_path):
 
     # a constant learning rate: the presets run one after another on the same optimizer, whose
     # schedule carries on (WorkerGroup.reuse_for); a graded reward, so a group's best is unique
-    text = recipe("  name: grpo", steps=1, trainer_extra="  min_lr: 2.0e-3").replace(
-        "prompts_per_step: 4", "prompts_per_step: 2").replace("token_parity_reward", "char_variety_reward")
+    text = recipe("  name: grpo", steps=1, trainer_extra="  min_lr: 2.0e-3", rollout_extra="  placement: split"
+                  ).replace("prompts_per_step: 4", "prompts_per_step: 2").replace("token_parity_reward",
+                                                                                  "char_variety_reward")
     recipe_file = write_recipe(tmp_path, "sweep", text)
+    (tmp_path / "runs").mkdir()
+    dapo_file = write_recipe(tmp_path / "runs", "dapo", recipe(DAPO, steps=2, **DAPO_EXTRAS))
     env = dict(os.environ, PYTHONPATH=f"{HERE}:{os.environ.get('PYTHONPATH', '')}", RAY_TMPDIR=ray_tmpdir())
     proc = subprocess.run([sys.executable, str(HERE / "preset_sweep.py"), str(recipe_file), str(tmp_path / "runs"),
-                           *PRESETS], env=env, capture_output=True, text=True, timeout=1500)
+                           f"dapo={dapo_file}", *PRESETS], env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert [line for line in proc.stdout.splitlines() if line.startswith("done ")] == [f"done {n}" for n in PRESETS]
+    assert [line for line in proc.stdout.splitlines() if line.startswith("done ")] == \
+        [f"done {n}" for n in ("dapo", *PRESETS)]
+    check_dapo(tmp_path / "runs" / "dapo", metrics(tmp_path / "runs" / "dapo"))
     sums = []
     for name, own in PRESETS.items():
         rows = metrics(tmp_path / "runs" / name)

@@ -11,11 +11,12 @@ rollout correction (weights and kept tokens computed on the ranks, per sequence)
 
 Checked: vLLM's log-probs agree with the old pass's on the ranks to fp32 precision at both steps
 (the ids the ranks fetched are the sampled ones), every reader of the pass reported. Lifetime: the
-ranks hold the same number of object references after each step's weight sync (each DP leader's
-objects of the passes, while the step holds them) and none after the run. Then, on the same
-workers, 20 steps of each of trainer.mode on_policy and async (the old pass and IcePop's objects
-on the ranks): neither the ranks' references nor the controller's nor the engines' grow over the
-20 steps (async drops stale groups too), and none are left after each run. In async the ranks
+ranks hold the same number of object references at each step's policy update (each DP leader's
+objects of the passes, while the step holds them), none after its weight sync (released when its
+training ends) and none after the run. Then, on the same workers, 12 steps (LIFETIME) of each of
+trainer.mode on_policy and async (the old pass and IcePop's objects on the ranks): neither the
+ranks' references nor the controller's nor the engines' grow over those steps (async drops stale
+groups too), and none are left after each step's training or after each run. In async the ranks
 read the samples' ids and log-probs from the engines' objects too, and vLLM's log-probs agree with
 the ranks' to 1e-4 at every step. The numbers equal those of the design that sent every tensor
 through the controller (perf/ab_commits.py, bit for bit).
@@ -36,25 +37,33 @@ ALGORITHM = """  name: grpo
   correction_low: 0.5
   correction_high: 2.0"""
 
-LIFETIME = 20
+LIFETIME = 12
 
 
 def check_lifetime(stdout: str) -> None:
-    """20 steps a mode: after each weight sync the ranks hold the step's objects and nothing older
-    (no more in the last 10 steps than in the first 10: the count follows the step's micro-batches),
+    """LIFETIME steps a mode: after each weight sync the ranks hold the step's objects and nothing
+    older (no more in the second half of the steps than in the first: the count follows the step's
+    micro-batches),
     none after the run; the controller's and the engines' references do not grow either."""
-    lines = {line.split()[1]: line.split() for line in stdout.splitlines() if line.startswith("life ")}
+    lines = {line.split()[1]: line.split()[2:] for line in stdout.splitlines() if line.startswith("life ")}
     assert sorted(lines) == ["async", "on_policy"], stdout[-3000:]
     for mode, words in lines.items():
-        at, et = words.index("controller"), words.index("engines")
-        ranks, controller, engines = ([int(x) for x in words[a + 1:b]]
-                                      for a, b in ((2, at), (at, et), (et, len(words))))
-        assert len(ranks) == len(controller) == len(engines) == LIFETIME + 1, (mode, words)
-        print(f"{mode}: references after each step's sync, then after the run: ranks {ranks}, controller "
-              f"{controller}, engines {engines}")
-        assert min(ranks[:-1]) > 0 and max(ranks[10:-1]) <= max(ranks[:10]) and ranks[-1] == 0, (mode, ranks)
-        assert max(controller[10:-1]) <= max(controller[:10]), (mode, controller)
-        assert max(engines[10:-1]) <= max(engines[:10]), (mode, engines)
+        counts: dict = {}
+        for word in words:   # "key v v .. key v v ..": a list of ints under each key
+            if word.lstrip("-").isdigit():
+                counts[key].append(int(word))
+            else:
+                key = word
+                counts[key] = []
+        ranks, synced, controller, engines = (counts[k] for k in ("ranks", "ranks_synced", "controller", "engines"))
+        assert len(ranks) == len(synced) == len(controller) == len(engines) == LIFETIME + 1, (mode, counts)
+        print(f"{mode}: references at each step's update (ranks) or after its sync, then after the run: ranks "
+              f"{ranks}, ranks after the sync {synced}, controller {controller}, engines {engines}")
+        half = LIFETIME // 2
+        assert min(ranks[:-1]) > 0 and max(ranks[half:-1]) <= max(ranks[:half]) and ranks[-1] == 0, (mode, ranks)
+        assert max(synced) == 0, (mode, synced)   # a step's objects are released by the end of its training
+        assert max(controller[half:-1]) <= max(controller[:half]), (mode, controller)
+        assert max(engines[half:-1]) <= max(engines[:half]), (mode, engines)
         # the samples' ids and log-probs are the engines' objects while a step runs (async: the buffered ones too)
         assert min(engines[:-1]) > 0 and engines[-1] == 0, (mode, engines)
 
@@ -67,11 +76,13 @@ def test_forward_outputs_stay_on_the_ranks_and_nothing_grows(tmp_path):
     proc = subprocess.run([sys.executable, str(HERE / "dataplane_runs.py"), str(recipe_file), str(tmp_path / "runs"),
                            "--lifetime", str(LIFETIME)], env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    # the object references the training ranks hold after each step's weight sync, then after the run
+    # the object references the training ranks hold at each step's policy update, then after the run
     refs = {line.split()[1]: [int(x) for x in line.split()[3:]] for line in proc.stdout.splitlines()
             if line.startswith("done ")}
     during, after = refs["main"][:-1], refs["main"][-1]
     assert len(during) == 2 and during[0] > 0 and during == [during[0]] * 2 and after == 0, refs   # no growth
+    [synced] = [[int(x) for x in line.split()[2:]] for line in proc.stdout.splitlines() if line.startswith("synced ")]
+    assert synced == [0, 0], synced   # released by the end of the step's training, before its weight sync
     check_lifetime(proc.stdout)
     runs = tmp_path / "runs"
     rows = metrics(runs / "main")

@@ -75,9 +75,14 @@ def runs(tmp_path_factory):
     from megarl.config import load_config
     from megarl.driver.loop import train
 
+    import ray
+
     tmp = tmp_path_factory.mktemp("r3")
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setenv("RAY_TMPDIR", ray_tmpdir())
+    # one Ray for both runs, as megarl.actors.placement.init_ray starts it for this recipe (one
+    # training device, colocated): each run then skips Ray's start and stop
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
     out = {}
     try:
         for name in RUNS:
@@ -87,6 +92,7 @@ def runs(tmp_path_factory):
             moe = read_jsonl(tmp / name / "moe.jsonl")
             out[name] = {"rows": metrics(tmp / name), "moe": moe}
     finally:
+        ray.shutdown()
         monkeypatch.undo()
     for mode, run in out.items():
         for r in run["rows"]:
