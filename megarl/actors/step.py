@@ -173,7 +173,8 @@ class RankStep:
         if passes.values is not None:
             hooks.phase("critic")
             with hooks.timer("critic"):
-                m.update(group.train_critic(rollout, passes.plan, {"old_values_T": passes.values, "returns_T": returns}))
+                m.update(group.train_critic(rollout, passes.plan,
+                                            {"old_values_T": passes.values, "returns_T": returns}))
         forward_ran = self.old_pass or group.has_reference or group.has_critic
         hooks.phase("train", **({} if forward_ran else {"reward": m["reward/mean"]}))
         with hooks.timer("train"):

@@ -177,8 +177,9 @@ class RewardPool:
     # -- pool lifecycle ---------------------------------------------------------------------------
 
     def _start(self, fn: Callable[..., Any]) -> cf.ProcessPoolExecutor:
+        owner = os.getpid() if self._context.get_start_method() == "spawn" else None   # a spawn worker's parent
         executor = cf.ProcessPoolExecutor(self.num_workers, mp_context=self._context, initializer=_worker_init,
-                                         initargs=(os.getpid() if self._context.get_start_method() == "spawn" else None,))
+                                         initargs=(owner,))
         # Spawned workers start on demand; keep submitting short tasks until every worker has
         # answered once, so that start-up and imports are done before any timed call.
         deadline = time.monotonic() + self.startup_timeout_s

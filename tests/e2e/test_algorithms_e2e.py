@@ -18,8 +18,8 @@
   checkpoint in a ``checkpoint.dir`` of its own at step 2, under rollout.placement=split (vLLM in
   a separate Ray actor fed by the bridge through a proxy): 2 steps; weights change and vLLM samples
   from the synced policy. It runs first on the preset sweep's group, then one step of every
-  other preset on the same workers and engine. (REINFORCE++ with offloading runs in tests/e2e/test_slurm_e2e.py, GSPO with
-  the RLOO baseline in tests/e2e/test_faults_e2e.py.)
+  other preset on the same workers and engine. (REINFORCE++ with offloading runs in
+  tests/e2e/test_slurm_e2e.py, GSPO with the RLOO baseline in tests/e2e/test_faults_e2e.py.)
 """
 import os
 import signal

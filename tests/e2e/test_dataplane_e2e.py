@@ -41,10 +41,10 @@ LIFETIME = 12
 
 
 def check_lifetime(stdout: str) -> None:
-    """LIFETIME steps a mode: after each weight sync the ranks hold the step's objects and nothing
+    """LIFETIME steps a mode: at each policy update the ranks hold the step's objects and nothing
     older (no more in the second half of the steps than in the first: the count follows the step's
-    micro-batches),
-    none after the run; the controller's and the engines' references do not grow either."""
+    micro-batches), none after each weight sync and none after the run; the controller's and the
+    engines' references do not grow either."""
     lines = {line.split()[1]: line.split()[2:] for line in stdout.splitlines() if line.startswith("life ")}
     assert sorted(lines) == ["async", "on_policy"], stdout[-3000:]
     for mode, words in lines.items():

@@ -72,10 +72,10 @@ RUNS = ("r2", "r3")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    import ray
+
     from megarl.config import load_config
     from megarl.driver.loop import train
-
-    import ray
 
     tmp = tmp_path_factory.mktemp("r3")
     monkeypatch = pytest.MonkeyPatch()
