@@ -157,18 +157,22 @@ class PolicyRole:
 
 
 class ReferenceRole:
-    """The frozen reference shard (a KL term): its log-prob pass."""
+    """The frozen reference shard (a KL term): its log-prob pass. ``adapters_off``: ``engine`` is the
+    LoRA policy itself, run with its adapters disabled (its frozen base weights: no second model)."""
 
-    def __init__(self, ctx: RankContext, engine):
-        self.ctx, self.engine = ctx, engine
+    def __init__(self, ctx: RankContext, engine, adapters_off: bool = False):
+        self.ctx, self.engine, self.adapters_off = ctx, engine, adapters_off
 
     def logprobs(self, micro_batches, request: PassRequest) -> Optional[PassResult]:
         """DP leaders: per micro-batch its :func:`megarl.data.readout.reference_pass_outputs`
         (``with_kl``: the micro-batches carry the old pass's log-probs), else None."""
         from megarl.data.readout import reference_pass_outputs
 
-        outs = self.engine.forward_logprobs(micro_batches, with_entropy=False, routing=request.routing,
-                                            record_routing=request.record_routing)
+        from megarl.policy.lora import adapters_disabled
+
+        with adapters_disabled(self.engine.model.adapters if self.adapters_off else []):
+            outs = self.engine.forward_logprobs(micro_batches, with_entropy=False, routing=request.routing,
+                                                record_routing=request.record_routing)
         if not self.ctx.dp_leader:
             return None
         kept = [reference_pass_outputs(o.logprobs_R, b, request.with_kl) for o, b in zip(outs, micro_batches)]

@@ -66,6 +66,7 @@ class HybridWorker:
 
         from megarl.compat import setup_cpu
         from megarl.policy import ModelOptions, OptimOptions, PolicyModel, reference_model
+        from megarl.policy.lora import LoraOptions
         from megarl.models.fixtures import resolve_model_path
         from megarl.parallel.groups import build_process_groups
         from megarl.actors.algorithm import needs_critic
@@ -88,6 +89,9 @@ class HybridWorker:
         opts = ModelOptions(path=self.ctx.model_path, dtype=cfg.model.dtype, recompute=cfg.model.recompute,
                             moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
                             moe_z_loss_coeff=cfg.model.moe_z_loss_coeff, moe_dispatcher=cfg.model.moe_dispatcher)
+        lora = cfg.model.lora
+        lora_opts = LoraOptions(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=tuple(lora.targets),
+                                seed=cfg.trainer.seed) if lora.rank else None
         tr = cfg.trainer
         optim = OptimOptions(optimizer=tr.optimizer, lr=tr.lr, min_lr=tr.min_lr, warmup_steps=tr.warmup_steps,
                              decay_steps=max(1, tr.steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches),
@@ -99,12 +103,14 @@ class HybridWorker:
         # every rank builds them in this order (policy, reference, reward model, critic): building a model may
         # draw on the RNG
         if stage != "rl":   # megarl sft / rm: one trainable engine, no rollout
-            policy_opts = dataclasses.replace(opts, score_head=stage == "rm")
+            policy_opts = dataclasses.replace(opts, score_head=stage == "rm", lora=lora_opts)
             self.policy = PolicyRole(self.ctx, PolicyModel(policy_opts, groups, optim), stage, loss_hook)
         else:
-            self.policy = PolicyRole(self.ctx, PolicyModel(opts, groups, optim), stage, loss_hook)
-            if cfg.algorithm.kl_coef > 0:
-                self.reference = ReferenceRole(self.ctx, reference_model(opts, groups))
+            policy = PolicyModel(dataclasses.replace(opts, lora=lora_opts), groups, optim)
+            self.policy = PolicyRole(self.ctx, policy, stage, loss_hook)
+            if cfg.algorithm.kl_coef > 0:   # LoRA: the policy's own weights with the adapters off
+                self.reference = ReferenceRole(self.ctx, policy if lora_opts else reference_model(opts, groups),
+                                               adapters_off=lora_opts is not None)
             self.reward_model.configure(cfg)
             if needs_critic(cfg.algorithm):   # PPO: same architecture and checkpoint, scalar value head
                 critic_optim = dataclasses.replace(optim, lr=cfg.algorithm.critic_lr or tr.lr,
@@ -151,9 +157,11 @@ class HybridWorker:
 
     # ------------------------------------------------------------------ memory (collective)
     def _engines(self) -> list:
-        """Every Megatron engine this worker holds: policy, reference, critic, reward model."""
+        """Every Megatron engine this worker holds, once: policy, reference (the policy itself under
+        LoRA), critic, reward model."""
         roles = (self.policy, self.reference, self.critic, self.reward_model)
-        return [r.engine for r in roles if r is not None and r.engine is not None]
+        engines = [r.engine for r in roles if r is not None and r.engine is not None]
+        return [e for i, e in enumerate(engines) if all(e is not f for f in engines[:i])]
 
     def offload(self) -> int:
         """Move every engine's params, grads and optimizer state to host memory; the bytes moved."""

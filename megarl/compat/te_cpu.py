@@ -40,7 +40,8 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 
-def _norm(x, weight, bias, config):
+def te_norm(x, weight, bias, config):
+    """The norm TE fuses into LayerNormLinear (RMSNorm or LayerNorm per ``config``, zero-centred gamma)."""
     w = weight + 1 if config.layernorm_zero_centered_gamma else weight
     if config.normalization == "RMSNorm":
         return F.rms_norm(x, (x.shape[-1],), w, config.layernorm_epsilon)
@@ -87,7 +88,7 @@ class CpuTELayerNormColumnParallelLinear(ColumnParallelLinear):
             self.layer_norm_bias = None
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
-        x = _norm(input_, self.layer_norm_weight, self.layer_norm_bias, self.config)
+        x = te_norm(input_, self.layer_norm_weight, self.layer_norm_bias, self.config)
         return super().forward(x, weight=weight, runtime_gather_output=runtime_gather_output)
 
 

@@ -52,6 +52,8 @@ def _describe(hint) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
     if origin in (Union, types.UnionType):
         return " or ".join(_describe(a) for a in typing.get_args(hint))
+    if origin is list:
+        return "a list of " + _describe(typing.get_args(hint)[0])
     return _TYPE_NAMES.get(hint, getattr(hint, "__name__", str(hint)))
 
 
@@ -67,6 +69,11 @@ def _coerce(value, hint, key: str):
         for arg in typing.get_args(hint):   # Optional[Literal]: a value of the choices' type is a bad choice
             if typing.get_origin(arg) is Literal and any(type(value) is type(c) for c in typing.get_args(arg)):
                 raise invalid_value(key, value, _describe(arg))
+        raise _type_error(key, value, hint)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if isinstance(value, (list, tuple)):
+            return [_coerce(v, item, key) for v in value]
         raise _type_error(key, value, hint)
     if origin is Literal:
         choices = typing.get_args(hint)
@@ -384,6 +391,7 @@ def cross_validate(cfg: MegaRLConfig) -> None:
                       else ("rollout.return_routing", True))
         raise invalid_value(key, value, f"{'off' if key.startswith('algorithm') else 'false'} for model {path}: it "
                             "has no MoE layer (no router whose routing could be returned or replayed)")
+    check_lora(cfg, dims)
     try:
         cfg.topology.to_topology().check_model(dims)
     except TopologyError as err:
@@ -405,6 +413,27 @@ def cross_validate(cfg: MegaRLConfig) -> None:
         except (ValueError, KeyError, TypeError) as err:
             raise invalid_value("trainer.balance_cost", "flops", f"'tokens' for model {path}: its config.json "
                                 f"gives no FLOPs model ({err})") from None
+
+
+def check_lora(cfg: MegaRLConfig, dims) -> None:
+    """``model.lora`` against the model (``dims``: its :class:`megarl.models.dims.ModelDims`) and the
+    run: no adapters on routed experts or on MLA attention (DeepSeek-V3's projections are not
+    linear_qkv / linear_proj); checkpoints do not hold adapters yet, so a LoRA run saves none."""
+    lora = cfg.model.lora
+    if not lora.rank:
+        return
+    path = cfg.model.path
+    mlp = [t for t in lora.targets if t in ("linear_fc1", "linear_fc2")]
+    if dims.num_experts and mlp:
+        raise invalid_value("model.lora.targets", lora.targets, f"no {' / '.join(mlp)} for model {path}: it has MoE "
+                            "layers, and adapters on routed experts are not supported (use [linear_qkv, linear_proj])")
+    if dims.kv_lora_rank:
+        raise invalid_value("model.lora.rank", lora.rank, f"0 for model {path}: its MLA attention has no linear_qkv "
+                            "/ linear_proj to adapt (LoRA covers dense GQA attention and dense MLPs)")
+    if cfg.checkpoint.save_every or cfg.checkpoint.resume:
+        key = "checkpoint.save_every" if cfg.checkpoint.save_every else "checkpoint.resume"
+        raise invalid_value(key, getattr(cfg.checkpoint, key.split(".")[1]), "0 / false with model.lora.rank > 0 "
+                            "(checkpoints do not hold LoRA adapters yet: a LoRA run neither saves nor resumes)")
 
 
 def to_yaml(cfg: MegaRLConfig) -> str:

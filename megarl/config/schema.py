@@ -78,6 +78,36 @@ class TopologyConfig:
             raise ConfigValueError(err.field, err.value, err.expected) from None
 
 
+LORA_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+"""The layers LoRA can adapt (megatron-core's names; megarl.policy.lora.LORA_TARGETS)."""
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank; 0: no adapters, every weight of the policy trains. > 0: the policy's weights are
+    frozen and only adapters of this rank on ``targets`` train (megarl/policy/lora.py: sharded like
+    their layers, on every layout); the KL reference policy is the same weights with the adapters
+    off (no second model), and each weight sync sends the merged weights W + alpha/rank B A."""
+    alpha: float = 32.0
+    """Scale numerator: the adapter adds alpha / rank * B A x (PEFT's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (training passes only), in [0, 1)."""
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Layers to adapt: attention linear_qkv (q, k, v; one A), linear_proj (o), dense MLP
+    linear_fc1 (gate, up; one A) and linear_fc2 (down). Routed experts are not adapted: on a
+    model with MoE layers use [linear_qkv, linear_proj]."""
+
+    def validate(self):
+        _positive(self, "rank", allow_zero=True)
+        _positive(self, "alpha")
+        if not 0 <= self.dropout < 1:
+            raise ConfigValueError("dropout", self.dropout, "a number in [0, 1)")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
+            raise ConfigValueError("targets", self.targets, f"a non-empty list of distinct names from {LORA_TARGETS}")
+
+
 @dataclass
 class ModelConfig:
     path: str = "fixture:smollm2"
@@ -100,6 +130,8 @@ class ModelConfig:
     all-to-all; runs everywhere, CPU included), or megatron-core's flex dispatcher with the DeepEP
     or HybridEP backend (a GPU and the deep_ep package). ``megarl plan`` prices training with the
     published throughput measured with this dispatcher (megarl/planner/published.py)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters on the policy (rank 0: off)."""
 
     def validate(self):
         if not self.path:

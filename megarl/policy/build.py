@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -59,6 +59,8 @@ class ModelOptions:
     """Activation recompute: none, selective or full."""
     moe_dispatcher: str = "alltoall"
     """MoE token dispatcher: alltoall, or deepep / hybridep (megatron-core's flex dispatcher; GPU)."""
+    lora: Optional[Any] = None
+    """A :class:`megarl.policy.lora.LoraOptions`: freeze the model and train LoRA adapters on it."""
     config_overrides: dict = field(default_factory=dict)
     """Extra TransformerConfig fields (win over everything else)."""
     value_head: bool = False
@@ -94,6 +96,8 @@ class BuiltModel:
     hf_config: Any
     groups: ParallelGroups
     path: str
+    adapters: list = field(default_factory=list)
+    """The LoRA adapters (:class:`megarl.policy.lora.LoraAdapter`), in module order; empty without LoRA."""
 
     @property
     def modules(self) -> list:
@@ -216,6 +220,10 @@ def build_model(options: ModelOptions, groups: ParallelGroups, *, ddp: bool = Fa
                                      f"{tuple(weight.shape)} (a sequence-classification model with one label)")
                 with torch.no_grad():
                     weight.copy_(score.to(weight.dtype))
+    if options.lora is not None:   # before DDP: it allocates gradient buffers for the adapters only
+        from megarl.policy.lora import attach_lora
+
+        model.adapters = attach_lora(model.modules, options.lora, groups, topology.sp)
     if ddp:
         model.chunks = wrap_ddp(model.chunks, model.config, distributed_optimizer)
     return model

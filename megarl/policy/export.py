@@ -70,9 +70,14 @@ class LocalTarget:
 _EXPERT_STACKS = (".mlp.experts.linear_fc1.weight", ".mlp.experts.linear_fc2.weight")
 
 
+ADAPTER_MARK = ".adapter.lora_"
+"""In the names of LoRA adapters' parameters (``<layer>.adapter.lora_A``), and in no weight's."""
+
+
 def named_tensors(module) -> list[tuple[str, torch.Tensor]]:
-    """Parameters plus the MoE ``expert_bias`` buffers (not registered as parameters)."""
-    out = list(module.named_parameters())
+    """Parameters plus the MoE ``expert_bias`` buffers (not registered as parameters); LoRA
+    adapters (:mod:`megarl.policy.lora`) are not the model's weights and are left out."""
+    out = [(n, p) for n, p in module.named_parameters() if ADAPTER_MARK not in n]
     seen = {n for n, _ in out}
     for name, buf in module.state_dict(keep_vars=True).items():
         if "expert_bias" in name and name not in seen and "_extra_state" not in name:
@@ -80,14 +85,14 @@ def named_tensors(module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _layer_offset(module, pp_rank: int) -> int:
+def layer_offset(module, pp_rank: int) -> int:
     """Global number of the chunk's first decoder layer (megatron-core's own offset)."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     return get_transformer_layer_offset(module.config, module.vp_stage, pp_rank)
 
 
-def _global_name(local_name: str, layer_offset: int) -> str:
+def global_name(local_name: str, layer_offset: int) -> str:
     """``decoder.layers.<i>.x`` -> ``decoder.layers.<i + layer_offset>.x`` (other names unchanged)."""
     head, sep, rest = local_name.partition("decoder.layers.")
     if not sep:
@@ -114,17 +119,17 @@ def local_targets(model) -> list[LocalTarget]:
 
     out = []
     for module in model.modules:
-        offset = _layer_offset(module, groups.pp_rank)
+        offset = layer_offset(module, groups.pp_rank)
         scalar_head = has_value_head(module)
         for local_name, tensor in named_tensors(module):
             if scalar_head and local_name.startswith("output_layer."):   # a critic's or RM's head: no HF name
                 continue
-            stack, local_id = _split_expert(_global_name(local_name, offset))
+            stack, local_id = _split_expert(global_name(local_name, offset))
             expert = None if local_id is None else groups.ep_rank * per_rank + local_id
             tied = stack == "output_layer.weight" and stack not in logical
             t = logical.get("embedding.word_embeddings.weight" if tied else stack)
             if t is None:
-                raise ValueError(f"Megatron parameter {_global_name(local_name, offset)!r} has no HF mapping for "
+                raise ValueError(f"Megatron parameter {global_name(local_name, offset)!r} has no HF mapping for "
                                  f"{mapping.cfg.model_type}")
             tp = topo.expert_tp if expert is not None else topo.tp
             if expert is not None:
@@ -179,22 +184,40 @@ def fill_from_hf(model, reader) -> int:
 
 
 # ----------------------------------------------------------------------------- shards -> HF
+def merged_targets(model) -> list[LocalTarget]:
+    """:func:`local_targets` with each LoRA-adapted weight replaced by its merged shard
+    ``W + scale * B A`` (:meth:`megarl.policy.lora.LoraAdapter.merged`): what the exports and the
+    weight bridge send is the model the policy runs."""
+    targets = local_targets(model)
+    adapters = {a.name: a for a in getattr(model, "adapters", ())}
+    if not adapters:
+        return targets
+    return [replace(t, tensor=adapters[t.name].merged(t.tensor.detach())) if t.name in adapters else t
+            for t in targets]
+
+
+def gather_shards(logical: MegatronTensor, shard: torch.Tensor, group, view=lambda t: t) -> torch.Tensor:
+    """The whole logical tensor from every rank's ``shard`` of it (collective over ``group``, the
+    TP group it is split over; ``view`` turns a shard into the logical tensor's dims)."""
+    size = group.size()
+    if logical.tp_dim is None or size == 1:
+        return view(shard).detach()
+    parts = [torch.empty_like(shard) for _ in range(size)]
+    dist.all_gather(parts, shard.detach().contiguous(), group=group)
+    return merge_shards(logical, {(r, 0): view(p) for r, p in enumerate(parts)}, size)
+
+
 def _full_tensor(target: LocalTarget, groups) -> torch.Tensor:
     """All-gather and merge the TP shards of one local parameter (collective over its TP group),
     in the logical tensor's dims."""
-    size, _, group = _tp_of(target, groups)
-    if target.logical.tp_dim is None or size == 1:
-        return target.view().detach()
-    parts = [torch.empty_like(target.tensor) for _ in range(size)]
-    dist.all_gather(parts, target.tensor.detach().contiguous(), group=group)
-    return merge_shards(target.logical, {(r, 0): target.view(p) for r, p in enumerate(parts)}, size)
+    return gather_shards(target.logical, target.tensor, _tp_of(target, groups)[2], target.view)
 
 
 def export_hf_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for the whole model on every rank (collective)."""
     groups = model.groups
     pgs, topo = groups.pgs, groups.topology
-    local = [t for t in local_targets(model) if not t.tied_output]
+    local = [t for t in merged_targets(model) if not t.tied_output]
     meta = [(t.logical, t.expert, t.tensor.dtype) for t in local]
     if topo.pp > 1:
         all_meta = [None] * topo.pp
@@ -233,7 +256,7 @@ def local_shards(model) -> list[LocalShard]:
     """This rank's parameters with their partition metadata (no communication)."""
     groups = model.groups
     out = []
-    for target in local_targets(model):
+    for target in merged_targets(model):
         size, rank, _ = _tp_of(target, groups)
         split, expert = target.logical.tp_dim is not None, target.expert is not None
         param_dim = target.logical.tp_dim - 1 if expert and split else target.logical.tp_dim   # no stack dim

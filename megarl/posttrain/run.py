@@ -120,6 +120,11 @@ def run_stage(cfg, stage: str, resume: bool = False, verbose: bool = False) -> P
 
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; expected one of {sorted(STAGES)}")
+    if stage == "rm" and cfg.model.lora.rank:
+        from megarl.config.errors import invalid_value
+
+        raise invalid_value("model.lora.rank", cfg.model.lora.rank, "0 for megarl rm (a reward model trains its "
+                            "score head, which LoRA would freeze; LoRA serves megarl train and megarl sft)")
     p = cfg.posttrain
     run_dir = Path(cfg.trainer.run_dir)
     export_dir = Path(p.export_dir or run_dir / "hf")

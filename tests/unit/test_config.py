@@ -364,3 +364,29 @@ def test_rollout_fleet_size_defaults_to_the_devices_and_fits_them():
         "= 2 (colocated, each vLLM TP rank shares a training device; rollout.dp=2, rollout.tp=2)")
     assert error_of(["rollout.tp=2", "model.path=fixture:tiny-qwen2"]).startswith("invalid value for config key 'rollout.tp': got 2, expected "
                                                  "rollout.dp * rollout.tp <= topology.world_size = 1")
+
+
+def test_lora_section_parses_and_bad_values_name_the_key():
+    cfg = load_config(None, ["model.lora.rank=8", "model.lora.alpha=16", "model.lora.targets=[linear_qkv,linear_proj]"])
+    assert (cfg.model.lora.rank, cfg.model.lora.alpha, cfg.model.lora.targets) == (8, 16.0, ["linear_qkv", "linear_proj"])
+    assert load_config(None, []).model.lora.rank == 0      # off by default
+    assert "model.lora.rank" in error_of(["model.lora.rank=-1"])
+    assert "expected a non-empty list of distinct names from" in error_of(["model.lora.targets=[q_proj]"])
+    assert "expected a list of str" in error_of(["model.lora.targets=linear_qkv"])
+    assert "model.lora.dropout" in error_of(["model.lora.dropout=1.0"])
+    assert "did you mean 'model.lora.rank'" in error_of(["model.lora.rnk=2"])
+
+
+def test_lora_is_refused_where_it_cannot_work_before_any_process_starts():
+    from megarl.config.schema import LORA_TARGETS
+    from megarl.policy.lora import LORA_TARGETS as ENGINE_TARGETS
+
+    assert tuple(LORA_TARGETS) == ENGINE_TARGETS
+    moe = error_of(["model.path=fixture:tiny-qwen3_moe", "model.lora.rank=4"])
+    assert "model.lora.targets" in moe and "MoE" in moe and "[linear_qkv, linear_proj]" in moe
+    load_config(None, ["model.path=fixture:tiny-qwen3_moe", "model.lora.rank=4",
+                       "model.lora.targets=[linear_qkv,linear_proj]", "checkpoint.save_every=0"])
+    assert "MLA" in error_of(["model.path=fixture:tiny-deepseek_v3", "model.lora.rank=4",
+                              "model.lora.targets=[linear_qkv]", "checkpoint.save_every=0"])
+    saves = error_of(["model.lora.rank=4", "checkpoint.save_every=5"])
+    assert "checkpoint.save_every" in saves and "LoRA" in saves
