@@ -13,11 +13,9 @@ M2  distributed checkpoints load no code: torch DCP (megatron's ``torch_dist`` f
     ``torch.Size``, dtypes, layouts) and byte items load with ``weights_only=True``; anything else
     raises :class:`UnsafePickleError` before it is built. TE FP8 extra state that pickles a recipe
     object would be refused. tests/unit/test_safe_loads.py.
-M3  a frozen linear's input gradient (``LinearWithFrozenWeight.backward``: LoRA's frozen output
-    layer) is ``grad_output.matmul(weight)`` on ``[T, 1, V]``: a non-contiguous gradient makes
-    torch expand the weight to ``[T, V, H]`` and run a batched matmul (a LoRA step on SmolLM2 spent
-    21 of 23 s there). :func:`_frozen_weight_backward` multiplies the rows as one ``[T, V]`` matrix.
-    tests/unit/test_megatron_fixes.py.
+M3  a frozen linear's input gradient (LoRA's frozen output layer): upstream's matmul on a
+    non-contiguous ``[T, 1, V]`` gradient expands the weight to ``[T, V, H]``; the rows are
+    multiplied as one matrix instead (:func:`_frozen_weight_backward`; test_megatron_fixes.py).
 """
 from __future__ import annotations
 
