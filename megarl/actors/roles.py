@@ -157,11 +157,12 @@ class PolicyRole:
 
 
 class ReferenceRole:
-    """The frozen reference shard (a KL term): its log-prob pass. ``adapters_off``: ``engine`` is the
-    LoRA policy itself, run with its adapters disabled (its frozen base weights: no second model)."""
+    """The frozen reference shard (a KL term): its log-prob pass, with the engine's LoRA adapters
+    disabled: under LoRA ``engine`` is the policy itself (its frozen base weights: no second model);
+    a separate reference model has none."""
 
-    def __init__(self, ctx: RankContext, engine, adapters_off: bool = False):
-        self.ctx, self.engine, self.adapters_off = ctx, engine, adapters_off
+    def __init__(self, ctx: RankContext, engine):
+        self.ctx, self.engine = ctx, engine
 
     def logprobs(self, micro_batches, request: PassRequest) -> Optional[PassResult]:
         """DP leaders: per micro-batch its :func:`megarl.data.readout.reference_pass_outputs`
@@ -170,7 +171,7 @@ class ReferenceRole:
 
         from megarl.policy.lora import adapters_disabled
 
-        with adapters_disabled(self.engine.model.adapters if self.adapters_off else []):
+        with adapters_disabled(self.engine.model.adapters):
             outs = self.engine.forward_logprobs(micro_batches, with_entropy=False, routing=request.routing,
                                                 record_routing=request.record_routing)
         if not self.ctx.dp_leader:

@@ -109,8 +109,7 @@ class HybridWorker:
             policy = PolicyModel(dataclasses.replace(opts, lora=lora_opts), groups, optim)
             self.policy = PolicyRole(self.ctx, policy, stage, loss_hook)
             if cfg.algorithm.kl_coef > 0:   # LoRA: the policy's own weights with the adapters off
-                self.reference = ReferenceRole(self.ctx, policy if lora_opts else reference_model(opts, groups),
-                                               adapters_off=lora_opts is not None)
+                self.reference = ReferenceRole(self.ctx, policy if lora_opts else reference_model(opts, groups))
             self.reward_model.configure(cfg)
             if needs_critic(cfg.algorithm):   # PPO: same architecture and checkpoint, scalar value head
                 critic_optim = dataclasses.replace(optim, lr=cfg.algorithm.critic_lr or tr.lr,
