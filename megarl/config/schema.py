@@ -88,7 +88,7 @@ class LoraConfig:
     """LoRA rank; 0: no adapters, every weight of the policy trains. > 0: the policy's weights are
     frozen and only adapters of this rank on ``targets`` train (megarl/policy/lora.py: sharded like
     their layers, on every layout); the KL reference policy is the same weights with the adapters
-    off (no second model), and each weight sync sends the merged weights W + alpha/rank B A."""
+    off (no second model). What a weight sync sends: ``bridge.lora_sync``."""
     alpha: float = 32.0
     """Scale numerator: the adapter adds alpha / rank * B A x (PEFT's lora_alpha)."""
     dropout: float = 0.0
@@ -685,6 +685,11 @@ class BridgeConfig:
     verify: bool = False
     """After every sync, compare checksums of vLLM's readable parameters with the Megatron
     weights; a mismatch stops the run with a WeightSyncError naming the parameter."""
+    lora_sync: Literal["adapter", "merged"] = "adapter"
+    """With ``model.lora.rank`` > 0, what each sync sends: adapter (only the adapter tensors,
+    loaded into every engine as a vLLM LoRA adapter in place, replacing the last one; the engines
+    keep the frozen base they started with) or merged (the full weights W + alpha/rank B A
+    through the bridge, as without LoRA; the engines run no LoRA kernels). Ignored without LoRA."""
 
     def validate(self):
         _positive(self, "bucket_mb")

@@ -93,6 +93,10 @@ def make_rollout_llm(cfg, model_path: str, cores: tuple[int, int] | None = None)
         extra["max_logprobs"] = max(20, r.speculative_topk)
     if r.ep > 1:
         extra["enable_expert_parallel"] = True
+    if takes_adapter(cfg):
+        from megarl.rollout.lora import engine_options
+
+        extra.update(engine_options(cfg.model.lora.rank))
     if not cuda_available():
         extra["distributed_executor_backend"] = "uni" if r.tp == 1 else "mp"
         # A prompt prefill split over scheduler steps makes vLLM rewind the request's seeded generator
@@ -109,6 +113,12 @@ def make_rollout_llm(cfg, model_path: str, cores: tuple[int, int] | None = None)
     if capture and llm is not None:
         track(llm)
     return llm
+
+
+def takes_adapter(cfg) -> bool:
+    """Whether the engines run the policy's LoRA adapter (``bridge.lora_sync: adapter``) rather
+    than receive merged weights."""
+    return bool(cfg.model.lora.rank) and cfg.bridge.lora_sync == "adapter"
 
 
 def sleeps(cfg) -> bool:

@@ -181,6 +181,13 @@ class EngineActor:
     def reset_prefix_cache(self):
         return self.llm.reset_prefix_cache()
 
+    def load_adapter(self, tensors: dict, config: dict, version: int) -> dict:
+        """:func:`megarl.rollout.lora.load_adapter` into this engine."""
+        from megarl.rollout.lora import load_adapter
+
+        with self._errors("the weight sync (LoRA adapter)"):
+            return load_adapter(self.llm, tensors, config, version)
+
     def sleep(self, level: int) -> None:
         self.llm.sleep(level=level)
 
@@ -210,3 +217,8 @@ class RemoteEngine:
         import ray
 
         return ray.get(self.actor.reset_prefix_cache.remote())
+
+    def load_adapter(self, tensors: dict, config: dict, version: int) -> dict:
+        import ray
+
+        return ray.get(self.actor.load_adapter.remote(tensors, config, version))

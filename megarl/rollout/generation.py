@@ -50,6 +50,8 @@ class Generation:
         """:meth:`megarl.rollout.engine.EngineActor.generate_stream`."""
         from vllm import TokensPrompt
 
+        from megarl.rollout.lora import adapter_request
+
         r = self.cfg.rollout
         topk = r.speculative_topk if r.speculative != "off" and not greedy else 0
         delay = r.delay_per_token_s
@@ -68,7 +70,7 @@ class Generation:
                     return [(i, samples)], [(child_id(internal, o.index, params[i].n), s, len(prompt_ids[i]), o)
                                             for o, s in zip(out.outputs, samples)]
             ids = self.llm.enqueue([TokensPrompt(prompt_token_ids=p) for p, _, _ in units], [q for _, q, _ in units],
-                                   use_tqdm=False) if units else []
+                                   use_tqdm=False, lora_request=adapter_request(self.llm)) if units else []
             # outputs carry the external id (LLM's counter, "7"); enqueue returns vLLM's internal
             # one, the external id with a random suffix ("7-1a2b3c4d"); the routing is filed under it
             index = {rid.split("-", 1)[0]: (key, rid) for (_, _, key), rid in zip(units, ids)}

@@ -87,6 +87,8 @@ def vllm_outputs(llm, prompt_ids: list[list[int]], num_new: int, one_at_a_time: 
     routing and have megarl's worker extension: :class:`megarl.rollout.moe_routing.RoutingReader`)."""
     from vllm import SamplingParams, TokensPrompt
 
+    from megarl.rollout.lora import adapter_request
+
     reader = None
     if routing:
         from megarl.rollout.moe_routing import RoutingReader
@@ -98,9 +100,9 @@ def vllm_outputs(llm, prompt_ids: list[list[int]], num_new: int, one_at_a_time: 
     for batch in batches:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in batch]
         if reader is None:
-            outs, internal = llm.generate(prompts, params, use_tqdm=False), None
+            outs, internal = llm.generate(prompts, params, use_tqdm=False, lora_request=adapter_request(llm)), None
         else:   # vLLM's internal ids (the routing's keys) come from enqueue; outputs in enqueue order
-            internal = llm.enqueue(prompts, params, use_tqdm=False)
+            internal = llm.enqueue(prompts, params, use_tqdm=False, lora_request=adapter_request(llm))
             outs = llm.wait_for_completion(use_tqdm=False)
         samples = []
         for j, (out, ids) in enumerate(zip(outs, batch)):

@@ -45,7 +45,7 @@ class RequestStream:
         self.inbox: queue.Queue | None = None
         self.is_open = False
         """Whether more requests may come through :attr:`inbox` (:meth:`open`)."""
-        self.engine = llm.llm_engine
+        self.llm, self.engine = llm, llm.llm_engine
 
     def open(self, inbox: queue.Queue) -> None:
         """Take requests from ``inbox`` too (lists of requests; None: no more) until it closes."""
@@ -67,9 +67,12 @@ class RequestStream:
             return   # returned as partials (nothing generated)
         from vllm import TokensPrompt
 
+        from megarl.rollout.lora import adapter_request
+
+        lora = adapter_request(self.llm)
         inputs = self.engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=q["prompt_ids"]) for q in new])
         for rid, prompt, params in zip(rids, inputs, request_params(self.rollout_cfg, new)):
-            self.internal[rid] = self.engine.add_request(rid, prompt, params)
+            self.internal[rid] = self.engine.add_request(rid, prompt, params, lora_request=lora)
 
     def take_inbox(self, wait_s: float) -> None:
         """:meth:`add` what the inbox holds, waiting up to ``wait_s`` for the first item."""

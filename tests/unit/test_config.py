@@ -388,5 +388,12 @@ def test_lora_is_refused_where_it_cannot_work_before_any_process_starts():
                        "model.lora.targets=[linear_qkv,linear_proj]", "checkpoint.save_every=0"])
     assert "MLA" in error_of(["model.path=fixture:tiny-deepseek_v3", "model.lora.rank=4",
                               "model.lora.targets=[linear_qkv]", "checkpoint.save_every=0"])
+    assert "bridge.verify" in error_of(["model.lora.rank=4", "bridge.verify=true"])
+    load_config(None, ["model.lora.rank=4", "bridge.verify=true", "bridge.lora_sync=merged"])
+    assert "rollout.weight_noise_std" in error_of(["model.lora.rank=4", "rollout.weight_noise_std=0.1"])
+    big = error_of(["model.lora.rank=1024"])
+    assert "model.lora.rank" in big and "at most 512" in big
+    load_config(None, ["model.lora.rank=1024", "bridge.lora_sync=merged"])
+    assert "bridge.lora_sync" in error_of(["bridge.lora_sync=full"])
     saves = error_of(["model.lora.rank=4", "checkpoint.save_every=5"])
     assert "checkpoint.save_every" in saves and "LoRA" in saves

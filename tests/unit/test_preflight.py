@@ -14,7 +14,8 @@ from helpers import write_jsonl
 
 from megarl.config import ConfigError, load_config
 from megarl.models.dims import ModelDims
-from megarl.preflight import PREVIEW_ROWS, VLLM_HEAD_SIZES, checkpoint_bytes, preflight, rollout_backend
+from megarl.preflight import (PREVIEW_ROWS, VLLM_HEAD_SIZES, VLLM_LORA_ARCHITECTURES, checkpoint_bytes, preflight,
+                              rollout_backend)
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_SECONDS = 3.0          # issue 13's acceptance: preflight errors arrive in under 3 s
@@ -247,6 +248,30 @@ def test_head_size_table_matches_the_installed_vllm():
     # gpu: None because the last-resort backends take any size
     assert all(FlexAttentionBackend.supports_head_size(h) and TritonMLABackend.supports_head_size(h)
                for h in (8, 16, 17, 320, 1024))
+
+
+def test_adapter_sync_needs_an_architecture_that_takes_lora(tmp_path):
+    model_dir(tmp_path, architectures=["LlamaForCausalLMWithoutLoRA"])
+    lora = {"lora": {"rank": 4}}
+    assert error_of(tmp_path, model=lora).startswith(
+        "invalid value for config key 'bridge.lora_sync': got 'adapter', expected merged for model "
+        f"{tmp_path}/model: vLLM's LlamaForCausalLMWithoutLoRA takes no LoRA adapter")
+    preflight(load_config(write_recipe(tmp_path, model=lora, bridge={"lora_sync": "merged"})), "train", backend="cpu")
+    preflight(load_config(write_recipe(tmp_path, model=lora)), "generate", backend="cpu")   # no sync there
+
+
+@pytest.mark.vllm
+def test_lora_tables_match_the_installed_vllm():
+    import typing
+
+    from vllm.config.lora import MaxLoRARanks
+    from vllm.model_executor.models.interfaces import supports_lora
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    from megarl.config.loader import VLLM_LORA_RANKS
+
+    assert VLLM_LORA_RANKS == typing.get_args(MaxLoRARanks)
+    assert all(supports_lora(ModelRegistry._try_load_model_cls(a)) for a in VLLM_LORA_ARCHITECTURES)
 
 
 def test_rollout_ep_needs_a_gpu_vllm_and_experts(tmp_path):
