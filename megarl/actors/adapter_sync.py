@@ -2,8 +2,8 @@
 
 The engines keep the frozen base weights they loaded at start (the same HF folder the policy's
 base came from; it never changes), so a sync moves only the adapters: every training rank
-gathers the model's adapter tensors under their PEFT names (over TP and PP; a few MB), and the
-rank that drives each engine hands them to it (:func:`megarl.rollout.lora.load_adapter`, through
+gathers the model's adapter tensors under their PEFT names (over TP and PP; a few MB; the A that
+q/k/v and gate/up share travels once), and the rank that drives each engine hands them to it (:func:`megarl.rollout.lora.load_adapter`, through
 Ray), where vLLM replaces its LoRA adapter in place. The interface is the weight bridge's
 (``sync(engine=None)``, ``llm``, ``version``), so restarts and resumes work the same way.
 """
@@ -13,6 +13,18 @@ import time
 
 import torch
 import torch.distributed as dist
+
+
+def wire_form(tensors: dict) -> tuple[dict, dict]:
+    """What travels: each tensor object once (``tensors`` names the fused layers' shared A under
+    every HF module's name: q/k/v, gate/up), on the CPU, plus ``{name: name it repeats}``."""
+    first, out, aliases = {}, {}, {}
+    for name, t in tensors.items():
+        if id(t) in first:
+            aliases[name] = first[id(t)]
+        else:
+            first[id(t)], out[name] = name, t.cpu()
+    return out, aliases
 
 
 class AdapterSync:
@@ -45,12 +57,12 @@ class AdapterSync:
         if engine is None:
             self.version += 1
         model = self.engine.model
-        tensors = peft_state(model.adapters, model.mapping, self.engine.groups)
+        tensors, aliases = wire_form(peft_state(model.adapters, model.mapping, self.engine.groups))
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        stats = {"version": self.version, "adapter_bytes": nbytes, "adapter_tensors": len(tensors)}
+        stats = {"version": self.version, "adapter_bytes": nbytes, "adapter_tensors": len(tensors) + len(aliases)}
         drives = self.llm is not None and engine in (None, self.engine_index)
         if drives:
-            loaded = load_adapter(self.llm, {k: t.cpu() for k, t in tensors.items()}, self.config, self.version)
+            loaded = load_adapter(self.llm, tensors, self.config, self.version, aliases)
             stats.update(engine_index=self.engine_index, engine_load_seconds=loaded["seconds"],
                          engine_bytes=loaded["bytes"], bytes_by_path={"ray": nbytes})
         if dist.is_initialized():

@@ -14,7 +14,8 @@ CHECKSUMS         vLLM parameter names                              ``{"rank", "
 RELOAD_BYTES      safetensors bytes of full HF tensors (a           ``{"rank", "secs"}``
                   baseline for measuring the sync)
 LOAD_ADAPTER      PEFT adapter tensors ``{name: tensor}``, the        ``{"rank", "bytes", "secs"}``
-                  ``adapter_config.json`` dict, weight version
+                  ``adapter_config.json`` dict, weight version,
+                  ``{name: name of the tensor it repeats}``
 ================  ================================================  ===================================
 """
 LOAD_BUCKET = "megarl_load_bucket"

@@ -139,15 +139,16 @@ class LoraAdapter(torch.nn.Module):
                 gather_shards(self.b_logical, self.lora_B, self.tp_group).clone())
 
     def peft_tensors(self, mapping) -> dict[str, torch.Tensor]:
-        """PEFT's tensors of this layer (collective over TP): ``lora_A`` per fused HF module (the
-        same A for q/k/v and for gate/up), ``lora_B`` split the way the base weight is."""
+        """PEFT's tensors of this layer (collective over TP): ``lora_A`` per fused HF module (one
+        tensor object for q/k/v and one for gate/up: the fused layer's A), ``lora_B`` split the way
+        the base weight is."""
         a, b = self.full()
         out = {}
         for hf_name, b_part in megatron_to_hf(mapping, self.b_logical, b).items():
             stem = PEFT_PREFIX + hf_name.removesuffix(".weight")
             out[f"{stem}.lora_B.weight"] = b_part.contiguous()
-            out[f"{stem}.lora_A.weight"] = (a.clone() if self.column else
-                                            megatron_to_hf(mapping, self.a_logical, a)[hf_name]).contiguous()
+            out[f"{stem}.lora_A.weight"] = a if self.column else \
+                megatron_to_hf(mapping, self.a_logical, a)[hf_name].contiguous()
         return out
 
 
@@ -217,6 +218,16 @@ def peft_config(options: LoraOptions, base_model: str) -> dict:
             "use_dora": False, "inference_mode": True}
 
 
+def unshared(tensors: dict) -> dict:
+    """``tensors`` with every tensor object that appears under several names copied (safetensors
+    refuses tensors sharing memory)."""
+    seen, out = set(), {}
+    for k, v in tensors.items():
+        out[k] = v.contiguous().clone() if id(v) in seen else v.contiguous()
+        seen.add(id(v))
+    return out
+
+
 def write_peft_folder(folder: str | os.PathLike, tensors: dict, options: LoraOptions, base_model: str) -> Path:
     """Write a PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``)
     atomically: built in a sibling temp folder, then renamed over ``folder``."""
@@ -225,7 +236,7 @@ def write_peft_folder(folder: str | os.PathLike, tensors: dict, options: LoraOpt
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(staging / "adapter_model.safetensors"))
+    save_file(unshared(tensors), str(staging / "adapter_model.safetensors"))
     (staging / "adapter_config.json").write_text(json.dumps(peft_config(options, base_model), indent=1))
     if folder.exists():
         old = folder.with_name(f".{folder.name}.old")

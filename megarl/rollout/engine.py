@@ -181,12 +181,12 @@ class EngineActor:
     def reset_prefix_cache(self):
         return self.llm.reset_prefix_cache()
 
-    def load_adapter(self, tensors: dict, config: dict, version: int) -> dict:
+    def load_adapter(self, tensors: dict, config: dict, version: int, aliases: dict) -> dict:
         """:func:`megarl.rollout.lora.load_adapter` into this engine."""
         from megarl.rollout.lora import load_adapter
 
         with self._errors("the weight sync (LoRA adapter)"):
-            return load_adapter(self.llm, tensors, config, version)
+            return load_adapter(self.llm, tensors, config, version, aliases)
 
     def sleep(self, level: int) -> None:
         self.llm.sleep(level=level)
@@ -218,7 +218,7 @@ class RemoteEngine:
 
         return ray.get(self.actor.reset_prefix_cache.remote())
 
-    def load_adapter(self, tensors: dict, config: dict, version: int) -> dict:
+    def load_adapter(self, tensors: dict, config: dict, version: int, aliases: dict) -> dict:
         import ray
 
-        return ray.get(self.actor.load_adapter.remote(tensors, config, version))
+        return ray.get(self.actor.load_adapter.remote(tensors, config, version, aliases))

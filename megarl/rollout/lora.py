@@ -27,14 +27,16 @@ def engine_options(rank: int) -> dict:
     return {"enable_lora": True, "max_lora_rank": max_rank, "max_loras": 1, "max_cpu_loras": 1}
 
 
-def load_adapter(llm, tensors: dict, config: dict, version: int) -> dict:
-    """Load the adapter (PEFT names -> full tensors, its ``adapter_config.json``) into every worker
-    of ``llm`` and make every later request use it. Returns ``{"bytes", "seconds"}`` (bytes one
-    worker received; seconds of the slowest). An engine in another process
+def load_adapter(llm, tensors: dict, config: dict, version: int, aliases: dict | None = None) -> dict:
+    """Load the adapter (PEFT names -> full tensors, its ``adapter_config.json``; ``aliases``:
+    ``{name: name in tensors}`` of the tensors that repeat another) into every worker of ``llm``
+    and make every later request use it. Returns ``{"bytes", "seconds"}`` (bytes one worker
+    received; seconds of the slowest). An engine in another process
     (:class:`megarl.rollout.engine.RemoteEngine`) loads it there."""
+    aliases = aliases or {}
     if hasattr(llm, "load_adapter"):
-        return llm.load_adapter(tensors, config, version)
-    replies = llm.collective_rpc(rpc.LOAD_ADAPTER, args=(tensors, config, version))
+        return llm.load_adapter(tensors, config, version, aliases)
+    replies = llm.collective_rpc(rpc.LOAD_ADAPTER, args=(tensors, config, version, aliases))
     llm.reset_prefix_cache()
     _ACTIVE[llm] = True
     return {"bytes": replies[0]["bytes"], "seconds": max(r["secs"] for r in replies)}

@@ -145,10 +145,10 @@ class BridgeWorkerExtension:
         _after_reload(self.model_runner.model, [n for n, _ in named])
         return {"rank": self.rank, "secs": time.perf_counter() - t}
 
-    def megarl_load_adapter(self, tensors: dict, config: dict, version: int) -> dict:
+    def megarl_load_adapter(self, tensors: dict, config: dict, version: int, aliases: dict) -> dict:
         """``rpc.LOAD_ADAPTER``: replace the engine's LoRA adapter (:mod:`megarl.rollout.lora`) in
         place with ``tensors`` (PEFT names, full tensors: vLLM's LoRA layers take this rank's TP
-        slices themselves). vLLM's adapter loader reads a PEFT folder, so the adapter goes through
+        slices themselves; ``aliases``: names whose tensor is another's). vLLM's adapter loader reads a PEFT folder, so the adapter goes through
         one in shared memory (``/dev/shm``: RAM, not disk), removed once loaded."""
         import json
         import shutil
@@ -162,7 +162,8 @@ class BridgeWorkerExtension:
         t = time.perf_counter()
         folder = tempfile.mkdtemp(prefix="megarl-adapter-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         try:
-            save_file({k: v.contiguous() for k, v in tensors.items()},
+            save_file({**{k: v.contiguous() for k, v in tensors.items()}, **{k: tensors[v].clone()
+                                                                             for k, v in aliases.items()}},
                       os.path.join(folder, "adapter_model.safetensors"))
             with open(os.path.join(folder, "adapter_config.json"), "w") as f:
                 json.dump(config, f)

@@ -4,7 +4,7 @@ llama): ``model.lora`` rank 8 on all four targets, GRPO with a k3 KL loss term, 
 The policy's base weights stay frozen and the adapters train (the weight checksum moves every step);
 the reference policy is the policy with its adapters off, so at step 1 (B starts at zero) the KL to
 it is exactly 0 and afterwards it is not. ``bridge.lora_sync: adapter`` (3 steps): each sync moves
-only the adapter tensors (exactly r (in + out) fp32 numbers per HF module) into vLLM's LoRA slot, in
+only the adapter tensors (each Megatron layer's A once, each HF module's B) into vLLM's LoRA slot, in
 place; ``merged`` (2 steps): each sync sends the merged weights W + alpha/r B A through the bridge
 (the base model's bytes). In both, vLLM's sampling log-probs agree with the LoRA policy's own
 forward (fp32, < 1e-4: what a stale or missed adapter, or a wrong merge, breaks by orders of
@@ -31,12 +31,13 @@ def merged_rows(tmp_path_factory):
 
 
 def adapter_bytes(rank: int = 8) -> int:
-    """fp32 bytes of the tied tiny llama's PEFT adapter: r (in + out) per adapted HF module."""
+    """fp32 bytes of the tied tiny llama's adapter on the wire: r x (in + out) per Megatron layer's
+    A and per HF module's B (q/k/v share one A, gate/up another)."""
     c = json.loads((session_tied_llama() / "config.json").read_text())
     h, f = c["hidden_size"], c["intermediate_size"]
     hd = c.get("head_dim") or h // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-    per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + f) + (f + h)   # q k v o gate up down
+    per_layer = (h + q + h + f) + (q + 2 * kv + h + 2 * f + h)   # A: qkv o fc1 fc2; B: q k v o gate up down
     return 4 * rank * per_layer * c["num_hidden_layers"]
 
 
