@@ -11,11 +11,15 @@ method is collective over the training ranks, as the actor's methods are.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 from megarl.actors.messages import MicroBatchPass, PassRequest, PassResult, UpdateRequest, UpdateResult
+
+LORA_FILE = "lora.json"
+"""In a LoRA policy's checkpoint: the adapters' layout (:func:`megarl.policy.lora.lora_layout`)."""
 
 
 @dataclass
@@ -129,13 +133,20 @@ class PolicyRole:
         """The policy as an HF folder (collective; rank 0 writes ``model.safetensors`` and copies
         the model folder's config and tokenizer files): what a fresh vLLM engine would load. An
         ``rm`` stage writes a ``*ForSequenceClassification`` folder with one label
-        (:func:`megarl.models.seqcls.reward_model_config`). Written into a temporary sibling
-        folder and renamed: ``folder`` is either the last complete export or absent."""
+        (:func:`megarl.models.seqcls.reward_model_config`). A LoRA policy's weights are the merged
+        W + alpha/r B A, and its adapters go beside them as a PEFT folder, ``folder/adapter``
+        (``adapter_config.json``, ``adapter_model.safetensors``; ``PeftModel.from_pretrained`` on
+        the base model). Written into a temporary sibling folder and renamed: ``folder`` is either
+        the last complete export or absent."""
         import shutil
 
         from safetensors.torch import save_file
 
+        from megarl.policy.lora import peft_state, write_peft_folder
+
         tensors = {name: t.detach().contiguous().clone() for name, t in self.engine.export_hf()}
+        adapters = self.engine.model.adapters
+        peft = peft_state(adapters, self.engine.model.mapping, self.engine.groups) if adapters else None
         if self.ctx.rank != 0:
             return
         model_path = self.ctx.model_path
@@ -151,6 +162,8 @@ class PolicyRole:
             (partial / "config.json").write_text(reward_model_config(model_path))
             tensors.pop("lm_head.weight", None)
         save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
+        if peft is not None:
+            write_peft_folder(partial / "adapter", peft, adapters[0].options, str(model_path))
         if final.exists():
             shutil.rmtree(final)
         partial.rename(final)
@@ -306,12 +319,43 @@ class ShardCheckpoint:
         for prefix, engine in self._engines().items():
             if not is_loading:   # a checkpoint before the first applied update (all skipped so far)
                 engine.ensure_optimizer_state()
-            model_sd = {f"{prefix}model{i}": chunk.sharded_state_dict(prefix=prefix)
-                        for i, chunk in enumerate(engine.model.modules)}
+            if engine.model.adapters:   # LoRA: the adapters; the frozen base is the model folder's
+                from megarl.policy.lora import adapter_sharded_state_dict
+
+                model_sd = {f"{prefix}lora": adapter_sharded_state_dict(engine.model.adapters, prefix)}
+            else:
+                model_sd = {f"{prefix}model{i}": chunk.sharded_state_dict(prefix=prefix)
+                            for i, chunk in enumerate(engine.model.modules)}
             state.update(model_sd)
             state[f"{prefix}optimizer"] = engine.optimizer.sharded_state_dict(
                 model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
         return state
+
+    def _lora_layout(self) -> dict | None:
+        """:func:`megarl.policy.lora.lora_layout` of the policy's adapters (None without LoRA)."""
+        from megarl.policy.lora import lora_layout
+
+        adapters = self.policy.model.adapters
+        return lora_layout(adapters[0].options, self.ctx.topology.tp) if adapters else None
+
+    def _check_lora(self, folder: str) -> None:
+        """A LoRA checkpoint loads into a LoRA policy of the same adapters and TP size, and a full
+        one into a policy without adapters; else a CheckpointError naming what differs."""
+        from megarl.checkpoint_files import CheckpointError
+
+        path = Path(folder) / LORA_FILE
+        saved = json.loads(path.read_text()) if path.exists() else None
+        mine = self._lora_layout()
+        if saved == mine:
+            return
+        if saved is None or mine is None:
+            has, wants = ("full weights", "LoRA adapters") if saved is None else ("LoRA adapters", "full weights")
+            raise CheckpointError(f"{folder}: the checkpoint holds {has} but this run trains {wants} (model.lora.rank "
+                                  f"{mine['rank'] if mine else 0}); resume with the model.lora it was saved with")
+        diff = ", ".join(f"{'topology.tp' if k == 'tp' else 'model.lora.' + k}={mine[k]!r} (saved: {saved[k]!r})"
+                         for k in saved if saved[k] != mine.get(k))
+        raise CheckpointError(f"{folder}: LoRA checkpoint saved with other settings: {diff}; resume with the "
+                              "ones it was saved with")
 
     def _rng_file(self, folder: str) -> Path:
         return Path(folder) / f"rng_rank{self.ctx.rank:05d}.pt"
@@ -322,6 +366,8 @@ class ShardCheckpoint:
         from megatron.core import dist_checkpointing, tensor_parallel
 
         dist_checkpointing.save(self._sharded_state(is_loading=False), folder)
+        if self.ctx.rank == 0 and (layout := self._lora_layout()) is not None:
+            (Path(folder) / LORA_FILE).write_text(json.dumps(layout))
         torch.save({"torch": torch.get_rng_state(),
                     "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
                     "engine_step": self.policy.step_count,
@@ -337,6 +383,7 @@ class ShardCheckpoint:
         from megarl.compat.megatron_fixes import find_unsafe, optimizer_classes
         from megarl.checkpoint_files import CheckpointError, UnsafeCheckpointError, describe_error, load_plain
 
+        self._check_lora(folder)
         try:
             # common.pt is read with torch.load(weights_only=True): optimizer classes by name only
             # (trainer.optimizer_offload's HybridDeviceOptimizer keeps them in its parameter groups)
@@ -348,7 +395,11 @@ class ShardCheckpoint:
                                             "only resume from checkpoints you trust") from err
             raise
         for prefix, engine in self._engines().items():
-            for i, chunk in enumerate(engine.model.modules):
+            if engine.model.adapters:
+                from megarl.policy.lora import load_adapter_state
+
+                load_adapter_state(engine.model.adapters, state[f"{prefix}lora"], prefix)
+            for i, chunk in enumerate(engine.model.modules if not engine.model.adapters else ()):
                 chunk.load_state_dict(_strip(state[f"{prefix}model{i}"], prefix))
             engine.optimizer.load_state_dict(state[f"{prefix}optimizer"])
         rng_file = self._rng_file(folder)

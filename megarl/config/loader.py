@@ -418,7 +418,7 @@ def cross_validate(cfg: MegaRLConfig) -> None:
 def check_lora(cfg: MegaRLConfig, dims) -> None:
     """``model.lora`` against the model (``dims``: its :class:`megarl.models.dims.ModelDims`) and the
     run: no adapters on routed experts or on MLA attention (DeepSeek-V3's projections are not
-    linear_qkv / linear_proj); checkpoints do not hold adapters yet, so a LoRA run saves none."""
+    linear_qkv / linear_proj); adapter sync's own rules (:func:`check_adapter_sync`)."""
     lora = cfg.model.lora
     if not lora.rank:
         return
@@ -432,10 +432,6 @@ def check_lora(cfg: MegaRLConfig, dims) -> None:
                             "/ linear_proj to adapt (LoRA covers dense GQA attention and dense MLPs)")
     if cfg.bridge.lora_sync == "adapter":
         check_adapter_sync(cfg)
-    if cfg.checkpoint.save_every or cfg.checkpoint.resume:
-        key = "checkpoint.save_every" if cfg.checkpoint.save_every else "checkpoint.resume"
-        raise invalid_value(key, getattr(cfg.checkpoint, key.split(".")[1]), "0 / false with model.lora.rank > 0 "
-                            "(checkpoints do not hold LoRA adapters yet: a LoRA run neither saves nor resumes)")
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

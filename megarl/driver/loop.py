@@ -48,6 +48,11 @@ class WeightSyncAlarm(RuntimeError):
         """The differences that raised it (written as the failed step's metrics)."""
 
 
+LORA_EXPORT = "export"
+"""Where a LoRA run writes its policy at the end, under the run folder: an HF folder of the merged
+weights and, in ``adapter/``, the PEFT adapter (:meth:`megarl.actors.roles.PolicyRole.export_hf`)."""
+
+
 def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
           after_sync: Optional[Callable] = None, group=None) -> Path:
     """Run ``cfg``; ``verbose`` shows third-party output on the terminal instead of
@@ -86,6 +91,11 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
             stop.last_step = step
             if cfg.checkpoint.save_every and (step % cfg.checkpoint.save_every == 0 or step == cfg.trainer.steps):
                 run.save(step)
+        if cfg.model.lora.rank and stop.last_step == cfg.trainer.steps:   # the trained LoRA policy, for serving
+            t = time.perf_counter()
+            run.steps.group.export_hf(run_dir / LORA_EXPORT)
+            megarl_log.info(f"exported the policy to {run_dir / LORA_EXPORT} (merged weights; the PEFT adapter in "
+                            f"adapter/) in {time.perf_counter() - t:.1f} s")
         if stop.requested and (done := stop.last_step) < cfg.trainer.steps:
             megarl_log.info(f"stopping after step {done} (interrupt)")
             stop.step, stop.phase = 0, "checkpoint and shutdown"

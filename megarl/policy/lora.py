@@ -248,3 +248,35 @@ def write_peft_folder(folder: str | os.PathLike, tensors: dict, options: LoraOpt
     else:
         os.replace(staging, folder)
     return folder
+
+
+def adapter_sharded_state_dict(adapters: list[LoraAdapter], prefix: str = "") -> dict:
+    """The adapters as megatron-core ShardedTensors of their parameters (key: the layer's global
+    name + ``.adapter.lora_A`` / ``lora_B``), split over TP as they are held (whole tensors are
+    written by one rank). What a LoRA checkpoint holds of the model: the frozen base is the model
+    folder's, by reference. The split of linear_fc1's B keeps each TP rank's gate and up rows
+    together, so such a checkpoint loads at the TP size it was saved at (:func:`lora_layout`)."""
+    from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
+
+    out = {}
+    for a in adapters:
+        stem = prefix + a.name.removesuffix(".weight") + ".adapter."
+        for key, param, split in ((stem + "lora_A", a.lora_A, None if a.column else 1),
+                                  (stem + "lora_B", a.lora_B, 0 if a.column else None)):
+            out[key] = make_sharded_tensor_for_checkpoint(param, key) if split is None else \
+                make_tp_sharded_tensor_for_checkpoint(param, key, tp_axis=split)
+    return out
+
+
+def load_adapter_state(adapters: list[LoraAdapter], loaded: dict, prefix: str = "") -> None:
+    """Copy what megatron-core loaded for :func:`adapter_sharded_state_dict` into the adapters."""
+    with torch.no_grad():
+        for a in adapters:
+            stem = prefix + a.name.removesuffix(".weight") + ".adapter."
+            a.lora_A.copy_(loaded[stem + "lora_A"])
+            a.lora_B.copy_(loaded[stem + "lora_B"])
+
+
+def lora_layout(options: LoraOptions, tp: int) -> dict:
+    """What a LoRA checkpoint must match to load: the adapters' shape and the TP size."""
+    return {"rank": options.rank, "alpha": options.alpha, "targets": sorted(options.targets), "tp": tp}

@@ -395,5 +395,4 @@ def test_lora_is_refused_where_it_cannot_work_before_any_process_starts():
     assert "model.lora.rank" in big and "at most 512" in big
     load_config(None, ["model.lora.rank=1024", "bridge.lora_sync=merged"])
     assert "bridge.lora_sync" in error_of(["bridge.lora_sync=full"])
-    saves = error_of(["model.lora.rank=4", "checkpoint.save_every=5"])
-    assert "checkpoint.save_every" in saves and "LoRA" in saves
+    load_config(None, ["model.lora.rank=4", "checkpoint.save_every=5"])   # LoRA checkpoints hold the adapters
