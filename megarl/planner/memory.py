@@ -35,7 +35,19 @@ class TrainState:
         return self.params + self.grads + self.optimizer
 
 
-def train_state(dense: int, expert: int, *, dtype: str, optimizer: str, dp_cp: int, expert_dp: int) -> TrainState:
+def lora_params(dims, layers: list[int], *, rank: int, targets, tp: int) -> int:
+    """Adapter parameters one TP rank holds for ``layers`` (``model.lora``; sharded as in
+    megarl/policy/lora.py: a column-parallel layer (qkv, fc1) holds A ``[r, in]`` whole and its
+    rows of B, a row-parallel one (proj, fc2) its columns of A and B ``[out, r]`` whole)."""
+    h, f = dims.hidden_size, dims.intermediate_size
+    q, kv = dims.num_attention_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
+    per_rank_unit = {"linear_qkv": h + (q + 2 * kv) // tp, "linear_proj": q // tp + h,
+                     "linear_fc1": h + 2 * f // tp, "linear_fc2": f // tp + h}
+    return len(layers) * rank * sum(per_rank_unit[t] for t in targets)
+
+
+def train_state(dense: int, expert: int, *, dtype: str, optimizer: str, dp_cp: int, expert_dp: int,
+                adapters: int = 0) -> TrainState:
     """Parameters, fp32 main grads and distributed-optimizer state of a rank holding ``dense``
     and ``expert`` parameters (counts from :class:`megarl.planner.ranks.RankCount`):
 
@@ -46,13 +58,20 @@ def train_state(dense: int, expert: int, *, dtype: str, optimizer: str, dp_cp: i
       an fp32 master copy (4 bytes; none when the model is fp32 already) plus Adam's two fp32
       moments (8; SGD: none, megarl's SGD has no momentum), sharded over the ranks that hold the
       same parameter: dense over ``dp_cp`` (``dp x cp``), routed experts over ``expert_dp``, the
-      expert-data-parallel size ``world / (etp x ep x pp)``."""
+      expert-data-parallel size ``world / (etp x ep x pp)``.
+
+    With LoRA (``adapters`` > 0: :func:`lora_params`) the base parameters are frozen: they keep
+    their bytes but have no main grads and no optimizer state; the adapters have all three
+    (sharded over ``dp_cp`` like dense parameters)."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype={dtype!r}, expected one of {sorted(DTYPE_BYTES)}")
     master = 4 if dtype != "float32" else 0
     moments = {"adam": 8, "sgd": 0}[optimizer]
     per_param = master + moments
     n = dense + expert
+    if adapters:
+        return TrainState(params=(n + adapters) * DTYPE_BYTES[dtype], grads=adapters * 4,
+                          optimizer=-(-adapters * per_param // dp_cp))
     return TrainState(params=n * DTYPE_BYTES[dtype], grads=n * 4,
                       optimizer=-(-dense * per_param // dp_cp) + -(-expert * per_param // expert_dp))
 

@@ -168,15 +168,19 @@ def make_plan(cfg, recipe: str = "") -> Plan:
     for c in counts:
         stage = c.kind.stages[0]
         layers = [i for i in range(dims.num_layers) if topology.stage_of_layer(i, dims.num_layers) == stage]
+        lora = cfg.model.lora
+        adapters = mem.lora_params(dims, layers, rank=lora.rank, targets=lora.targets, tp=topology.tp) \
+            if lora.rank else 0
         state = mem.train_state(c.dense, c.expert, dtype=cfg.model.dtype, optimizer=t.optimizer,
-                                dp_cp=topology.dp * topology.cp, expert_dp=topology.expert_dp)
+                                dp_cp=topology.dp * topology.cp, expert_dp=topology.expert_dp, adapters=adapters)
         in_flight = mem.in_flight_micro_batches(stage, topology.pp, topology.vpp_size, micro_batches)
         act = mem.activation_bytes(dims, layers, tokens=t.max_tokens_per_micro_batch, tp=topology.tp,
                                    etp=topology.expert_tp, sp=topology.sp, recompute=cfg.model.recompute,
                                    in_flight=in_flight, last_stage=c.kind.last)
         # trainer.optimizer_offload: fp32 main params and Adam moments live in host memory;
-        # algorithm.kl_coef > 0: a frozen reference copy of the parameters (no grads, no optimizer)
-        reference = state.params if cfg.algorithm.kl_coef > 0 else 0
+        # algorithm.kl_coef > 0: a frozen reference copy of the parameters (no grads, no optimizer);
+        # under LoRA the reference is the policy with its adapters off (no copy)
+        reference = state.params if cfg.algorithm.kl_coef > 0 and not lora.rank else 0
         on_device = state.total - (state.optimizer if t.optimizer_offload else 0) + reference
         train_phase = on_device + act + (vllm_share if r.sleep_level == 0 and not split else 0)
         gen_phase = vllm_share if split else vllm_share + (0 if t.offload_train_state else on_device)

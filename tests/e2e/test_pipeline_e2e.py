@@ -12,6 +12,9 @@ train with the reward model as the reward, on the tied tiny llama (Ray, megatron
   ids (trailing pads off) within 1e-4; the reward model's pass is its own phase (time/reward_model_s,
   reward_scores spans in the timeline); the weight-0 term is logged (reward/gsm8k_lenient_mean);
   the rollout-vs-train alarm holds (vLLM sampled from the SFT export as Megatron trains it).
+- LoRA sft (tp2, rank 8 on all four targets, 3 steps): the held-out loss falls with the base frozen;
+  the export is the merged HF folder plus adapter/, which peft loads onto the base model to the
+  merged folder's logits.
 """
 import json
 import math
@@ -95,6 +98,15 @@ logging:
 
 
 @pytest.fixture(scope="module")
+def lora_sft(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora_sft")
+    recipe = SFT.replace("  world_size: 2\n", "  world_size: 2\n  tp: 2\n").replace(
+        "  path: {model}\n", "  path: {model}\n  lora:\n    rank: 8\n    alpha: 16\n").replace(
+        "  lr: 2.0e-3\n", "  lr: 2.0e-2\n").replace("  save_every: 2\n", "  save_every: 0\n")
+    return tmp, run(tmp, "sft", recipe, command="sft", timeout=900)
+
+
+@pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipeline")
     out = {"tmp": tmp}
@@ -121,6 +133,27 @@ def test_sft_lowers_the_held_out_loss_and_resumes(pipeline):
     assert "resumed from" in log and "step_00000003" in log
     cfg = json.loads((pipeline["tmp"] / "sft" / "hf" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_lora_sft_lowers_the_held_out_loss_and_exports_merged_weights_and_the_adapter(lora_sft):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from e2e_common import session_tied_llama
+
+    tmp, rows = lora_sft
+    evals = [r["eval/loss"] for r in rows if "eval/loss" in r]
+    assert len(evals) == 3 and evals[2] < evals[1] < evals[0], evals
+    export = tmp / "sft" / "hf"
+    ids = torch.tensor([[1, 5, 9, 22, 17, 40, 3, 8]])
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(session_tied_llama(), dtype=torch.float32)
+        plain = base(ids).logits
+        peft = PeftModel.from_pretrained(base, export / "adapter")(ids).logits
+    assert (peft - plain).abs().max() > 1e-3
+    assert (peft - merged).abs().max() < 5e-5, (peft - merged).abs().max()   # merging reorders float sums
 
 
 def test_reward_model_trains_from_ln2_and_exports_seq_cls(pipeline):

@@ -3,6 +3,7 @@ computed by hand for the tiny fixtures' shapes, and its per-rank build (ranks.py
 megatron-core model on the meta device under a fake process group) against the fixture's own
 weights: the counts must be the HF model's parameter count exactly."""
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -40,6 +41,19 @@ def test_train_state_bytes_by_hand():
     assert mem.train_state(1000, 600, dtype="bfloat16", optimizer="sgd", dp_cp=4, expert_dp=2).optimizer == 1000 + 1200
     with pytest.raises(ValueError, match="dtype='float16'"):
         mem.train_state(1, 1, dtype="float16", optimizer="adam", dp_cp=1, expert_dp=1)
+
+
+def test_lora_state_by_hand():
+    # hidden 64, 4 heads x 16 (q 64), 2 KV heads (kv 32), MLP 128; rank 8 at tp 2, 3 layers:
+    # qkv: A 64 + B (64 + 2 x 32) / 2; proj: A 64 / 2 + B 64; fc1: A 64 + B 256 / 2; fc2: A 128 / 2 + B 64
+    dims = SimpleNamespace(hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16, num_kv_heads=2)
+    n = mem.lora_params(dims, [0, 1, 2], rank=8, targets=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+                        tp=2)
+    assert n == 3 * 8 * ((64 + 64) + (32 + 64) + (64 + 128) + (64 + 64))
+    assert mem.lora_params(dims, [0], rank=8, targets=["linear_qkv"], tp=1) == 8 * (64 + 128)
+    # the frozen base keeps its bf16 bytes, nothing else; the adapters: weights, fp32 grads, master + moments
+    state = mem.train_state(1000, 0, dtype="bfloat16", optimizer="adam", dp_cp=4, expert_dp=1, adapters=100)
+    assert (state.params, state.grads, state.optimizer) == (2200, 400, 100 * 12 // 4)
 
 
 def test_layer_activations_by_hand(moe, mla):
