@@ -143,7 +143,7 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_stage(args) -> int:
-    """``megarl sft`` / ``megarl rm`` (:mod:`megarl.posttrain.run`; :func:`_run_guarded`'s exit
+    """``megarl sft`` / ``rm`` / ``dpo`` (:mod:`megarl.posttrain.run`; :func:`_run_guarded`'s exit
     codes, a bad data row is a 2 before any process starts)."""
     from megarl.config import load_config
 
@@ -151,7 +151,7 @@ def _cmd_stage(args) -> int:
     _preflight(args, cfg, args.command)
     from megarl.posttrain.run import run_stage
 
-    use = "model.path" if args.command == "sft" else "data.reward=model:{}"
+    use = "data.reward=model:{}" if args.command == "rm" else "model.path"
     return _run_guarded(args, cfg, lambda: run_stage(cfg, args.command, resume=args.resume, verbose=args.verbose),
                         lambda export: f"{args.command} finished: {cfg.trainer.run_dir}/metrics.jsonl; the model: "
                                        f"{export} ({use.format(export)})")
@@ -347,7 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("sft", "supervised fine-tuning (posttrain.*): loss on response tokens, packed, every parallelism; exports "
                     "an HF folder", _cmd_stage),
             ("rm", "a Bradley-Terry reward model (posttrain.*) on preference pairs; exports an HF "
-                   "*ForSequenceClassification folder", _cmd_stage)):
+                   "*ForSequenceClassification folder", _cmd_stage),
+            ("dpo", "direct preference optimisation (posttrain.dpo: DPO, IPO, cDPO) on preference pairs against the "
+                    "frozen starting model; exports an HF folder", _cmd_stage)):
         p = sub.add_parser(name, help=what)
         p.add_argument("recipe", nargs="?")
         p.add_argument("overrides", nargs="*")

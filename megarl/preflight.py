@@ -31,7 +31,7 @@ from megarl.models.dims import ModelDims, check_model_layout
 __all__ = ["COMMANDS", "PREVIEW_ROWS", "VLLM_HEAD_SIZES", "VLLM_LORA_ARCHITECTURES", "checkpoint_bytes", "preflight",
            "rollout_backend"]
 
-COMMANDS = ("config", "generate", "train", "sft", "rm")
+COMMANDS = ("config", "generate", "train", "sft", "rm", "dpo")
 PREVIEW_ROWS = 64
 """Rows of a prompt file read and validated before the run starts."""
 
@@ -74,9 +74,9 @@ def preflight(cfg: MegaRLConfig, command: str = "train", backend: str | None = N
     warnings: list[str] = []
     _check_dataset(cfg.data.task)
     hf = _model_config(cfg.model.path, warnings)
-    backend = None if command in ("sft", "rm") else backend or rollout_backend()   # no vLLM in sft / rm
+    backend = None if command in ("sft", "rm", "dpo") else backend or rollout_backend()   # no vLLM there
     dims = _check_model(cfg, hf, trains, backend) if hf is not None else None
-    if command in ("train", "sft", "rm") and cfg.model.moe_dispatcher != "alltoall":
+    if command in ("train", "sft", "rm", "dpo") and cfg.model.moe_dispatcher != "alltoall":
         from megarl.compat import cuda_available
         if not cuda_available():
             raise invalid_value("model.moe_dispatcher", cfg.model.moe_dispatcher,

@@ -3,8 +3,9 @@
 The engines keep the frozen base weights they loaded at start (the same HF folder the policy's
 base came from; it never changes), so a sync moves only the adapters: every training rank
 gathers the model's adapter tensors under their PEFT names (over TP and PP; a few MB; the A that
-q/k/v and gate/up share travels once), and the rank that drives each engine hands them to it (:func:`megarl.rollout.lora.load_adapter`, through
-Ray), where vLLM replaces its LoRA adapter in place. The interface is the weight bridge's
+q/k/v and gate/up share travels once), and the rank that drives each engine hands them to it
+(:func:`megarl.rollout.lora.load_adapter`, through Ray), where vLLM replaces its LoRA adapter in
+place. The interface is the weight bridge's
 (``sync(engine=None)``, ``llm``, ``version``), so restarts and resumes work the same way.
 """
 from __future__ import annotations

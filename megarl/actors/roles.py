@@ -192,6 +192,17 @@ class ReferenceRole:
         kept = [reference_pass_outputs(o.logprobs_R, b, request.with_kl) for o, b in zip(outs, micro_batches)]
         return _pass_result(self.engine, outs, kept)
 
+    def attach_logprobs(self, micro_batches) -> None:
+        """Put the reference's response log-probs into each micro-batch's ``extras['ref_logprobs_R']``
+        (``megarl dpo``: they stay on this rank, where the policy's loss reads them)."""
+        from megarl.policy.lora import adapters_disabled
+
+        with adapters_disabled(self.engine.model.adapters):
+            outs = self.engine.forward_logprobs(micro_batches, with_entropy=False)
+        for o, b in zip(outs, micro_batches):
+            if o.logprobs_R is not None:
+                b.extras["ref_logprobs_R"] = o.logprobs_R.detach()
+
 
 class CriticRole:
     """The critic shard (PPO): the policy's architecture and checkpoint with a scalar value head."""

@@ -102,9 +102,12 @@ class HybridWorker:
         self.reward_model = RewardModelRole(self.ctx, opts)
         # every rank builds them in this order (policy, reference, reward model, critic): building a model may
         # draw on the RNG
-        if stage != "rl":   # megarl sft / rm: one trainable engine, no rollout
+        if stage != "rl":   # megarl sft / rm / dpo: one trainable engine (dpo: and its reference), no rollout
             policy_opts = dataclasses.replace(opts, score_head=stage == "rm", lora=lora_opts)
             self.policy = PolicyRole(self.ctx, PolicyModel(policy_opts, groups, optim), stage, loss_hook)
+            if stage == "dpo":   # LoRA: the policy's own weights with the adapters off
+                self.reference = ReferenceRole(self.ctx, self.policy.engine if lora_opts else
+                                               reference_model(opts, groups))
         else:
             policy = PolicyModel(dataclasses.replace(opts, lora=lora_opts), groups, optim)
             self.policy = PolicyRole(self.ctx, policy, stage, loss_hook)
@@ -212,12 +215,17 @@ class HybridWorker:
         return self.policy.train(micro_batches, request)
 
     def posttrain_step(self, micro_batches, options: dict) -> dict:
-        """One optimizer step of an ``sft`` or ``rm`` stage (:mod:`megarl.algorithms.posttrain`)."""
+        """One optimizer step of an ``sft``, ``rm`` or ``dpo`` stage
+        (:mod:`megarl.algorithms.posttrain`); dpo: the reference's log-probs first."""
+        if self.reference is not None:
+            self.reference.attach_logprobs(micro_batches)
         return self.policy.posttrain_step(micro_batches, options)
 
     def posttrain_eval(self, micro_batches, options: dict) -> dict:
         """The held-out loss and metrics of ``micro_batches`` (forward only; the same numbers a
         train step reports, without the update). Every rank returns them."""
+        if self.reference is not None:
+            self.reference.attach_logprobs(micro_batches)
         return self.policy.posttrain_eval(micro_batches, options)
 
     def export_hf(self, folder: str) -> None:

@@ -577,10 +577,38 @@ class TrainerConfig:
 
 
 @dataclass
+class DpoConfig:
+    """``megarl dpo``'s loss on preference pairs (TRL's DPOTrainer names in brackets): with the
+    policy's and the frozen reference's log-probs of each response summed over its tokens, and
+    ``x = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r))``."""
+
+    beta: float = 0.1
+    """Strength of the pull to the reference [beta]: rewards are beta x (log pi - log ref)."""
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    """sigmoid: DPO, -log sigmoid(beta x) averaged over pairs; ipo: (x - 1 / (2 beta))^2 with the
+    log-probs averaged over each response's tokens instead of summed [loss_type]."""
+    label_smoothing: float = 0.0
+    """cDPO, sigmoid only: -(1 - eps) log sigmoid(beta x) - eps log sigmoid(-beta x), eps the
+    assumed share of flipped labels, in [0, 0.5) [label_smoothing]."""
+    sft_weight: float = 0.0
+    """Weight of an NLL term on the chosen responses (each response's mean token NLL, averaged
+    over pairs) added to the loss [rpo_alpha]; 0: none."""
+
+    def validate(self):
+        _positive(self, "beta")
+        _positive(self, "sft_weight", allow_zero=True)
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ConfigValueError("label_smoothing", self.label_smoothing, "a number in [0, 0.5)")
+        if self.label_smoothing and self.loss == "ipo":
+            raise ConfigValueError("label_smoothing", self.label_smoothing, "0 with loss ipo (cDPO smooths the "
+                                   "sigmoid loss)")
+
+
+@dataclass
 class PostTrainConfig:
     train_file: str = "builtin:arithmetic_sft"
-    """megarl sft / rm data: a .jsonl or .parquet file (SFT: messages, or prompt + response;
-    RM: prompt, chosen, rejected, optional margin), or builtin:arithmetic_sft /
+    """megarl sft / rm / dpo data: a .jsonl or .parquet file (SFT: messages, or prompt + response;
+    RM and DPO: prompt, chosen, rejected, optional margin), or builtin:arithmetic_sft /
     builtin:arithmetic_prefs (generated offline from the arithmetic task, data.difficulty and
     data.seed; megarl data writes them to a file)."""
     eval_file: Optional[str] = None
@@ -594,7 +622,7 @@ class PostTrainConfig:
     max_steps: Optional[int] = None
     """Stop after this many optimizer steps (null: epochs x rows // batch_size)."""
     batch_size: int = 32
-    """Sequences (sft) or preference pairs (rm) per optimizer step, over all DP ranks; packed
+    """Sequences (sft) or preference pairs (rm, dpo) per optimizer step, over all DP ranks; packed
     into micro-batches of at most trainer.max_tokens_per_micro_batch tokens."""
     loss_agg: Literal["token-mean", "seq-mean-token-sum"] = "token-mean"
     """SFT loss over the response tokens: the mean over the step's tokens, or each sequence's sum
@@ -605,6 +633,8 @@ class PostTrainConfig:
     """Held-out loss (and, rm: accuracy) every this many steps and after the last (0: last only)."""
     margin: bool = False
     """rm: subtract each pair's margin field inside the loss, -log sigmoid(r_c - r_r - margin)."""
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+    """megarl dpo's loss (the pairs are read as for megarl rm)."""
     export_dir: Optional[str] = None
     """Where the trained model is written as an HF folder (null: <trainer.run_dir>/hf): sft a
     causal LM (usable as model.path), rm a *ForSequenceClassification with one label (usable as

@@ -1,5 +1,6 @@
-"""``megarl sft`` and ``megarl rm``: supervised fine-tuning and Bradley-Terry reward-model training
-on the RL trainer's engine (the same workers, packing, balancing, parallelism, checkpoints,
+"""``megarl sft``, ``megarl rm`` and ``megarl dpo``: supervised fine-tuning, Bradley-Terry
+reward-model training and direct preference optimisation (against a frozen reference on the same
+ranks) on the RL trainer's engine (the same workers, packing, balancing, parallelism, checkpoints,
 metrics and progress line), without a rollout fleet.
 
     step 0:    the held-out loss of the starting model (a fresh run)
@@ -25,7 +26,7 @@ from pathlib import Path
 from megarl.data.packing import trim_pads
 from megarl.posttrain.data import DataError, Examples
 
-STAGES = {"sft": "sft", "rm": "pairs"}
+STAGES = {"sft": "sft", "rm": "pairs", "dpo": "pairs"}
 
 
 def load_stage_data(cfg, stage: str, tokenizer) -> tuple[Examples, Examples | None]:
@@ -68,6 +69,9 @@ def stage_steps(cfg, num_train: int) -> int:
 
 def stage_options(cfg, stage: str) -> dict:
     """The loss options of ``stage`` (:func:`megarl.algorithms.posttrain.make_loss_fn`)."""
+    if stage == "dpo":
+        d = cfg.posttrain.dpo
+        return {"beta": d.beta, "loss": d.loss, "label_smoothing": d.label_smoothing, "sft_weight": d.sft_weight}
     return {"loss_agg": cfg.posttrain.loss_agg} if stage == "sft" else {"use_margin": cfg.posttrain.margin}
 
 
@@ -103,7 +107,7 @@ def _rank_batches(group, examples: Examples, indices: list, pad_id) -> list:
 
 
 def run_stage(cfg, stage: str, resume: bool = False, verbose: bool = False) -> Path:
-    """Train ``stage`` ('sft' or 'rm') as ``cfg`` says; returns the HF export's folder."""
+    """Train ``stage`` ('sft', 'rm' or 'dpo') as ``cfg`` says; returns the HF export's folder."""
     from transformers import AutoTokenizer
 
     from megarl.config import save_resolved
@@ -139,7 +143,8 @@ def run_stage(cfg, stage: str, resume: bool = False, verbose: bool = False) -> P
     # the workers' LR schedule spans trainer.steps (warm-up, then decay to trainer.min_lr): the stage's steps
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, steps=total))
     # the rm stage scores at the last token before trailing pads: the pad its export's config names
-    pad_id = pad_token_id(json.loads((Path(model_dir) / "config.json").read_text()))
+    # (dpo reads every response token's log-prob, as sft does: nothing is trimmed)
+    pad_id = pad_token_id(json.loads((Path(model_dir) / "config.json").read_text())) if stage == "rm" else None
     options = stage_options(cfg, stage)
     log = logging.getLogger("megarl")
     with contextlib.ExitStack() as cleanup:
@@ -204,6 +209,6 @@ def run_stage(cfg, stage: str, resume: bool = False, verbose: bool = False) -> P
             raise RunInterrupted(stop.signum, done, hard=False)
         t = time.perf_counter()
         group.export_hf(export_dir)
-        log.info(f"exported the {'model' if stage == 'sft' else 'reward model'} to {export_dir} "
+        log.info(f"exported the {'reward model' if stage == 'rm' else 'model'} to {export_dir} "
                  f"({time.perf_counter() - t:.1f} s)")
     return export_dir

@@ -10,6 +10,8 @@ linear_fc1 and linear_fc2, at tp1 (dp2), tp2, tp2 with sequence parallelism, pp2
 - one SGD step gives the same loss and adapters (< 1e-6) at every layout as at tp1; the base
   weights do not move; the optimizer holds no more elements than the rank's adapters.
 Measured: peft vs engine 9e-7 (tp1, pp2) .. 4.2e-6 (tp2); step vs tp1 <= 9e-8.
+The same for a 4-layer tiny-qwen2 at pp2 x vpp2 (interleaved virtual stages) against its tp1, and
+for tiny-qwen3_moe (adapters on attention only) at ep2 against its tp1.
 """
 import pytest
 
@@ -22,6 +24,24 @@ LAYOUTS = ["tp1", "tp2", "tp2.sp1", "pp2", "cp2"]
 @pytest.fixture(scope="module")
 def lora():
     return run_workers("lora.py", 2, "qwen2", "-,tp2,tp2.sp1,pp2,cp2", timeout=900)
+
+
+@pytest.fixture(scope="module")
+def lora_more():
+    return run_workers("lora.py", 2, "qwen2-4l:-+pp2.vpp2,qwen3_moe:-+ep2", "-", timeout=900)
+
+
+@pytest.mark.parametrize("key,adapters", [("qwen2-4l|tp1", 16), ("qwen2-4l|pp2.vpp2", 8), ("qwen3_moe|tp1", 4),
+                                          ("qwen3_moe|ep2", 4)])
+def test_lora_at_vpp_and_ep_equals_peft_and_tp1(lora_more, key, adapters):
+    r = {k.split("|", 2)[2]: v for k, v in lora_more.items() if k.startswith(key + "|")}
+    assert r["adapter_effect"] > 0.5, r
+    assert r["peft_vs_engine"] < 1e-5 and r["merged_vs_engine"] < 2e-5 and r["off_vs_hf"] < 1e-5, r
+    assert r["adapters"] == adapters and r["base_moved"] == 0.0 and r["update_successful"] is True, r
+    if key.endswith("tp1"):
+        assert r["step_moved"] > 1e-3, r
+    else:
+        assert r["step_vs_first"] < 1e-6 and r["loss_vs_first"] < 1e-6, r
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -12,6 +12,10 @@ train with the reward model as the reward, on the tied tiny llama (Ray, megatron
   ids (trailing pads off) within 1e-4; the reward model's pass is its own phase (time/reward_model_s,
   reward_scores spans in the timeline); the weight-0 term is logged (reward/gsm8k_lenient_mean);
   the rollout-vs-train alarm holds (vLLM sampled from the SFT export as Megatron trains it).
+- dpo (dp2, the built-in preference pairs, 4 steps, against the starting model as the frozen
+  reference): the held-out loss is ln 2 at step 0 (the policy is its reference) and falls, the
+  held-out rewards/accuracies rise above 0.5, TRL's metric names are logged; the export is a
+  causal-LM HF folder.
 - LoRA sft (tp2, rank 8 on all four targets, 3 steps): the held-out loss falls with the base frozen;
   the export is the merged HF folder plus adapter/, which peft loads onto the base model to the
   merged folder's logits.
@@ -95,6 +99,48 @@ logging:
   tensorboard: false
   samples_per_step: 8
 """
+
+
+DPO = """
+model:
+  path: {model}
+topology:
+  world_size: 2
+posttrain:
+  train_file: builtin:arithmetic_prefs
+  num_examples: 80
+  batch_size: 16
+  eval_every: 2
+  max_steps: 4
+  max_seq_tokens: 256
+  dpo:
+    beta: 0.5
+trainer:
+  lr: 2.0e-3
+  run_dir: {run_dir}
+""" + COMMON
+
+
+@pytest.fixture(scope="module")
+def dpo(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dpo")
+    return tmp, run(tmp, "dpo", DPO, command="dpo", timeout=900)
+
+
+def test_dpo_starts_at_ln2_and_learns_the_preferences(dpo):
+    tmp, rows = dpo
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    evals = [r for r in rows if "eval/loss" in r]
+    assert evals[0]["eval/loss"] == pytest.approx(math.log(2), abs=1e-6)   # the policy is its reference
+    assert evals[0]["eval/rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    assert evals[-1]["eval/loss"] < evals[0]["eval/loss"], [r["eval/loss"] for r in evals]
+    assert evals[-1]["eval/rewards/accuracies"] > 0.5, evals[-1]
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                "logps/rejected"):
+        assert f"train/{key}" in rows[1] and f"eval/{key}" in evals[-1], key
+    assert rows[1]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)   # before the first update
+    cfg = json.loads((tmp / "dpo" / "hf" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
 
 
 @pytest.fixture(scope="module")

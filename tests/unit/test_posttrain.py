@@ -191,7 +191,47 @@ def test_bradley_terry_loss_and_metrics():
     assert s["eval/accuracy"] == 0.5 and s["eval/score_mean"] == pytest.approx(0.375)
     assert s["eval/score_std"] == pytest.approx(float(scores.std(unbiased=False)), rel=1e-6)
     with pytest.raises(ValueError, match="unknown post-training stage"):
-        make_loss_fn("dpo")
+        make_loss_fn("kto")
+
+
+def test_dpo_ipo_and_cdpo_losses_by_hand():
+    # 2 pairs; response lengths chosen 2, rejected 1 | chosen 1, rejected 3
+    lp = torch.tensor([-1.0, -2.0, -4.0, -0.5, -1.0, -1.0, -1.0])
+    ref = torch.tensor([-1.5, -2.0, -3.0, -1.0, -0.5, -1.0, -1.0])
+    batch = B([2, 1, 1, 3], {"ref_logprobs_R": ref}, gseqs=8)   # 4 pairs over the step: / 4
+    ratios = [(-3.0 - -3.5, -4.0 - -3.0), (-0.5 - -1.0, -3.0 - -2.5)]   # (chosen, rejected) log pi - log ref
+    beta = 0.5
+    loss, m = make_loss_fn("dpo", beta=beta)(lp, batch)
+    sig = lambda x: 1 / (1 + math.exp(-x))   # noqa: E731
+    per_pair = [-math.log(sig(beta * (c - r))) for c, r in ratios]
+    assert loss.item() == pytest.approx(sum(per_pair) / 4, rel=1e-6)
+    s = summarize("dpo", {k: float(v) for k, v in m.items()}, "train")
+    assert s["train/rewards/chosen"] == pytest.approx(beta * (0.5 + 0.5) / 2)
+    assert s["train/rewards/rejected"] == pytest.approx(beta * (-1.0 - 0.5) / 2)
+    assert s["train/rewards/margins"] == pytest.approx(beta * (1.5 + 1.0) / 2)
+    assert s["train/rewards/accuracies"] == 1.0
+    assert s["train/logps/chosen"] == pytest.approx((-3.0 - 0.5) / 2) and s["train/logps/rejected"] == -3.5
+    eps = 0.1   # cDPO
+    loss, _ = make_loss_fn("dpo", beta=beta, label_smoothing=eps)(lp, batch)
+    assert loss.item() == pytest.approx(sum(-(1 - eps) * math.log(sig(beta * (c - r))) - eps * math.log(
+        sig(-beta * (c - r))) for c, r in ratios) / 4, rel=1e-6)
+    loss, _ = make_loss_fn("dpo", beta=beta, loss="ipo")(lp, batch)   # log-ratios per response token
+    per_token = [(0.5 / 2, -1.0 / 1), (0.5 / 1, -0.5 / 3)]
+    assert loss.item() == pytest.approx(sum((c - r - 1 / (2 * beta)) ** 2 for c, r in per_token) / 4, rel=1e-6)
+    loss, _ = make_loss_fn("dpo", beta=beta, sft_weight=0.2)(lp, batch)   # + chosen mean token NLL
+    assert loss.item() == pytest.approx((sum(per_pair) + 0.2 * (3.0 / 2 + 0.5 / 1)) / 4, rel=1e-6)
+
+
+def test_dpo_options_are_checked():
+    from megarl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="posttrain.dpo.label_smoothing"):
+        load_config(None, ["posttrain.dpo.label_smoothing=0.5"])
+    with pytest.raises(ConfigError, match="posttrain.dpo.label_smoothing"):
+        load_config(None, ["posttrain.dpo.label_smoothing=0.1", "posttrain.dpo.loss=ipo"])
+    with pytest.raises(ConfigError, match="posttrain.dpo.beta"):
+        load_config(None, ["posttrain.dpo.beta=0"])
+    assert load_config(None, ["posttrain.dpo.loss=ipo"]).posttrain.dpo.loss == "ipo"
 
 
 def test_eval_sums_of_a_fake_engine():

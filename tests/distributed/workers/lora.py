@@ -15,6 +15,7 @@ random non-zero adapters (the same whole tensors at every layout):
 
 Reports max differences; the test (tests/distributed/test_lora.py) holds the tolerances.
 """
+import dataclasses
 import gc
 import sys
 import tempfile
@@ -22,7 +23,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from engine_common import fixture, groups_for, hf_logprobs, init, make_batch, max_diff, micro_batches, report
+from engine_common import (deeper_variant, fixture, groups_for, hf_logprobs, init, make_batch, max_diff, micro_batches,
+                           report)
 from engine_train import attach_old_logprobs, global_batch, loss_fn, my_micro_batches
 from megarl.policy import ModelOptions, OptimOptions, PolicyModel
 from megarl.policy.lora import LoraOptions, adapters_disabled, peft_state, write_peft_folder
@@ -58,8 +60,8 @@ def peft_logprobs(path: str, folder: str, ids, prompts, merged: dict = None) -> 
     return torch.cat(out)
 
 
-def run_layout(path, spec, world, ids, prompts, batch, scratch) -> dict:
-    engine = PolicyModel(ModelOptions(path=path, lora=OPTIONS), groups_for(spec, world),
+def run_layout(path, spec, world, ids, prompts, batch, scratch, options=OPTIONS) -> dict:
+    engine = PolicyModel(ModelOptions(path=path, lora=options), groups_for(spec, world),
                          OptimOptions(optimizer="sgd", lr=0.5, grad_clip=1.0))
     adapters = engine.model.adapters
     randomize(adapters)
@@ -67,7 +69,7 @@ def run_layout(path, spec, world, ids, prompts, batch, scratch) -> dict:
     folder = [f"{scratch}/{spec or 'tp1'}"]
     state = peft_state(adapters, engine.model.mapping, engine.groups)
     if dist.get_rank() == 0:
-        write_peft_folder(folder[0], state, OPTIONS, path)
+        write_peft_folder(folder[0], state, options, path)
     dist.barrier()
     got = torch.cat([o.logprobs_R for o in engine.forward_logprobs(micro_batches(ids, prompts))]).double()
     with adapters_disabled(adapters):
@@ -99,8 +101,14 @@ def main():
     scratch = [tempfile.mkdtemp(prefix="megarl-lora-") if rank == 0 else None]
     dist.broadcast_object_list(scratch)
     report_out = {}
-    for family in sys.argv[1].split(","):
-        path = fixture(f"tiny-{family}")
+    for entry in sys.argv[1].split(","):
+        # "family" (layouts: argv[2]) or "family:layout+layout"; "qwen2-4l": a 4-layer tiny-qwen2 (for vpp)
+        family, _, own = entry.partition(":")
+        layouts = own.split("+") if own else sys.argv[2].split(",")
+        name, _, layers = family.partition("-")
+        path = deeper_variant(name, int(layers.removesuffix("l"))) if layers else fixture(f"tiny-{family}")
+        # MoE models: adapters on attention only (routed experts are not adapted)
+        options = dataclasses.replace(OPTIONS, targets=("linear_qkv", "linear_proj")) if "moe" in name else OPTIONS
         from transformers import AutoConfig
 
         vocab = AutoConfig.from_pretrained(path).vocab_size
@@ -108,9 +116,9 @@ def main():
         batch = global_batch(vocab)
         plain = hf_logprobs(path, ids, prompts) if rank == 0 else None
         first = None
-        for spec in sys.argv[2].split(","):
+        for spec in layouts:
             spec = "" if spec == "-" else spec
-            res = run_layout(path, spec, world, ids, prompts, batch, scratch[0])
+            res = run_layout(path, spec, world, ids, prompts, batch, scratch[0], options)
             key = f"{family}|{spec or 'tp1'}"
             if rank == 0:
                 oracle = peft_logprobs(path, res["folder"], ids, prompts)
