@@ -668,9 +668,13 @@ class CheckpointConfig:
     """On SIGINT/SIGTERM (Ctrl-C, a scheduler's stop), write a checkpoint of the last completed
     step before stopping when it has none, also with save_every=0; a second signal stops at once,
     without it."""
+    hf_export_every: int = 0
+    """megarl train: write the policy as an HF folder (what transformers and vLLM load; with LoRA
+    the merged weights plus adapter/, PEFT) every this many steps and after the last, into
+    <dir>/hf_step_<8-digit step>, each complete or absent; the newest keep_last are kept. 0: off."""
 
     def validate(self):
-        _positive(self, "save_every", allow_zero=True)
+        _positive(self, "save_every", "hf_export_every", allow_zero=True)
         _positive(self, "keep_last")
 
 

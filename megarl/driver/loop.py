@@ -48,6 +48,8 @@ class WeightSyncAlarm(RuntimeError):
         """The differences that raised it (written as the failed step's metrics)."""
 
 
+HF_EXPORT_PREFIX = "hf_step_"
+"""``checkpoint.hf_export_every``'s folders, beside the checkpoints: ``hf_step_<8-digit step>``."""
 LORA_EXPORT = "export"
 """Where a LoRA run writes its policy at the end, under the run folder: an HF folder of the merged
 weights and, in ``adapter/``, the PEFT adapter (:meth:`megarl.actors.roles.PolicyRole.export_hf`)."""
@@ -91,6 +93,9 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
             stop.last_step = step
             if cfg.checkpoint.save_every and (step % cfg.checkpoint.save_every == 0 or step == cfg.trainer.steps):
                 run.save(step)
+            every = cfg.checkpoint.hf_export_every
+            if every and (step % every == 0 or step == cfg.trainer.steps):
+                run.export_hf(step, cfg.checkpoint.keep_last)
         if cfg.model.lora.rank and stop.last_step == cfg.trainer.steps:   # the trained LoRA policy, for serving
             t = time.perf_counter()
             run.steps.group.export_hf(run_dir / LORA_EXPORT)
@@ -121,6 +126,23 @@ class Run:
         drafts = self.steps.rollouts.drafts
         self.steps.group.save_checkpoint(self.ckpt, step, self.steps.checkpoint_metadata(),
                                          drafts.save if drafts is not None else None)
+
+    def export_hf(self, step: int, keep_last: int) -> Path:
+        """The policy after ``step`` as an HF folder, ``hf_step_<step>`` beside the checkpoints
+        (written under a temporary name and renamed: complete or absent), then all but the newest
+        ``keep_last`` such folders removed."""
+        import shutil
+
+        t = time.perf_counter()
+        folder = Path(self.ckpt.root) / f"{HF_EXPORT_PREFIX}{step:08d}"
+        self.steps.group.export_hf(folder)
+        done = sorted(p for p in Path(self.ckpt.root).glob(f"{HF_EXPORT_PREFIX}*") if p.is_dir()
+                      and p.name[len(HF_EXPORT_PREFIX):].isdigit())
+        for old in done[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+        logging.getLogger("megarl").info(f"exported the policy of step {step} to {folder} "
+                                         f"({time.perf_counter() - t:.1f} s)")
+        return folder
 
 
 def start_run(cfg: MegaRLConfig, cleanup: contextlib.ExitStack, resume: bool, verbose: bool,

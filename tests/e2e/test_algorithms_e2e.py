@@ -69,7 +69,7 @@ def check_trains_and_syncs(rows, steps):
 @pytest.fixture(scope="module")
 def ppo(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ppo")
-    return tmp, run(tmp, "full", recipe(PPO, steps=2, save_every=1, **PPO_SPEC))
+    return tmp, run(tmp, "full", recipe(PPO, steps=2, save_every=1, **PPO_SPEC), "checkpoint.hf_export_every=1")
 
 
 def test_ppo_trains_policy_and_critic(ppo):
@@ -89,10 +89,31 @@ def test_ppo_trains_policy_and_critic(ppo):
     assert rows[1]["spec/store_prompts"] == 3 and rows[1]["spec/verify_s"] > 0
 
 
+def test_hf_exports_every_step_hold_the_policy_of_that_step(ppo):
+    """checkpoint.hf_export_every=1: an HF folder beside the checkpoints after each step, which
+    transformers loads, holding the weights whose sum the step logged (actor/weight_checksum: the
+    sum of the policy's Megatron parameters after its updates; the export splits fused layers and
+    leaves the tied lm_head out, neither of which changes the sum)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    tmp, rows = ppo
+    root = tmp / "full" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("hf_")) == ["hf_step_00000001",
+                                                                                  "hf_step_00000002"]
+    for step in (1, 2):
+        folder = root / f"hf_step_{step:08d}"
+        AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        total = sum(t.double().sum().item() for t in load_file(str(folder / "model.safetensors")).values())
+        assert total == pytest.approx(rows[step - 1]["actor/weight_checksum"], rel=1e-9, abs=1e-9), step
+    assert rows[0]["actor/weight_checksum"] != rows[1]["actor/weight_checksum"]
+
+
 def test_ppo_resume_skips_a_damaged_checkpoint_and_repeats_step_2_then_a_crashing_reward_stops_it(ppo):
     tmp, reference = ppo
     log, root = tmp / "full.log", tmp / "full" / "checkpoints"
-    assert sorted(p.name for p in root.iterdir()) == ["step_00000001", "step_00000002"]
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == ["step_00000001", "step_00000002"]
     # damage the newest checkpoint: the resume must skip it, naming it, and use step 1's
     shard = max((f for f in (root / "step_00000002").rglob("*.distcp")), key=lambda f: f.stat().st_size)
     os.truncate(shard, shard.stat().st_size // 2)
