@@ -36,8 +36,9 @@ EXTRAS = {
     # and detected at run time (megarl.compat.has_apex); the package index's `apex` is an unrelated
     # project and must never be listed here.
     "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]>=2.9.0,<2.12"],
-    # peft: the oracle of the LoRA parity tests (tests/distributed/test_lora.py); megarl itself does not import it
-    "test": ["pytest>=8", "hypothesis>=6.100", "peft>=0.17"],
+    # peft and trl: the oracles of the LoRA and DPO parity tests (tests/distributed/test_lora.py,
+    # test_dpo.py); megarl itself imports neither
+    "test": ["pytest>=8", "hypothesis>=6.100", "peft>=0.17", "trl>=1.16"],
     "bench": [],
 }
 

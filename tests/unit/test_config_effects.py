@@ -208,7 +208,7 @@ def test_rollout_keys_set_the_sampling_params():
     from megarl.rollout.sampling import sample
 
     class FakeLLM:
-        def generate(self, prompts, params, use_tqdm=False):
+        def generate(self, prompts, params, use_tqdm=False, lora_request=None):
             self.params = params
             out = SimpleNamespace(token_ids=[5], logprobs=[{5: SimpleNamespace(logprob=-0.5)}], finish_reason="length")
             return [SimpleNamespace(outputs=[out] * p.n) for p in params]

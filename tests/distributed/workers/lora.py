@@ -47,8 +47,11 @@ def peft_logprobs(path: str, folder: str, ids, prompts, merged: dict = None) -> 
 
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     if merged is not None:
+        # routed experts are not adapted (their merged weights are the base's), and transformers
+        # fuses them into gate_up_proj / down_proj stacks: they are left as loaded
+        merged = {k: v for k, v in merged.items() if ".mlp.experts." not in k}
         missing, unexpected = base.load_state_dict(merged, strict=False)
-        assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
+        assert not unexpected and all("lm_head" in k or ".mlp.experts." in k for k in missing), (missing, unexpected)
     model = (base if merged is not None else PeftModel.from_pretrained(base, folder)).eval()
     out = []
     with torch.no_grad():
