@@ -83,6 +83,25 @@ def session_tied_llama() -> Path:
     return tied_tiny_llama(Path(tempfile.gettempdir()) / f"megarl-tied-llama-{os.getpid()}")
 
 
+def check_lora_export(export: Path) -> None:
+    """A LoRA run's HF export (merged weights, PEFT adapter in ``adapter/``) on the tied tiny llama:
+    peft's base + adapter gives the merged folder's logits (< 5e-5: merging reorders float sums;
+    logits of magnitude ~3, measured 1.5e-5), and the adapter changes them (> 1e-3)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    assert (export / "adapter" / "adapter_config.json").exists()
+    ids = torch.tensor([[1, 5, 9, 22, 17, 40, 3, 8]])
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(session_tied_llama(), dtype=torch.float32)
+        plain = base(ids).logits
+        peft = PeftModel.from_pretrained(base, export / "adapter")(ids).logits
+    assert (peft - plain).abs().max() > 1e-3
+    assert (peft - merged).abs().max() < 5e-5, (peft - merged).abs().max()
+
+
 def write_recipe(tmp_path: Path, name: str, recipe_text: str) -> Path:
     """``tmp_path/name.yaml``: ``recipe_text`` with {run_dir} (``tmp_path/name``) and {model} filled in
     (the tied tiny llama is built once per test session, in the session's temp dir)."""
