@@ -39,6 +39,9 @@ EXTRAS = {
     # peft and trl: the oracles of the LoRA and DPO parity tests (tests/distributed/test_lora.py,
     # test_dpo.py); megarl itself imports neither
     "test": ["pytest>=8", "hypothesis>=6.100", "peft>=0.17", "trl>=1.16"],
+    # logging.trackers wandb and mlflow (mlflow's SQLite store, the default, needs sqlalchemy and
+    # alembic; mlflow-skinny is mlflow without its server and UI)
+    "trackers": ["wandb>=0.19", "mlflow-skinny>=3.0", "sqlalchemy>=2.0", "alembic>=1.13"],
     "bench": [],
 }
 

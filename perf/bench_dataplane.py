@@ -89,7 +89,7 @@ trainer:
 logging:
   progress: false
   stdout: false
-  tensorboard: false
+  trackers: [jsonl]
 """
 
 

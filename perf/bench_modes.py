@@ -56,7 +56,7 @@ trainer:
   max_tokens_per_micro_batch: 256
 logging:
   progress: false
-  tensorboard: false
+  trackers: [jsonl]
 """)
     return path
 

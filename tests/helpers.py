@@ -56,3 +56,57 @@ class AlternatingRewards:
 
     def score(self, name, texts, answers, extras=None):
         return SimpleNamespace(rewards=[float(i % 2) for i in range(len(texts))], n_errors=0, n_timeouts=0)
+
+
+def read_wandb_offline(run_dir) -> list[dict]:
+    """The offline wandb runs under ``<run_dir>/wandb``, oldest first, read with wandb's own record
+    schema (``wandb.proto.wandb_internal_pb2.Record``) from their ``run-<id>.wandb`` files, whose
+    framing is LevelDB's log format (32 KiB blocks of records with a 7-byte header: checksum,
+    length, type full / first / middle / last) after a 7-byte file header (":W&B", magic, version).
+    Each run: {"id", "config": {key: value}, "history": {step: {key: value}}}."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    runs = []
+    for folder in sorted(Path(run_dir, "wandb").glob("offline-run-*")):
+        [file] = folder.glob("run-*.wandb")
+        data = file.read_bytes()
+        assert data[:4] == b":W&B", file
+        records, part, pos, block = [], b"", 7, 32768
+        while pos + 7 <= len(data):
+            if block - pos % block < 7:                  # a block's tail too short for a header: padding
+                pos += block - pos % block
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            if kind == 0:
+                break
+            part += data[pos + 7:pos + 7 + length]
+            pos += 7 + length
+            if kind in (1, 4):                            # full, or the last piece of a record
+                records.append(part)
+                part = b""
+        run = {"id": None, "config": {}, "history": {}}
+        for raw in records:
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(raw)
+            kind = rec.WhichOneof("record_type")
+            if kind == "run":
+                run["id"] = rec.run.run_id
+                run["config"].update({i.key: json.loads(i.value_json) for i in rec.run.config.update})
+            elif kind == "config":
+                run["config"].update({i.key: json.loads(i.value_json) for i in rec.config.update})
+            elif kind == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+                run["history"].setdefault(items["_step"], {}).update(items)
+        runs.append(run)
+    return runs
+
+
+def read_tensorboard_scalars(run_dir) -> dict:
+    """{tag: {step: value}} of ``<run_dir>/tensorboard``, read with TensorBoard's event reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(Path(run_dir, "tensorboard")), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}

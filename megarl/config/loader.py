@@ -31,6 +31,8 @@ MOVED_KEYS = {
     "rollout.offload_train_state": "trainer.offload_train_state",
     "data.max_tokens_per_micro_batch": "trainer.max_tokens_per_micro_batch",
     "data.balance_cost": "trainer.balance_cost",
+    "logging.jsonl": "logging.trackers (a list of jsonl, tensorboard, wandb, mlflow)",
+    "logging.tensorboard": "logging.trackers (a list of jsonl, tensorboard, wandb, mlflow)",
 }
 
 

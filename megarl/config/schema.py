@@ -106,6 +106,12 @@ class LoraConfig:
         unknown = [t for t in self.targets if t not in LORA_TARGETS]
         if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
             raise ConfigValueError("targets", self.targets, f"a non-empty list of distinct names from {LORA_TARGETS}")
+        tuned = [k for k, v in (("alpha", self.alpha != 32.0), ("dropout", self.dropout != 0.0),
+                                ("targets", self.targets != LORA_TARGETS)) if v]
+        if not self.rank and tuned:
+            # a LoRA block whose rank is 0 trains every weight: almost always a forgotten rank
+            raise ConfigValueError("rank", self.rank, f"> 0 when model.lora.{tuned[0]} is set (rank 0 turns LoRA "
+                                   "off and trains every weight; drop the model.lora keys for a full fine-tune)")
 
 
 @dataclass
@@ -458,6 +464,10 @@ class DataConfig:
     reward_norm: Literal["none", "whiten", "group"] = "none"
     """Normalisation of a reward model's scores before they are weighted: none, whiten (a running
     mean and std over the run's samples) or group (mean and std of each prompt's samples)."""
+    overlong_prompts: Literal["error", "skip"] = "error"
+    """Prompts of a prompt file (data.task) longer than rollout.max_prompt_tokens: error (preflight
+    names the file, the first rows and how many, before any process starts) or skip (dropped when
+    the run starts, and counted in its log; verl's filter_overlong_prompts)."""
     on_bad_row: Literal["error", "skip"] = "error"
     """megarl sft / rm: a bad data row (missing field, empty response, chosen identical to
     rejected, a sequence over posttrain.max_seq_tokens) stops before any process starts (error,
@@ -678,14 +688,24 @@ class CheckpointConfig:
         _positive(self, "keep_last")
 
 
+TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+"""What logging.trackers may name (megarl/observability/trackers.py)."""
+
+
 @dataclass
 class LoggingConfig:
     stdout: bool = True
     """Print a metrics table every step."""
-    jsonl: bool = True
-    """Append metrics to <run_dir>/metrics.jsonl."""
-    tensorboard: bool = True
-    """Write TensorBoard events to <run_dir>/tensorboard."""
+    trackers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    """Where metrics, the resolved config and the sample table go (megarl/observability/trackers.py):
+    jsonl (<run_dir>/metrics.jsonl, which megarl plot and resume read), tensorboard
+    (<run_dir>/tensorboard), wandb (offline in <run_dir>/wandb without an API key), mlflow (SQLite
+    <run_dir>/mlflow.db unless MLFLOW_TRACKING_URI or mlflow_tracking_uri is set). wandb and mlflow:
+    pip install -e '.[trackers]'. A resumed run continues the same wandb and mlflow runs."""
+    project: str = "megarl"
+    """wandb project and mlflow experiment the run logs into."""
+    mlflow_tracking_uri: str = ""
+    """mlflow tracking URI (MLFLOW_TRACKING_URI wins when set); empty: sqlite:///<run_dir>/mlflow.db."""
     progress: bool = True
     """Show a live progress line."""
     level: Literal["debug", "info", "warning", "error"] = "info"
@@ -697,8 +717,17 @@ class LoggingConfig:
     model and tool turns), reward, length and version gap; `megarl samples RUN_DIR` prints them.
     0 off."""
 
+    samples_every: int = 1
+    """Steps between two sample tables (generations.jsonl and the trackers)."""
+
     def validate(self):
         _positive(self, "samples_per_step", allow_zero=True)
+        _positive(self, "samples_every")
+        bad = [t for t in self.trackers if t not in TRACKERS]
+        if bad or len(set(self.trackers)) != len(self.trackers):
+            raise ConfigValueError("trackers", self.trackers, f"a list of distinct names from {list(TRACKERS)}")
+        if not self.project:
+            raise ConfigValueError("project", self.project, "a non-empty name")
 
 
 @dataclass

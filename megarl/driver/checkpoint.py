@@ -26,7 +26,12 @@ import shutil
 import time
 from pathlib import Path
 
-from megarl.checkpoint_files import CheckpointError, Hasher, UnsafeCheckpointError, describe_error, hash_files
+from megarl.checkpoint_files import (CheckpointError, Hasher, UnsafeCheckpointError, describe_error, folder_bytes,
+                                     hash_files, human_bytes)
+
+LOW_SPACE_BYTES = 64 * 2**20
+"""Free space under which a failed save is blamed on a full disk (torch's writer then fails with
+"[enforce fail at inline_container.cc] unexpected pos", which does not say so)."""
 
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 MARKER = "COMPLETE"
@@ -241,9 +246,28 @@ class CheckpointManager:
             newest = self._newest_complete()
             still = f"the newest complete checkpoint is still {newest}" if newest else \
                 f"there is no complete checkpoint in {self.root} yet"
+            cause = describe_error(err)
+            full = self.disk_full(partial, newest)
             raise CheckpointError(f"saving the checkpoint of step {step} into {partial or self.root} failed: "
-                                  f"{describe_error(err)}; {still} (the partial folder is removed at the next "
-                                  "start)") from err
+                                  f"{full + ' (' + cause + ')' if full else cause}; {still} (the partial folder is "
+                                  "removed at the next start)") from err
+
+    def disk_full(self, partial: Path | None, newest: Path | None) -> str | None:
+        """Why a save failed when the disk is full (the folder has less than :data:`LOW_SPACE_BYTES`
+        free after the failure): the free space, what the save had written, the size of the last
+        complete checkpoint. None when the disk is not the cause (an ENOSPC with room left is a
+        quota or the inodes: the error says so itself)."""
+        existing = self.root
+        while not existing.exists():
+            existing = existing.parent
+        free = shutil.disk_usage(existing).free
+        if free >= LOW_SPACE_BYTES:
+            return None
+        last = f", the last complete checkpoint ({newest.name}) takes {human_bytes(folder_bytes(newest))}" \
+            if newest else ""
+        return (f"the disk is full: {self.root} has {human_bytes(free)} free; the save had written "
+                f"{human_bytes(folder_bytes(partial) if partial else 0)}{last}; free space or set checkpoint.dir to "
+                "a folder on a larger disk")
 
     def prune(self, keep: Path | None = None):
         """Delete checkpoints older than the ``keep_last`` newest ones whose files are all there

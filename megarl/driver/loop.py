@@ -152,9 +152,9 @@ def start_run(cfg: MegaRLConfig, cleanup: contextlib.ExitStack, resume: bool, ve
     metrics sinks, the reward workers and the mode's sample source; resumed from the newest
     intact checkpoint when asked."""
     from megarl.algorithms import build_kl_controller
-    from megarl.observability import MetricsLogger
     from megarl.observability.console import run_console
     from megarl.observability.generations import GenerationLog
+    from megarl.observability.metrics import open_metrics
     from megarl.observability.timeline import Timeline
     from megarl.rewards import RewardPool
     from megarl.rewards.model import RewardModelTerm
@@ -174,7 +174,8 @@ def start_run(cfg: MegaRLConfig, cleanup: contextlib.ExitStack, resume: bool, ve
     else:
         group.reuse_for(cfg)
     stop.arm()                                           # after ray.init, which installs a SIGTERM handler
-    logging.getLogger("megarl").info(precision_line(group.precision(), cfg))
+    precision = precision_line(group.precision(), cfg)
+    logging.getLogger("megarl").info(precision)
     rollouts = Rollouts(cfg, group.generate)
     ckpt = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)
     kl_ctl = build_kl_controller("adaptive", init_kl_coef=cfg.algorithm.kl_coef, target_kl=cfg.algorithm.kl_target,
@@ -184,9 +185,8 @@ def start_run(cfg: MegaRLConfig, cleanup: contextlib.ExitStack, resume: bool, ve
     ckpt.clean_partials()
     timeline = Timeline(run_dir / "timeline.jsonl", resume_step=start + 1)
     group.timeline = timeline
-    log = cleanup.enter_context(MetricsLogger(
-        run_dir, stdout=cfg.logging.stdout, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
-        progress=cfg.logging.progress, total_steps=cfg.trainer.steps, resume_step=start + 1, stream=console))
+    log = cleanup.enter_context(open_metrics(cfg, run_dir, total_steps=cfg.trainer.steps, start=start, stream=console))
+    log.add_text("precision", precision, start + 1)
     rewards = cleanup.enter_context(RewardPool(num_workers=1, timeout_s=cfg.data.reward_timeout_s))
     source = make_source(cfg, rollouts, group, rewards, timeline, start, state.get("rollout_source"))
     cleanup.callback(source.close)   # before the engines stop: the producer must not see them die
@@ -195,7 +195,7 @@ def start_run(cfg: MegaRLConfig, cleanup: contextlib.ExitStack, resume: bool, ve
         reward_model = RewardModelTerm(cfg, state.get("reward_model"))
     steps = StepRunner(cfg, group=group, rollouts=rollouts, source=source, stop=stop, log=log, timeline=timeline,
                        generations=GenerationLog(run_dir, rollouts.tokenizer, cfg.logging.samples_per_step,
-                                                 start + 1, log.add_text),
+                                                 start + 1, log.add_samples, cfg.logging.samples_every),
                        sample_log=SampleLog(run_dir, resume_step=start + 1),
                        routing=StepRouting(cfg, run_dir, resume_step=start + 1), rewards=rewards,
                        reward_model=reward_model, kl_ctl=kl_ctl, after_sync=after_sync)

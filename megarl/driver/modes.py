@@ -60,7 +60,7 @@ class SampleLog:
     draws prompts chunk after chunk, independently of steps)."""
 
     def __init__(self, run_dir: Path, resume_step: int):
-        from megarl.observability.metrics import keep_steps_before, read_jsonl
+        from megarl.observability.jsonl import keep_steps_before, read_jsonl
 
         self.path = Path(run_dir) / "samples.jsonl"
         if self.path.exists():

@@ -19,6 +19,7 @@ samples the next prompts (up to ``algorithm.max_sampling_tries`` rounds) until
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
@@ -42,7 +43,8 @@ class PromptSource:
         from megarl.tasks import GENERATED_TASKS, load_prompt_dataset
 
         self.cfg = data_cfg
-        if data_cfg.task not in GENERATED_TASKS:
+        self.from_file = data_cfg.task not in GENERATED_TASKS
+        if self.from_file:
             self.records = load_prompt_dataset(data_cfg.task)
         elif data_cfg.num_prompts:
             self.records = self._generate(data_cfg.num_prompts, data_cfg.seed * 1_000_003 - 2)
@@ -60,6 +62,12 @@ class PromptSource:
         from megarl.tasks import generate_arithmetic
 
         return generate_arithmetic(count, level=self.cfg.difficulty, seed=seed)
+
+    def drop(self, rows: list[int]) -> None:
+        """Leave the file's rows ``rows`` out of every epoch (the others keep their uid: their row)."""
+        gone = set(rows)
+        self.records = [r for i, r in enumerate(self.records) if i not in gone]
+        self._orders = {}
 
     def order(self, epoch: int) -> list[int]:
         """The records' order in ``epoch`` (0-based)."""
@@ -116,6 +124,10 @@ class Rollouts:
 
             self.drafts = DraftStore(int(cfg.rollout.draft_store_mb * 2**20))
         self.spec_samples: list = []   # the last collect's samples' speculation records
+        self.dropped_prompts = 0
+        """Rows of the prompt file left out for their length (``data.overlong_prompts: skip``)."""
+        if self.prompts.from_file:
+            self._drop_overlong_prompts()
 
     def _start_agent(self, fleet) -> None:
         from megarl.agent.loop import AgentLoop
@@ -143,19 +155,42 @@ class Rollouts:
         if self.runner is not None:
             self.runner.close()
 
+    def prompt_ids(self, rec) -> list[int]:
+        """``rec``'s prompt token ids (through the chat template when ``data.use_chat_template``; an
+        agent's prompt: the template with the tools' schemas)."""
+        from megarl.tasks.dataset import prompt_ids
+
+        if self.formatter is not None:
+            messages = rec.prompt if isinstance(rec.prompt, list) else [{"role": "user", "content": rec.prompt}]
+            return list(self.formatter.prompt_ids(messages))
+        return prompt_ids(self.tokenizer, rec.prompt, self.cfg.data.use_chat_template)
+
+    def _drop_overlong_prompts(self) -> None:
+        """A prompt file's rows over ``rollout.max_prompt_tokens``: refused (``data.overlong_prompts:
+        error``; preflight says so first for single-turn runs) or dropped and counted (skip)."""
+        from megarl.tasks.dataset import overlong_message, overlong_rows
+
+        records, limit = self.prompts.records, self.cfg.rollout.max_prompt_tokens
+        overlong = overlong_rows([len(self.prompt_ids(r)) for r in records], limit)
+        if not overlong:
+            return
+        message = overlong_message(self.cfg.data.task, overlong, len(records), limit)
+        if self.cfg.data.overlong_prompts == "error":
+            raise ValueError(f"data.task: {message}")
+        if len(overlong) == len(records):
+            raise ValueError(f"data.task: every prompt of {self.cfg.data.task} has more than "
+                             f"rollout.max_prompt_tokens={limit} tokens: nothing to train on")
+        self.prompts.drop([row for row, _ in overlong])
+        self.dropped_prompts = len(overlong)
+        logging.getLogger("megarl").info(f"data.overlong_prompts=skip: dropped {len(overlong)} of {len(records)} "
+                                         f"prompts of {self.cfg.data.task} (> rollout.max_prompt_tokens={limit} "
+                                         f"tokens; first: row {overlong[0][0]}, {overlong[0][1]} tokens)")
+
     def encode(self, records) -> list[list[int]]:
-        """Prompt token ids (through the chat template when ``data.use_chat_template``)."""
+        """Prompt token ids (:meth:`prompt_ids`); one over ``rollout.max_prompt_tokens`` raises."""
         out = []
         for rec in records:
-            messages = rec.prompt if isinstance(rec.prompt, list) else [{"role": "user", "content": rec.prompt}]
-            if self.formatter is not None:   # the agent's prompt: the template with the tools' schemas
-                ids = self.formatter.prompt_ids(messages)
-            elif self.cfg.data.use_chat_template:
-                ids = self.tokenizer.apply_chat_template(messages,
-                                                         tokenize=True, add_generation_prompt=True)
-                ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-            else:
-                ids = self.tokenizer(rec.prompt).input_ids
+            ids = self.prompt_ids(rec)
             if len(ids) > self.cfg.rollout.max_prompt_tokens:
                 text = rec.prompt if isinstance(rec.prompt, str) else rec.prompt[-1]["content"]
                 raise ValueError(f"prompt {text[:60]!r}... has {len(ids)} tokens > "

@@ -36,7 +36,7 @@ class StepRouting:
     log-prob pass."""
 
     def __init__(self, cfg, run_dir: Path, resume_step: int):
-        from megarl.observability.metrics import keep_steps_before, read_jsonl
+        from megarl.observability.jsonl import keep_steps_before, read_jsonl
 
         self.mode = cfg.algorithm.router_replay
         self.path = Path(run_dir) / "moe.jsonl"

@@ -1,15 +1,15 @@
 """What the policy wrote, readable: ``<run_dir>/generations.jsonl`` and ``megarl samples``.
 
-Every step, ``logging.samples_per_step`` samples (default 2) are decoded on the controller and
-appended as one line ``{"step": N, "samples": [...]}``: the best-rewarded sample first, then the
+Every ``logging.samples_every`` steps (default 1), ``logging.samples_per_step`` samples (default
+2) are decoded on the controller and appended as one line ``{"step": N, "samples": [...]}``: the best-rewarded sample first, then the
 worst, then the second best, and so on (a reward hack shows up among the best, a broken chat
 template among both). Each sample: its id, reward, response length in tokens, version gap (policy
 versions between the one that sampled it and the one trained), the prompt and the response decoded
 with their special tokens (so a template's markers stay visible), and the response's token ids.
 Agent trajectories (``rollout.agent: tools``) also get ``turns``: the response cut into the runs
 the model sampled (``model``) and the tool results the loop inserted (``tool``), in order, each
-with its text and ids. The same text goes to TensorBoard (tag ``generations``). On resume, lines
-of steps >= the resumed step are dropped.
+with its text and ids. The same samples go to the run's trackers as a table (TensorBoard: text
+under the tag ``generations``). On resume, lines of steps >= the resumed step are dropped.
 
 ``megarl samples RUN_DIR [--step N] [--best | --worst] [-n K]`` prints a step's samples.
 """
@@ -36,12 +36,14 @@ def pick_samples(rewards: list[float], count: int) -> list[int]:
 
 
 class GenerationLog:
-    def __init__(self, run_dir: str | Path, tokenizer, per_step: int, resume_step: int, text_sink=None):
-        """``text_sink(tag, text, step)``: e.g. TensorBoard's add_text; None: file only."""
-        from megarl.observability.metrics import keep_steps_before, read_jsonl
+    def __init__(self, run_dir: str | Path, tokenizer, per_step: int, resume_step: int, table_sink=None,
+                 every: int = 1):
+        """``table_sink(step, samples)``: e.g. :meth:`MetricsLogger.add_samples`; None: file only.
+        ``every``: steps between two writes (steps that are multiples of it)."""
+        from megarl.observability.jsonl import keep_steps_before, read_jsonl
 
         self.path = Path(run_dir) / "generations.jsonl"
-        self.tokenizer, self.per_step, self.text_sink = tokenizer, per_step, text_sink
+        self.tokenizer, self.per_step, self.table_sink, self.every = tokenizer, per_step, table_sink, every
         if self.path.exists():
             keep_steps_before(self.path, read_jsonl(self.path), resume_step)
 
@@ -70,7 +72,7 @@ class GenerationLog:
         return rec
 
     def write(self, step: int, rollout) -> None:
-        if self.per_step <= 0 or len(rollout) == 0:
+        if self.per_step <= 0 or len(rollout) == 0 or step % self.every:
             return
         rewards = rollout.rewards or [0.0] * len(rollout)
         picked = pick_samples(rewards, self.per_step)
@@ -78,8 +80,8 @@ class GenerationLog:
         samples = [self.record(step, rollout, i, ids) for i, ids in zip(picked, rollout.responses(picked))]
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, "samples": samples}) + "\n")
-        if self.text_sink is not None:
-            self.text_sink("generations", format_samples(step, samples, markdown=True), step)
+        if self.table_sink is not None:
+            self.table_sink(step, samples)
 
 
 def format_samples(step: int, samples: list[dict], markdown: bool = False) -> str:

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from megarl.observability.jsonl import keep_steps_before, read_jsonl
+
 
 class PhaseTimer:
     """Accumulates wall seconds per named phase: ``with timer("generate"): ...``."""
@@ -60,7 +62,11 @@ def _fmt(value) -> str:
 class MetricsLogger:
     def __init__(self, run_dir: str | os.PathLike, *, stdout: bool = True, jsonl: bool = True,
                  tensorboard: bool = True, progress: bool = True, total_steps: int | None = None,
-                 resume_step: int | None = None, stream=None):
+                 resume_step: int | None = None, stream=None, trackers: list | None = None):
+        """``trackers``: started :class:`megarl.observability.trackers.Guarded` trackers (wandb,
+        mlflow, ...) that get every step too; ``tensorboard`` adds TensorBoard to them."""
+        from megarl.observability.trackers import Guarded, TensorBoard
+
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.stdout, self.progress, self.total_steps = stdout, progress, total_steps
@@ -68,11 +74,9 @@ class MetricsLogger:
         self.jsonl_path = self.run_dir / "metrics.jsonl" if jsonl else None
         if self.jsonl_path is not None and resume_step is not None and self.jsonl_path.exists():
             self._truncate_from(resume_step)
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        self.trackers = list(trackers or [])
+        if tensorboard and not any(t.name == "tensorboard" for t in self.trackers):
+            self.trackers.insert(0, Guarded(TensorBoard(self.run_dir, None)))
         self._t0 = time.time()
 
     def _truncate_from(self, step: int):
@@ -90,19 +94,20 @@ class MetricsLogger:
                 fh.write(json.dumps({"step": step, **clean}) + "\n")
                 fh.flush()
                 os.fsync(fh.fileno())
-        if self._tb is not None:
-            for key, value in clean.items():
-                if value is not None:
-                    self._tb.add_scalar(key, value, step)
-            self._tb.flush()
+        for tracker in self.trackers:
+            tracker.call("metrics", step, clean)
         if self.stdout:
             self._print_table(step, clean)
 
     def add_text(self, tag: str, text: str, step: int) -> None:
-        """A text entry in TensorBoard (when it is on)."""
-        if self._tb is not None:
-            self._tb.add_text(tag, text, step)
-            self._tb.flush()
+        """A text entry in every tracker (TensorBoard text, a wandb summary field, an mlflow tag)."""
+        for tracker in self.trackers:
+            tracker.call("text", tag, text, step)
+
+    def add_samples(self, step: int, rows: list[dict]) -> None:
+        """The sample table of ``step`` (rows as ``megarl.observability.generations`` records them)."""
+        for tracker in self.trackers:
+            tracker.call("samples", step, [{"step": step, **r} for r in rows])
 
     @contextlib.contextmanager
     def step(self, step: int):
@@ -146,29 +151,26 @@ class MetricsLogger:
         end = "\r" if getattr(self.stream, "isatty", lambda: False)() else "\n"
         print(f"[step {step}{total}] {phase:<10s} {extra}", end=end, file=self.stream, flush=True)
 
-    def close(self):
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+    def close(self, status: str = "finished"):
+        """End the trackers' runs: ``status`` finished, failed or killed (interrupted)."""
+        for tracker in self.trackers:
+            tracker.call("close", status)
+        self.trackers = []
 
     def __enter__(self) -> "MetricsLogger":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        # an error is an Exception; a stop (KeyboardInterrupt, megarl's RunInterrupted) is not
+        self.close("finished" if exc_type is None else "failed" if issubclass(exc_type, Exception) else "killed")
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+def open_metrics(cfg, run_dir: str | os.PathLike, *, total_steps: int, start: int, stream) -> MetricsLogger:
+    """The run's :class:`MetricsLogger` as ``cfg.logging`` says, with its trackers (started after
+    checkpoint ``start``: > 0 continues the trackers' runs)."""
+    from megarl.observability.trackers import open_trackers
 
-
-def keep_steps_before(path: str | os.PathLike, rows: list[dict], step: int) -> list[dict]:
-    """Rewrite the per-step JSON-lines file ``path`` (its ``rows``, as read) with the rows of steps
-    before ``step`` only, atomically: a run resumed at ``step`` writes the later ones again, and
-    a file never holds a step twice. Returns the rows kept."""
-    path = Path(path)
-    kept = [r for r in rows if r["step"] < step]
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    os.replace(tmp, path)
-    return kept
+    lg = cfg.logging
+    return MetricsLogger(run_dir, stdout=lg.stdout, jsonl="jsonl" in lg.trackers, tensorboard=False,
+                         progress=lg.progress, total_steps=total_steps, resume_step=start + 1, stream=stream,
+                         trackers=open_trackers(cfg, run_dir, resumed=start > 0))

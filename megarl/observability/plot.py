@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from megarl.observability.metrics import read_jsonl
+from megarl.observability.jsonl import read_jsonl
 from megarl.observability.timeline import ENGINE_PREFIX, RANK_PREFIX, read_timeline
 
 PANELS = [

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from megarl.observability.metrics import keep_steps_before
+from megarl.observability.jsonl import keep_steps_before
 
 ENGINE_PREFIX = "engine"
 """Lanes named ``engine*`` are rollout engines (``timeline/generate_s``)."""

@@ -113,8 +113,8 @@ def run_stage(cfg, stage: str, resume: bool = False, verbose: bool = False) -> P
     from megarl.config import save_resolved
     from megarl.models.fixtures import resolve_model_path
     from megarl.models.seqcls import pad_token_id
-    from megarl.observability import MetricsLogger
     from megarl.observability.console import run_console
+    from megarl.observability.metrics import open_metrics
     from megarl.posttrain.data import step_indices, steps_per_epoch
     from megarl.algorithms.posttrain import summarize
     from megarl.driver.checkpoint import CheckpointManager
@@ -158,7 +158,8 @@ def run_stage(cfg, stage: str, resume: bool = False, verbose: bool = False) -> P
         group = WorkerGroup(cfg, None if verbose else run_dir / "logs", verbose, stage=stage)
         cleanup.callback(_release, group, stop)
         stop.arm()
-        log.info(precision_line(group.precision(), cfg).split("; vLLM")[0])
+        precision = precision_line(group.precision(), cfg).split("; vLLM")[0]
+        log.info(precision)
         ckpt = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)
         start = 0
         if (resume or cfg.checkpoint.resume) and \
@@ -166,9 +167,8 @@ def run_stage(cfg, stage: str, resume: bool = False, verbose: bool = False) -> P
             start, folder = found
             log.info(f"resumed from {folder} (step {start})")
         ckpt.clean_partials()
-        metrics = cleanup.enter_context(MetricsLogger(
-            run_dir, stdout=cfg.logging.stdout, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
-            progress=cfg.logging.progress, total_steps=total, resume_step=start + 1, stream=console))
+        metrics = cleanup.enter_context(open_metrics(cfg, run_dir, total_steps=total, start=start, stream=console))
+        metrics.add_text("precision", precision, start + 1)
 
         def evaluate() -> dict:
             if held is None:

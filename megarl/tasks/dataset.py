@@ -20,7 +20,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-__all__ = ["REQUIRED_COLUMNS", "PromptRecord", "load_prompt_dataset", "save_prompt_dataset", "validate_rows"]
+__all__ = ["REQUIRED_COLUMNS", "PromptRecord", "load_prompt_dataset", "overlong_message", "overlong_rows", "prompt_ids",
+           "save_prompt_dataset", "validate_rows"]
 
 REQUIRED_COLUMNS = ("prompt", "answer", "data_source")
 
@@ -164,3 +165,28 @@ def save_prompt_dataset(records: Sequence[PromptRecord], path: str | os.PathLike
         pq.write_table(pa.Table.from_pylist(rows), path)
     else:
         raise ValueError(f"{path}: unsupported file type {suffix!r}; known: {sorted(_READERS)}")
+
+
+def prompt_ids(tokenizer, prompt: Prompt, use_chat_template: bool) -> list[int]:
+    """The token ids a single-turn rollout sends for ``prompt``: through the tokenizer's chat
+    template (a string is one user message) with the generation prompt, or the text as it is."""
+    if use_chat_template:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return list(tokenizer(prompt if isinstance(prompt, str) else prompt[-1]["content"]).input_ids)
+
+
+def overlong_rows(lengths: Sequence[int], limit: int) -> list[tuple[int, int]]:
+    """(row, tokens) of the rows whose prompt has more than ``limit`` tokens."""
+    return [(row, n) for row, n in enumerate(lengths) if n > limit]
+
+
+def overlong_message(path: str, overlong: list[tuple[int, int]], total: int, limit: int, shown: int = 5) -> str:
+    """What to tell the user about the over-long prompts of the file ``path``: how many, the first
+    rows (0-based, as the other row errors name them) with their lengths, the limit, the ways out."""
+    rows = ", ".join(f"row {row} ({n} tokens)" for row, n in overlong[:shown])
+    more = f" and {len(overlong) - shown} more" if len(overlong) > shown else ""
+    return (f"{len(overlong)} of {total} prompts in {path} have more than rollout.max_prompt_tokens={limit} "
+            f"tokens: {rows}{more}; raise rollout.max_prompt_tokens, shorten them, or set "
+            "data.overlong_prompts=skip to drop them")

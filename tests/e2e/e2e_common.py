@@ -40,7 +40,7 @@ checkpoint:
 {checkpoint_extra}
 logging:
   progress: false
-  tensorboard: {tensorboard}
+  trackers: {trackers}
 bridge:
   verify: true
 """
@@ -54,7 +54,8 @@ def recipe(algorithm: str, steps: int, save_every: int = 0, rollout_extra: str =
     ``checkpoint:`` lines; {model} and {run_dir} (also inside the extras) stay for :func:`start`
     to fill in."""
     return RECIPE.format(algorithm=algorithm, steps=steps, save_every=save_every, rollout_extra=rollout_extra,
-                         tensorboard=str(tensorboard).lower(), data_extra=data_extra, trainer_extra=trainer_extra,
+                         trackers="[jsonl, tensorboard]" if tensorboard else "[jsonl]", data_extra=data_extra,
+                         trainer_extra=trainer_extra,
                          checkpoint_extra=checkpoint_extra)
 
 

@@ -13,6 +13,10 @@
   The resumed launch's reward (rewards_for_tests:crash_reward) scores step 2's 16 samples, then
   ends its worker process on every call: its step 3 ends in exit code 1 within a bound of step 2's
   end, RewardWorkerCrash naming the function, no reward worker (or any other process) left.
+  Both launches log to every tracker (jsonl, TensorBoard, wandb offline, mlflow on SQLite), read
+  back with each one's own reader: the same per-step metrics as metrics.jsonl, the resolved config,
+  the precision line and the sample tables; the resumed launch continues the same wandb run id
+  and the same mlflow run, which ends FAILED.
 - DAPO from the ``algorithm.name=dapo`` preset alone (dynamic sampling, clip-higher, token-mean;
   the overlong buffer set explicitly, which wins over the preset), with an evaluation and a
   checkpoint in a ``checkpoint.dir`` of its own at step 2, under rollout.placement=split (vLLM in
@@ -25,9 +29,12 @@ import os
 import signal
 import time
 
+import json
+
 import pytest
 import yaml
 from e2e_common import ProcessWatch, metrics, recipe, run, start
+from helpers import read_tensorboard_scalars, read_wandb_offline
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 PPO = """  name: ppo
@@ -45,6 +52,7 @@ PPO_LR = "  min_lr: 2.0e-3\n  optimizer_offload: true"
 # speculative rollouts ride along: a pool of 3 prompts, 4 per step, so step 2 has a draft for every
 # sample (each prompt was sampled in step 1) and step 1's checkpoint sits in the middle of epoch 2
 PPO_SPEC = dict(trainer_extra=PPO_LR, rollout_extra="  speculative: exact", data_extra="  num_prompts: 3")
+TRACKERS = "logging.trackers=[jsonl,tensorboard,wandb,mlflow]"
 CRASH_BOUND_S = 120   # step 2 done -> exit: step 3's generation, three reward pools dying, the stop (~7 s)
 # DAPO from its preset (the overlong buffer set explicitly, which wins over the preset's), 2 steps
 # with an evaluation and a checkpoint in a checkpoint.dir of its own at step 2: first on the preset
@@ -69,7 +77,8 @@ def check_trains_and_syncs(rows, steps):
 @pytest.fixture(scope="module")
 def ppo(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ppo")
-    return tmp, run(tmp, "full", recipe(PPO, steps=2, save_every=1, **PPO_SPEC), "checkpoint.hf_export_every=1")
+    return tmp, run(tmp, "full", recipe(PPO, steps=2, save_every=1, **PPO_SPEC), "checkpoint.hf_export_every=1",
+                    TRACKERS)
 
 
 def test_ppo_trains_policy_and_critic(ppo):
@@ -123,7 +132,7 @@ def test_ppo_resume_skips_a_damaged_checkpoint_and_repeats_step_2_then_a_crashin
         env.setenv("MEGARL_TEST_REWARD_COUNTER", str(tmp / "reward_calls"))
         env.setenv("MEGARL_TEST_REWARD_CALLS", "16")
         proc = start(tmp, "full", recipe(PPO, steps=3, **PPO_SPEC), "checkpoint.resume=true",
-                     "data.reward=rewards_for_tests:crash_reward")
+                     "data.reward=rewards_for_tests:crash_reward", TRACKERS)
     with ProcessWatch(proc.pid) as watch:
         deadline = time.time() + 900
         while "step 2/3" not in log.read_text()[offset:]:   # the resumed step 2 is done (its table follows)
@@ -157,6 +166,45 @@ def test_ppo_resume_skips_a_damaged_checkpoint_and_repeats_step_2_then_a_crashin
             "in a row" in final), final
     assert 3 not in rows or "reward/mean" not in rows[3], rows.get(3)
     assert not left, "\n".join(left)
+
+
+def test_trackers_hold_both_launches_and_the_resume_continues_their_runs(ppo):
+    """After the resume test: the first launch (steps 1, 2) and the resumed one (step 2 again,
+    then the crash in step 3) in wandb, mlflow and TensorBoard, as metrics.jsonl has them."""
+    from mlflow.tracking import MlflowClient
+
+    tmp, first = ppo
+    run_dir = tmp / "full"
+    rows = {r["step"]: r for r in metrics(run_dir)}
+    keys = ("reward/mean", "actor/loss", "critic/vf_loss")
+    # mlflow: one run for both launches, the config, each step's values, the tables, the precision line
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    [mlrun] = client.search_runs([client.get_experiment_by_name("megarl").experiment_id])
+    assert mlrun.info.status == "FAILED"                 # the resumed launch ended in the reward crash
+    assert mlrun.data.params["algorithm.name"] == "ppo"
+    assert mlrun.data.tags["precision"].startswith("precision: params float32"), mlrun.data.tags
+    for key in keys:
+        logged = {}
+        for m in client.get_metric_history(mlrun.info.run_id, key):
+            logged.setdefault(m.step, []).append(m.value)
+        assert logged[1] == [first[0][key]], key
+        assert sorted(logged[2]) == sorted([first[1][key], rows[2][key]]), key   # step 2, once per launch
+    artifacts = run_dir / "mlflow-artifacts" / mlrun.info.run_id / "artifacts" / "samples"
+    table = json.loads((artifacts / "step_000002.json").read_text())
+    assert table["columns"] == ["step", "id", "prompt", "response", "reward", "length", "gap"]
+    assert len(table["data"]) == 2 and {r[0] for r in table["data"]} == {2}
+    # wandb: two offline launches of one run id, each with its steps and config
+    launch1, launch2 = read_wandb_offline(run_dir)
+    assert launch1["id"] == launch2["id"] == json.loads((run_dir / "trackers.json").read_text())["wandb"]
+    assert launch1["config"]["algorithm.name"] == "ppo"
+    for key in keys:
+        assert [launch1["history"][s][key] for s in (1, 2)] == [first[0][key], first[1][key]], key
+        assert launch2["history"][2][key] == rows[2][key], key
+    assert launch1["history"][1]["samples/_type"] == "table-file"
+    # TensorBoard: the last value of each step (the resumed launch's step 2)
+    tb = read_tensorboard_scalars(run_dir)
+    for key in keys:
+        assert tb[key][1] == pytest.approx(rows[1][key]) and tb[key][2] == pytest.approx(rows[2][key]), key
 
 
 def check_dapo(run_dir, rows) -> None:

@@ -37,7 +37,7 @@ def run(tmp_path_factory):
     with open(tmp / "run.log", "w") as log:
         proc = subprocess.run([sys.executable, "-m", "megarl.cli", "train", str(RECIPE), f"trainer.steps={STEPS}",
                                f"trainer.run_dir={tmp / 'run'}", "logging.progress=false",
-                               "logging.tensorboard=false", "data.reward=rewards_for_tests:token_parity_reward",
+                               "logging.trackers=[jsonl]", "data.reward=rewards_for_tests:token_parity_reward",
                                "algorithm.router_replay=r3"],
                               stdout=log, stderr=subprocess.STDOUT, env=env, timeout=1500)
     assert proc.returncode == 0, (tmp / "run.log").read_text()[-5000:]

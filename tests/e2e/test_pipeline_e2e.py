@@ -34,7 +34,7 @@ data:
   difficulty: 2
 logging:
   progress: false
-  tensorboard: false
+  trackers: [jsonl]
 """
 SFT = """
 model:
@@ -96,7 +96,7 @@ trainer:
   max_tokens_per_micro_batch: 256
 logging:
   progress: false
-  tensorboard: false
+  trackers: [jsonl]
   samples_per_step: 8
 """
 

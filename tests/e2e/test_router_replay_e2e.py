@@ -64,7 +64,7 @@ trainer:
   max_tokens_per_micro_batch: 256
 logging:
   progress: false
-  tensorboard: false
+  trackers: [jsonl]
 """
 MOE_LAYERS, EXPERTS, TOP_K = 2, 8, 2
 RUNS = ("r2", "r3")

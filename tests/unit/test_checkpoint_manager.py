@@ -64,6 +64,34 @@ def test_writer_killed_mid_save_leaves_previous_checkpoint(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["step_00000001"]
 
 
+def test_a_save_into_a_disk_that_fills_up_names_the_disk(tmp_path):
+    """A 3 MiB tmpfs: step 1's 1 MiB checkpoint fits, step 2's 4 MiB one fills the disk mid-save
+    (torch's writer: "unexpected pos ..."). The error says the disk is full, with its free space,
+    what the save had written and the last checkpoint's size; step 1's checkpoint still verifies."""
+    import torch
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)]
+    if subprocess.run(mount if os.getuid() == 0 else ["sudo", "-n", *mount], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root or passwordless sudo)")
+    try:
+        mgr = CheckpointManager(disk / "checkpoints")
+        mgr.save(1, lambda folder: torch.save({"w": torch.zeros(2**18)}, folder / "shard.pt"))
+        with pytest.raises(CheckpointError) as failed:
+            mgr.save(2, lambda folder: torch.save({"w": torch.zeros(2**20)}, folder / "shard.pt"))
+        message = str(failed.value)
+        assert re.search(r"saving the checkpoint of step 2 into .*\.partial-step_00000002-\d+ failed: the disk is "
+                         r"full: .*checkpoints has \d+(\.\d)? (B|KiB) free; the save had written \d\.\d MiB, the last "
+                         r"complete checkpoint \(step_00000001\) takes 1\.0 MiB; free space or set checkpoint.dir",
+                         message), message
+        step, folder = mgr.latest()
+        assert step == 1 and mgr.verify(folder) == []
+    finally:
+        umount = ["umount", "-l", str(disk)]   # lazy: torch may still hold the failed file open
+        subprocess.run(umount if os.getuid() == 0 else ["sudo", "-n", *umount], check=True)
+
+
 def test_folder_without_marker_is_ignored(tmp_path):
     (tmp_path / "step_00000009").mkdir()
     assert CheckpointManager(tmp_path).latest() is None

@@ -325,7 +325,7 @@ def test_function_names_are_resolved_at_load():
     ("checkpoint.keep_last=0", "got 0, expected a positive number"),
     ("checkpoint.resume=2", None),
     ("logging.stdout=2", None),
-    ("logging.jsonl=2", None),
+    ("logging.samples_every=0", "got 0, expected a positive number"),
     ("topology.etp=0", "got 0, expected null or an integer >= 1"),
 ])
 def test_invalid_values_name_the_key(override, expected):
@@ -371,6 +371,8 @@ def test_lora_section_parses_and_bad_values_name_the_key():
     assert (cfg.model.lora.rank, cfg.model.lora.alpha, cfg.model.lora.targets) == (8, 16.0, ["linear_qkv", "linear_proj"])
     assert load_config(None, []).model.lora.rank == 0      # off by default
     assert "model.lora.rank" in error_of(["model.lora.rank=-1"])
+    zero = error_of(["model.lora.rank=0", "model.lora.alpha=16"])          # a LoRA block left at rank 0
+    assert "model.lora.rank" in zero and "model.lora.alpha is set" in zero
     assert "expected a non-empty list of distinct names from" in error_of(["model.lora.targets=[q_proj]"])
     assert "expected a list of str" in error_of(["model.lora.targets=linear_qkv"])
     assert "model.lora.dropout" in error_of(["model.lora.dropout=1.0"])

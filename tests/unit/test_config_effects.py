@@ -233,11 +233,11 @@ def test_logging_sinks(tmp_path):
     from megarl.observability import MetricsLogger
 
     for stdout, jsonl in ((True, True), (False, False)):
-        cfg = load_config(None, [f"logging.stdout={stdout}", f"logging.jsonl={jsonl}", "logging.tensorboard=false",
+        cfg = load_config(None, [f"logging.stdout={stdout}", f"logging.trackers=[{'jsonl' if jsonl else ''}]",
                                  "logging.progress=false"]).logging
         run_dir, stream = tmp_path / f"{stdout}-{jsonl}", io.StringIO()
         run_dir.mkdir()
-        with MetricsLogger(run_dir, stdout=cfg.stdout, jsonl=cfg.jsonl, tensorboard=cfg.tensorboard,
+        with MetricsLogger(run_dir, stdout=cfg.stdout, jsonl="jsonl" in cfg.trackers, tensorboard=False,
                            progress=cfg.progress, total_steps=1, stream=stream) as log:
             log.log(1, {"reward/mean": 0.5})
         assert ("0.5" in stream.getvalue()) is stdout

@@ -32,14 +32,14 @@ def test_pick_best_then_worst_alternating():
 
 def test_records_turns_cli_and_resume(tmp_path):
     texts = []
-    log = GenerationLog(tmp_path, Tok(), 2, resume_step=1, text_sink=lambda tag, text, step: texts.append((tag, step)))
+    log = GenerationLog(tmp_path, Tok(), 2, resume_step=1, table_sink=lambda step, rows: texts.append((step, len(rows))))
     log.write(2, rollout([0.5, 1.0, 0.0]))
     [line] = read_jsonl(tmp_path / "generations.jsonl")
     assert line["step"] == 2 and [s["id"] for s in line["samples"]] == ["s2.g0.1", "s2.g0.2"]
     best = line["samples"][0]
     assert best == {"id": "s2.g0.1", "reward": 1.0, "length": 2, "gap": 0, "prompt": "<s>ab", "response": "dd",
                     "response_ids": [4, 4], "prompt_ids": [0, 1, 2]}
-    assert texts == [("generations", 2)]
+    assert texts == [(2, 2)]
     # an agent trajectory: model tokens, the inserted tool result, model tokens again
     agent = rollout([1.0])
     agent.response_ids, agent.loss_masks = [[5, 6, 9, 9, 7]], [[True, True, False, False, True]]
@@ -59,3 +59,9 @@ def test_records_turns_cli_and_resume(tmp_path):
     # off
     GenerationLog(tmp_path / "off", Tok(), 0, resume_step=1).write(1, rollout([1.0]))
     assert not (tmp_path / "off" / "generations.jsonl").exists()
+    # logging.samples_every=2: steps 2, 4, ... only
+    (tmp_path / "every").mkdir()
+    every = GenerationLog(tmp_path / "every", Tok(), 1, resume_step=1, every=2)
+    for step in (1, 2, 3):
+        every.write(step, rollout([1.0]))
+    assert [row["step"] for row in read_jsonl(tmp_path / "every" / "generations.jsonl")] == [2]

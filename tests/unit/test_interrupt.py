@@ -201,7 +201,7 @@ def fake_run(tmp_path, monkeypatch):
     def run(signals: dict, *overrides: str):
         monkeypatch.setattr(FakeGroup, "SIGNALS", signals)
         cfg = load_config(None, [f"trainer.run_dir={tmp_path / 'run'}", "trainer.steps=4", "checkpoint.save_every=3",
-                                 "algorithm.kl_coef=0.1", "algorithm.kl_target=0.01", "logging.tensorboard=false",
+                                 "algorithm.kl_coef=0.1", "algorithm.kl_target=0.01", "logging.trackers=[jsonl]",
                                  "logging.stdout=false", "logging.progress=false", *overrides])
         before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
         stopped = None

@@ -133,13 +133,38 @@ def test_default_config_passes(tmp_path):
 
 
 def test_preflight_imports_no_heavy_library(tmp_path):
+    """None of torch, vLLM, Ray, megatron; transformers only for the tokenizer that measures a
+    prompt file's prompts (a model folder with tokenizer.json)."""
     data = write_jsonl(tmp_path / "prompts.jsonl", [ROW])
-    code = ("import sys; from megarl.config import load_config; from megarl.preflight import preflight; "
-            f"preflight(load_config(None, ['trainer.run_dir={tmp_path}', 'checkpoint.save_every=1', "
-            f"'data.task={data}']), 'train'); "
-            "print([m for m in ('torch', 'transformers', 'vllm', 'ray', 'megatron') if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == "[]", out
+    model_dir(tmp_path)
+    for model, expected in ((tmp_path / "model", "[]"), ("fixture:smollm2", "['transformers']")):
+        code = ("import sys; from megarl.config import load_config; from megarl.preflight import preflight; "
+                f"preflight(load_config(None, ['trainer.run_dir={tmp_path}', 'checkpoint.save_every=1', "
+                f"'data.task={data}', 'model.path={model}']), 'train'); "
+                "print([m for m in ('torch', 'transformers', 'vllm', 'ray', 'megatron') if m in sys.modules])")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+        assert out.stdout.strip() == expected, (model, out)
+
+
+def test_overlong_prompts_are_refused_naming_file_rows_and_limit(tmp_path):
+    """3 of 8 prompts over rollout.max_prompt_tokens: one line naming the file, those rows with their
+    lengths (as the model's chat template makes them) and the limit; skip: preflight leaves them to
+    the run, which drops them (tests/unit/test_trainer_batch.py)."""
+    from helpers import smollm2_tokenizer
+
+    from megarl.tasks.dataset import prompt_ids
+
+    long = {**ROW, "prompt": "Add these numbers: " + " + ".join(["12345"] * 60)}
+    rows = [ROW, long, ROW, ROW, long, ROW, long, ROW]
+    data = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    n = len(prompt_ids(smollm2_tokenizer(), long["prompt"], True))
+    assert n > 192 > len(prompt_ids(smollm2_tokenizer(), ROW["prompt"], True))
+    recipe = write_recipe(tmp_path, data={"task": data}, rollout={"max_prompt_tokens": 192},
+                          model={"path": "fixture:smollm2"})
+    assert_fails_fast(tmp_path, recipe, "data.task: 3 of 8 prompts in", "prompts.jsonl have more than "
+                      "rollout.max_prompt_tokens=192 tokens: ", f"row 1 ({n} tokens), row 4 ({n} tokens), row 6 "
+                      f"({n} tokens); ", "data.overlong_prompts=skip")
+    preflight(load_config(str(recipe), ["data.overlong_prompts=skip"]), "train")   # the run drops them
 
 
 @pytest.mark.parametrize("recipe", sorted((REPO / "configs").glob("*.yaml")), ids=lambda r: r.name)

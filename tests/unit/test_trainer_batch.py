@@ -93,6 +93,33 @@ def test_extra_columns_reach_the_reward_through_dynamic_sampling(tmp_path, monke
     assert batch.extras[0] == {"data_source": "t", "bonus": batch.extras[0]["bonus"], "note": "unused"}
 
 
+def test_overlong_prompts_are_refused_or_dropped_and_counted(tmp_path, caplog):
+    """data.overlong_prompts: error names the file, the rows and the limit when the run starts
+    (preflight says it first: tests/unit/test_preflight.py); skip drops those rows from every
+    epoch, logs how many, and the others keep their uid (their row)."""
+    import logging
+
+    from helpers import write_jsonl
+
+    from megarl.config import load_config
+    from megarl.driver.rollouts import Rollouts
+
+    data = tmp_path / "prompts.jsonl"
+    write_jsonl(data, [{"prompt": "q" * (30 if i in (1, 4, 6) else 5), "answer": "", "data_source": "t"}
+                       for i in range(8)])
+    over = [f"data.task={data}", "data.use_chat_template=false", "rollout.max_prompt_tokens=20",
+            "data.prompts_per_step=5"]
+    with pytest.raises(ValueError, match=r"3 of 8 prompts in .*prompts.jsonl have more than "
+                                         r"rollout.max_prompt_tokens=20 tokens: row 1 \(30 tokens\), row 4"):
+        Rollouts(load_config(None, over), None, LetterTokenizer())
+    with caplog.at_level(logging.INFO, logger="megarl"):
+        rollouts = Rollouts(load_config(None, over + ["data.overlong_prompts=skip"]), None, LetterTokenizer())
+    assert rollouts.dropped_prompts == 3 and "dropped 3 of 8 prompts" in caplog.text
+    seen = [r.uid for step in (1, 2) for r in rollouts.prompts.batch(step, 5)]   # 10 = an epoch of 5 and more
+    assert sorted(set(seen)) == ["0", "2", "3", "5", "7"] and len(rollouts.encode(
+        [r for step in (1, 2) for r in rollouts.prompts.batch(step, 5)])) == 10
+
+
 def test_grpo_advantages_per_sample():
     # group 0 rewards (0, 1): mean 0.5, sample std sqrt(0.5) = 0.7071 -> (-0.7071, +0.7071);
     # group 1 all equal -> 0
