@@ -131,15 +131,17 @@ def test_dpo_starts_at_ln2_and_learns_the_preferences(dpo):
     tmp, rows = dpo
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     evals = [r for r in rows if "eval/loss" in r]
-    assert evals[0]["eval/loss"] == pytest.approx(math.log(2), abs=1e-6)   # the policy is its reference
-    # the trainable engine and the frozen copy agree to float rounding (measured 1.9e-6 on the margin)
-    assert evals[0]["eval/rewards/margins"] == pytest.approx(0.0, abs=1e-5)
+    # the policy is its reference: the trainable engine and the frozen copy agree to fp32 rounding, on
+    # sums of ~100 log-probs (|sum| up to ~25): margins of 1.9e-6 and 1.3e-5 measured (a loss 3.3e-6
+    # off ln 2 at beta 0.5), by run and machine load (BLAS threading)
+    assert evals[0]["eval/rewards/margins"] == pytest.approx(0.0, abs=1e-4)
+    assert evals[0]["eval/loss"] == pytest.approx(math.log(2), abs=5e-5)
     assert evals[-1]["eval/loss"] < evals[0]["eval/loss"], [r["eval/loss"] for r in evals]
     assert evals[-1]["eval/rewards/accuracies"] > 0.5, evals[-1]
     for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected"):
         assert f"train/{key}" in rows[1] and f"eval/{key}" in evals[-1], key
-    assert rows[1]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)   # before the first update
+    assert rows[1]["train/loss"] == pytest.approx(math.log(2), abs=5e-5)   # before the first update
     cfg = json.loads((tmp / "dpo" / "hf" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"]
 
