@@ -1,4 +1,4 @@
-"""Metrics sinks (stdout, JSONL, TensorBoard), progress, phase timers, GPU stats and plots."""
+"""Metrics sinks (stdout, JSONL, trackers: TensorBoard, wandb, mlflow), progress, phase timers, GPU stats and plots."""
 from megarl.observability.gpu import gpu_stats
 from megarl.observability.jsonl import read_jsonl
 from megarl.observability.metrics import MetricsLogger, PhaseTimer

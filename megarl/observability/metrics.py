@@ -1,4 +1,4 @@
-"""Per-step metrics: a stdout table, JSONL, TensorBoard and a live progress line.
+"""Per-step metrics: a stdout table, JSONL, the run's trackers (TensorBoard, wandb, mlflow) and a live progress line.
 
 One :class:`MetricsLogger` per run (on the controller). ``log(step, metrics)`` writes every sink;
 values must be plain numbers. JSONL lines are flushed per step so a killed run keeps every
