@@ -27,9 +27,9 @@ import re
 import time
 from pathlib import Path
 
-__all__ = ["TRACKERS", "IDS_FILE", "Tracker", "config_params", "missing_tracker", "open_trackers"]
-
 from megarl.config.schema import TRACKERS
+
+__all__ = ["TRACKERS", "IDS_FILE", "Tracker", "config_params", "missing_tracker", "open_trackers"]
 
 IDS_FILE = "trackers.json"
 """In the run folder: the wandb and mlflow run ids a resumed run continues."""
@@ -267,8 +267,8 @@ def open_trackers(cfg, run_dir: str | os.PathLike, resumed: bool) -> list[Guarde
             _log.debug(f"{name} tracker start failure", exc_info=True)
             continue
         out.append(Guarded(tracker))
-    if started:
+    if started:   # a resumed run keeps the ids of trackers that did not start this time
         tmp = ids_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(started, indent=1) + "\n")
+        tmp.write_text(json.dumps({**ids, **started}, indent=1) + "\n")
         os.replace(tmp, ids_path)
     return out

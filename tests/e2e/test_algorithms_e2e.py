@@ -34,7 +34,7 @@ import json
 import pytest
 import yaml
 from e2e_common import ProcessWatch, metrics, recipe, run, start
-from helpers import read_tensorboard_scalars, read_wandb_offline
+from helpers import read_jsonl, read_tensorboard_scalars, read_wandb_offline
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 PPO = """  name: ppo
@@ -228,6 +228,32 @@ def check_dapo(run_dir, rows) -> None:
     assert not (run_dir / "checkpoints").exists()
 
 
+# the sweep's last entry: a prompt file with 3 prompts over rollout.max_prompt_tokens=128, which
+# data.overlong_prompts=skip drops, and an mlflow tracker whose store cannot be opened
+LONG_PROMPT = "Add {i}: " + " + ".join(["12345"] * 80)
+
+
+def skip_recipe(tmp_path, sweep_text: str) -> str:
+    from helpers import write_jsonl
+
+    rows = [{"prompt": LONG_PROMPT.format(i=i) if i in (1, 4, 6) else f"What is {i} + {i}?", "answer": str(2 * i),
+             "data_source": "e2e"} for i in range(8)]
+    data = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    return sweep_text.replace("steps: 1", "steps: 2").replace(
+        "  reward:", f"  task: {data}\n  overlong_prompts: skip\n  reward:").replace(
+        "  trackers: [jsonl]", "  trackers: [jsonl, mlflow]\n  mlflow_tracking_uri: sqlite:////proc/megarl/mlflow.db")
+
+
+def check_skip(run_dir, terminal: str) -> None:
+    """The run trained 2 steps on the 5 other prompts, said how many it dropped, and the mlflow
+    tracker that could not start warned once."""
+    check_trains_and_syncs(metrics(run_dir), 2)
+    assert terminal.count("data.overlong_prompts=skip: dropped 3 of 8 prompts of") == 1, terminal[-3000:]
+    assert terminal.count("logging.trackers: mlflow did not start") == 1, terminal[-3000:]
+    prompts = [s["prompt"] for line in read_jsonl(run_dir / "generations.jsonl") for s in line["samples"]]
+    assert len(prompts) == 4 and not [p for p in prompts if "12345 + 12345" in p], prompts
+
+
 # every preset of the algorithm-breadth issue: (metric of its own that must be there, or None)
 PRESETS = {"pf_ppo": "pf/kept_frac", "remax": "remax/greedy_reward_mean", "gpg": "actor/adv_nonzero_frac",
            "opo": "actor/adv_nonzero_frac", "cispo": "actor/clip_frac", "sapo": "actor/gate_mean",
@@ -255,12 +281,15 @@ def test_every_preset_runs_a_step_on_one_group(tmp_path):
     recipe_file = write_recipe(tmp_path, "sweep", text)
     (tmp_path / "runs").mkdir()
     dapo_file = write_recipe(tmp_path / "runs", "dapo", recipe(DAPO, steps=2, **DAPO_EXTRAS))
+    skip_file = write_recipe(tmp_path / "runs", "skip", skip_recipe(tmp_path, text))
     env = dict(os.environ, PYTHONPATH=f"{HERE}:{os.environ.get('PYTHONPATH', '')}", RAY_TMPDIR=ray_tmpdir())
     proc = subprocess.run([sys.executable, str(HERE / "preset_sweep.py"), str(recipe_file), str(tmp_path / "runs"),
-                           f"dapo={dapo_file}", *PRESETS], env=env, capture_output=True, text=True, timeout=1500)
+                           f"dapo={dapo_file}", *PRESETS, f"skip={skip_file}"], env=env, capture_output=True,
+                          text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert [line for line in proc.stdout.splitlines() if line.startswith("done ")] == \
-        [f"done {n}" for n in ("dapo", *PRESETS)]
+        [f"done {n}" for n in ("dapo", *PRESETS, "skip")]
+    check_skip(tmp_path / "runs" / "skip", proc.stdout + proc.stderr)
     check_dapo(tmp_path / "runs" / "dapo", metrics(tmp_path / "runs" / "dapo"))
     sums = []
     for name, own in PRESETS.items():
