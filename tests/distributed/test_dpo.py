@@ -9,6 +9,9 @@
   are used as they are), Adam's epsilon 1e-8, no weight decay, a constant LR.
 - Layouts (tiny-qwen2, SGD lr 0.5): one step at tp2, pp2 and cp2 gives the weights of tp1 (dp2)
   (<= 1e-6) and the same loss, ln 2 exactly (the policy is its reference before the step).
+- LoRA (tiny-llama, rank 8, random non-zero adapters, the reference: the policy with its adapters
+  off): the loss is not ln 2 (the adapters move the policy off its reference), tp2 gives tp1's
+  loss and adapters after the step (<= 1e-6), and the frozen base does not move.
 """
 import math
 
@@ -46,3 +49,16 @@ def test_one_dpo_step_at_every_layout_equals_tp1(layouts, layout):
     assert layouts[f"{layout}|vs_first"] <= 1e-6, layouts
     assert layouts[f"{layout}|loss"] == pytest.approx(math.log(2), rel=1e-6), layouts
     assert layouts["tp1|loss"] == pytest.approx(math.log(2), rel=1e-6), layouts
+
+
+@pytest.fixture(scope="module")
+def lora():
+    return run_workers("dpo.py", 2, "lora", "llama", "-,tp2", timeout=900)
+
+
+def test_a_lora_dpo_step_against_the_policy_with_its_adapters_off(lora):
+    assert lora["tp1|adapters"] > 0 and all(lora[f"{k}|update_successful"] for k in ("tp1", "tp2")), lora
+    assert abs(lora["tp1|loss"] - math.log(2)) > 1e-4, lora   # the reference is the adapter-free policy
+    assert abs(lora["tp2|loss"] - lora["tp1|loss"]) <= 1e-6 * lora["tp1|loss"], lora
+    assert lora["tp2|vs_first"] <= 1e-6, lora
+    assert lora["tp1|base_moved"] == 0.0 and lora["tp2|base_moved"] == 0.0, lora

@@ -5,6 +5,12 @@ reference (a second engine of the same weights) on 4 fixed pairs at each layout;
 (ln 2 exactly: the policy is its reference before the step), and the weights after it against the
 first layout's.
 
+``lora MODEL SPECS``: the same step with LoRA (rank 8 on all four targets, random non-zero adapters,
+the same whole tensors at every layout): the reference is the policy itself with its adapters off
+(megarl.actors.roles.ReferenceRole, no second model). Reports the loss (not ln 2: the adapters
+make the policy differ from its reference), the adapters after the step against the first
+layout's, and how far the frozen base moved.
+
 ``trl MODEL``: the oracle (rank 0 only; the other rank waits). TRL's DPOTrainer tokenises 8
 arithmetic pairs and takes one step (sigmoid loss, beta 0.1, AdamW lr 1e-5, no weight decay,
 eps 1e-8, grad norm clipped at 1, constant LR, fp32 on the CPU, 8 pairs per step); megarl's engine
@@ -63,6 +69,41 @@ def layouts(path: str, specs: list, world: int) -> dict:
         else:
             out[f"{key}|vs_first"] = max_diff(weights, first)
         del engine, ref
+    return out
+
+
+def lora_layouts(path: str, specs: list, world: int) -> dict:
+    from lora import randomize
+
+    from megarl.actors.roles import ReferenceRole
+    from megarl.policy.lora import LoraOptions, adapters_disabled, peft_state
+
+    vocab = __import__("json").load(open(f"{path}/config.json"))["vocab_size"]
+    out, first = {}, None
+    for spec in specs:
+        spec = "" if spec == "-" else spec
+        groups = groups_for(spec, world)
+        engine = PolicyModel(ModelOptions(path=path, lora=LoraOptions(rank=8, alpha=16.0)), groups,
+                             OptimOptions(optimizer="sgd", lr=0.5, grad_clip=1.0))
+        adapters = engine.model.adapters
+        randomize(adapters)
+        with adapters_disabled(adapters):
+            base = export(engine)
+        mbs = pair_batches(vocab, engine)
+        ReferenceRole(None, engine).attach_logprobs(mbs)       # the policy, adapters off
+        result = engine.train_step(mbs, make_loss_fn("dpo", **OPTIONS))
+        trained = peft_state(adapters, engine.model.mapping, engine.groups)
+        key = spec or "tp1"
+        out[f"{key}|loss"] = float(result["loss"])
+        out[f"{key}|update_successful"] = bool(result["update_successful"])
+        with adapters_disabled(adapters):
+            out[f"{key}|base_moved"] = max_diff(base, export(engine))
+        if first is None:
+            first = trained
+            out[f"{key}|adapters"] = len(trained)
+        else:
+            out[f"{key}|vs_first"] = max_diff(trained, first)
+        del engine
     return out
 
 
@@ -130,6 +171,8 @@ def main():
     mode = sys.argv[1]
     if mode == "layouts":
         report(layouts(fixture(f"tiny-{sys.argv[2]}"), sys.argv[3].split(","), world))
+    elif mode == "lora":
+        report(lora_layouts(fixture(f"tiny-{sys.argv[2]}"), sys.argv[3].split(","), world))
     elif mode == "trl":
         out = trl_oracle(fixture(sys.argv[2])) if rank == 0 else {}
         dist.barrier()
