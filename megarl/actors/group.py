@@ -174,6 +174,15 @@ class WorkerGroup:
         """:meth:`megarl.actors.updates.RankUpdates.posttrain_eval`."""
         return self.updates.posttrain_eval(batches_per_rank, options)
 
+    def reference_logps(self, batches_per_rank: list) -> list:
+        """Every rank's :meth:`megarl.actors.worker.HybridWorker.reference_logps` of its
+        micro-batches (DP leaders: per micro-batch ``[N]``; else None)."""
+        return self.ranks.fan_out("reference_logps", [(b,) for b in batches_per_rank])
+
+    def release_reference(self) -> None:
+        """:meth:`megarl.actors.worker.HybridWorker.release_reference` on every rank."""
+        self.ranks.call("release_reference")
+
     def precision(self) -> dict:
         """:meth:`megarl.actors.ranks.TrainingRanks.precision`."""
         return self.ranks.precision()

@@ -192,16 +192,31 @@ class ReferenceRole:
         kept = [reference_pass_outputs(o.logprobs_R, b, request.with_kl) for o, b in zip(outs, micro_batches)]
         return _pass_result(self.engine, outs, kept)
 
-    def attach_logprobs(self, micro_batches) -> None:
-        """Put the reference's response log-probs into each micro-batch's ``extras['ref_logprobs_R']``
-        (``megarl dpo``: they stay on this rank, where the policy's loss reads them)."""
+    def _forward(self, micro_batches) -> list:
         from megarl.policy.lora import adapters_disabled
 
         with adapters_disabled(self.engine.model.adapters):
-            outs = self.engine.forward_logprobs(micro_batches, with_entropy=False)
-        for o, b in zip(outs, micro_batches):
+            return self.engine.forward_logprobs(micro_batches, with_entropy=False)
+
+    def attach_logprobs(self, micro_batches) -> None:
+        """Put the reference's response log-probs into each micro-batch's ``extras['ref_logprobs_R']``
+        (``megarl dpo``: they stay on this rank, where the policy's loss reads them), unless every
+        micro-batch carries its precomputed sums (``extras['ref_logps_N']``)."""
+        if all("ref_logps_N" in b.extras for b in micro_batches):
+            return
+        for o, b in zip(self._forward(micro_batches), micro_batches):
             if o.logprobs_R is not None:
                 b.extras["ref_logprobs_R"] = o.logprobs_R.detach()
+
+    def sequence_logps(self, micro_batches) -> Optional[list]:
+        """DP leaders: per micro-batch, each sequence's response log-prob ``[N]`` (float64 of the
+        fp32 sum the loss would take; ``megarl dpo`` precomputing its reference), else None."""
+        from megarl.algorithms.posttrain import sequence_logps
+
+        outs = self._forward(micro_batches)
+        if not self.ctx.dp_leader:
+            return None
+        return [sequence_logps(o.logprobs_R.float(), b).double() for o, b in zip(outs, micro_batches)]
 
 
 class CriticRole:

@@ -228,6 +228,19 @@ class HybridWorker:
             self.reference.attach_logprobs(micro_batches)
         return self.policy.posttrain_eval(micro_batches, options)
 
+    def reference_logps(self, micro_batches) -> list | None:
+        """:meth:`megarl.actors.roles.ReferenceRole.sequence_logps` (``megarl dpo``, precomputed)."""
+        return self.reference.sequence_logps(micro_batches)
+
+    def release_reference(self) -> None:
+        """Drop a separate reference model once its log-probs are precomputed (under LoRA the
+        reference is the policy itself: kept)."""
+        import gc
+
+        if self.reference is not None and self.reference.engine is not self.policy.engine:
+            self.reference = None
+            gc.collect()
+
     def export_hf(self, folder: str) -> None:
         """:meth:`megarl.actors.roles.PolicyRole.export_hf`."""
         self.policy.export_hf(folder)

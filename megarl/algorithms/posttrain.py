@@ -10,7 +10,8 @@ micro-batches and DP ranks), normalised by the step's global counts.
   over the step's pairs (``margin`` 0 unless ``posttrain.margin``).
 * DPO: pairs as for RM, through the causal LM; each response's log-probs summed (IPO: averaged)
   over its tokens, for the policy and for the frozen reference (``extras['ref_logprobs_R']``,
-  computed on the same ranks before the step), then :func:`dpo_losses` averaged over the step's pairs.
+  computed on the same ranks before the step, or each sequence's sum ``extras['ref_logps_N']``,
+  precomputed for the whole data set), then :func:`dpo_losses` averaged over the step's pairs.
 
 Metrics come as sums (``*_sum``) with their counts, so that the driver's ratios are exact over
 micro-batches of different sizes (the engine averages every metric over micro-batches and DP
@@ -87,7 +88,9 @@ def dpo_terms(logprobs_R: torch.Tensor, batch, beta: float, loss: str = "sigmoid
     /accuracies, /margins; logps/chosen and /rejected: the policy's summed log-probs; sums over
     pairs, with ``pairs``). IPO divides each log-ratio by its response's length, as TRL does."""
     policy = sequence_logps(logprobs_R, batch).view(-1, 2)
-    ref = sequence_logps(batch.extras["ref_logprobs_R"].to(logprobs_R.dtype), batch).view(-1, 2)
+    ref = batch.extras.get("ref_logps_N")   # precomputed; else this step's reference pass
+    ref = (ref.to(logprobs_R.dtype) if ref is not None else
+           sequence_logps(batch.extras["ref_logprobs_R"].to(logprobs_R.dtype), batch)).view(-1, 2)
     ratio = policy - ref
     lengths = batch.cu_seqlens_N1.diff().view(-1, 2).to(ratio.dtype)
     scaled = ratio / lengths if loss == "ipo" else ratio

@@ -603,6 +603,11 @@ class DpoConfig:
     sft_weight: float = 0.0
     """Weight of an NLL term on the chosen responses (each response's mean token NLL, averaged
     over pairs) added to the loss [rpo_alpha]; 0: none."""
+    reference: Literal["per_batch", "precomputed"] = "per_batch"
+    """per_batch: the frozen reference's log-probs of each step's pairs, on the same ranks before
+    the step; precomputed: those of every pair (training and held out) once, before step 1, then
+    a separate reference model is released, so that training holds one model and each step one
+    forward pass less [precompute_ref_log_probs]."""
 
     def validate(self):
         _positive(self, "beta")
@@ -679,8 +684,8 @@ class CheckpointConfig:
     step before stopping when it has none, also with save_every=0; a second signal stops at once,
     without it."""
     hf_export_every: int = 0
-    """megarl train: write the policy as an HF folder (what transformers and vLLM load; with LoRA
-    the merged weights plus adapter/, PEFT) every this many steps and after the last, into
+    """Write the policy as an HF folder (what transformers and vLLM load; with LoRA the merged
+    weights plus adapter/, PEFT; megarl rm: the reward model) every this many steps and after the last, into
     <dir>/hf_step_<8-digit step>, each complete or absent; the newest keep_last are kept. 0: off."""
 
     def validate(self):

@@ -274,17 +274,18 @@ class Rollout:
         return [self.digests[i] if self.digests and self.digests[i] is not None else digest(self.response_ids[i])
                 for i in range(len(self))]
 
-    def vllm_logprobs(self) -> list:
-        """Every sample's vLLM log-probs as a list: the controller's copy, or for the samples that
-        have none here (:attr:`sample_logprobs` None) the engine's object, fetched in one ``ray.get``."""
-        missing = [i for i, lp in enumerate(self.sample_logprobs) if lp is None]
-        if not missing:
-            return self.sample_logprobs
-        from megarl.data.store import fetch
+    def vllm_logprobs(self, indices: list[int] | None = None) -> list:
+        """The vLLM log-probs of samples ``indices`` (default: all) as lists: the controller's copy,
+        or for the samples that have none here (:attr:`sample_logprobs` None) the engine's object,
+        fetched in one ``ray.get``."""
+        out = list(self.sample_logprobs) if indices is None else [self.sample_logprobs[i] for i in indices]
+        indices = range(len(self)) if indices is None else indices
+        missing = [j for j, lp in enumerate(out) if lp is None]
+        if missing:
+            from megarl.data.store import fetch
 
-        out = list(self.sample_logprobs)
-        for i, t in zip(missing, fetch([self.stored_logprobs[i] for i in missing])):
-            out[i] = t.tolist()
+            for j, t in zip(missing, fetch([self.stored_logprobs[indices[j]] for j in missing])):
+                out[j] = t.tolist()
         return out
 
     def advantage_inputs(self, adv_fn) -> "AdvantageInputs":

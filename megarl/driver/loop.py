@@ -128,21 +128,26 @@ class Run:
                                          drafts.save if drafts is not None else None)
 
     def export_hf(self, step: int, keep_last: int) -> Path:
-        """The policy after ``step`` as an HF folder, ``hf_step_<step>`` beside the checkpoints
-        (written under a temporary name and renamed: complete or absent), then all but the newest
-        ``keep_last`` such folders removed."""
-        import shutil
+        """:func:`export_hf_step` of this run's policy."""
+        return export_hf_step(self.steps.group, self.ckpt.root, step, keep_last)
 
-        t = time.perf_counter()
-        folder = Path(self.ckpt.root) / f"{HF_EXPORT_PREFIX}{step:08d}"
-        self.steps.group.export_hf(folder)
-        done = sorted(p for p in Path(self.ckpt.root).glob(f"{HF_EXPORT_PREFIX}*") if p.is_dir()
-                      and p.name[len(HF_EXPORT_PREFIX):].isdigit())
-        for old in done[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-        logging.getLogger("megarl").info(f"exported the policy of step {step} to {folder} "
-                                         f"({time.perf_counter() - t:.1f} s)")
-        return folder
+
+def export_hf_step(group, root, step: int, keep_last: int) -> Path:
+    """The policy of ``group`` after ``step`` as an HF folder, ``hf_step_<step>`` in ``root`` (beside
+    the checkpoints; written under a temporary name and renamed: complete or absent), then all but
+    the newest ``keep_last`` such folders removed (``checkpoint.hf_export_every``)."""
+    import shutil
+
+    t = time.perf_counter()
+    folder = Path(root) / f"{HF_EXPORT_PREFIX}{step:08d}"
+    group.export_hf(folder)
+    done = sorted(p for p in Path(root).glob(f"{HF_EXPORT_PREFIX}*") if p.is_dir()
+                  and p.name[len(HF_EXPORT_PREFIX):].isdigit())
+    for old in done[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    logging.getLogger("megarl").info(f"exported the policy of step {step} to {folder} "
+                                     f"({time.perf_counter() - t:.1f} s)")
+    return folder
 
 
 def start_run(cfg: MegaRLConfig, cleanup: contextlib.ExitStack, resume: bool, verbose: bool,

@@ -50,15 +50,17 @@ class GenerationLog:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
-    def record(self, step: int, rollout, i: int, ids: list[int]) -> dict:
-        """Sample ``i`` of ``rollout``, whose response ids are ``ids``."""
+    def record(self, step: int, rollout, i: int, ids: list[int], logprobs: list[float] | None = None) -> dict:
+        """Sample ``i`` of ``rollout``, whose response ids are ``ids`` and vLLM's log-probs of them
+        ``logprobs`` (NaN for inserted tool tokens)."""
         ids = list(ids)
         versions = rollout.token_versions[i] if rollout.token_versions else None
         rec = {"id": rollout.sample_ids[i] if rollout.sample_ids else str(i),
                "reward": rollout.rewards[i] if rollout.rewards else None, "length": len(ids),
                "gap": step - 1 - versions.min() if versions else 0,
                "prompt": self._decode(rollout.prompt_ids[i]), "response": self._decode(ids), "response_ids": ids,
-               "prompt_ids": list(rollout.prompt_ids[i])}
+               "prompt_ids": list(rollout.prompt_ids[i]),
+               "logprobs": [float(x) for x in logprobs] if logprobs is not None else None}
         if rollout.loss_masks:
             turns, mask = [], rollout.loss_masks[i]
             for t, (token, sampled) in enumerate(zip(ids, mask)):
@@ -76,8 +78,9 @@ class GenerationLog:
             return
         rewards = rollout.rewards or [0.0] * len(rollout)
         picked = pick_samples(rewards, self.per_step)
-        # the ids, fetched in one get for the samples that only the object store holds
-        samples = [self.record(step, rollout, i, ids) for i, ids in zip(picked, rollout.responses(picked))]
+        # the ids and log-probs, fetched in one get each for the samples that only the object store holds
+        samples = [self.record(step, rollout, i, ids, lp) for i, ids, lp in
+                   zip(picked, rollout.responses(picked), rollout.vllm_logprobs(picked))]
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, "samples": samples}) + "\n")
         if self.table_sink is not None:

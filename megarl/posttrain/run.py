@@ -3,10 +3,12 @@ reward-model training and direct preference optimisation (against a frozen refer
 ranks) on the RL trainer's engine (the same workers, packing, balancing, parallelism, checkpoints,
 metrics and progress line), without a rollout fleet.
 
+    dpo:       (posttrain.dpo.reference=precomputed) the reference's log-probs of every pair
     step 0:    the held-out loss of the starting model (a fresh run)
     for step:  the step's examples (epochs shuffled by data.seed) -> packed micro-batches balanced
                over DP ranks (pairs kept whole) -> one optimizer step -> metrics
-               -> (held-out loss every posttrain.eval_every) -> (checkpoint)
+               -> (held-out loss every posttrain.eval_every) -> (checkpoint) -> (HF folder,
+               checkpoint.hf_export_every)
     end:       held-out loss, then the HF export (posttrain.export_dir)
 
 The data is read, checked and tokenised on the driver before any worker starts
@@ -75,9 +77,11 @@ def stage_options(cfg, stage: str) -> dict:
     return {"loss_agg": cfg.posttrain.loss_agg} if stage == "sft" else {"use_margin": cfg.posttrain.margin}
 
 
-def micro_batches(examples: Examples, indices: list, plan, dp_rank: int, pad_id=None) -> list:
+def micro_batches(examples: Examples, indices: list, plan, dp_rank: int, pad_id=None, reference=None) -> list:
     """The ``SequenceBatch`` list of one DP rank: plan entries are positions in ``indices``; a
-    pair's two sequences are adjacent (chosen, rejected) and its margin is in ``margin_P``."""
+    pair's two sequences are adjacent (chosen, rejected) and its margin is in ``margin_P``;
+    ``reference`` (``[pairs, 2]``, by example): the reference's precomputed response log-probs,
+    in ``ref_logps_N``."""
     import torch
 
     from megarl.policy import SequenceBatch
@@ -90,20 +94,44 @@ def micro_batches(examples: Examples, indices: list, plan, dp_rank: int, pad_id=
             seqs = [trim_pads(s, p, pad_id) for s, p in zip(seqs, prompts)]
         extras = {"margin_P": torch.tensor([examples.margins[i] for i in chosen], dtype=torch.float32)} \
             if examples.kind == "pairs" else {}
+        if reference is not None:
+            extras["ref_logps_N"] = reference[chosen].reshape(-1)
         out.append(SequenceBatch([torch.tensor(s, dtype=torch.long) for s in seqs], prompts, extras))
     return out
 
 
-def _rank_batches(group, examples: Examples, indices: list, pad_id) -> list:
-    """Every rank's micro-batches of the examples ``indices``, planned by the data plane
-    (:func:`megarl.data.plan_batches`) on the examples' lengths: a pair is one unit, so its two
-    sequences share a micro-batch."""
+def _plan(group, examples: Examples, indices: list):
+    """The data plane's plan (:func:`megarl.data.plan_batches`) of the examples ``indices`` on
+    their lengths: a pair is one unit, so its two sequences share a micro-batch."""
     from megarl.data import plan_batches
 
-    ranks = group.ranks
-    topo = ranks.cfg.topology.to_topology()
-    plan = plan_batches([examples.length(i, topo.tp, topo.cp) for i in indices], topo, ranks.budget)
-    return [micro_batches(examples, indices, plan, info.dp_rank, pad_id) for info in ranks.infos]
+    topo = group.ranks.cfg.topology.to_topology()
+    return plan_batches([examples.length(i, topo.tp, topo.cp) for i in indices], topo, group.ranks.budget)
+
+
+def _rank_batches(group, examples: Examples, indices: list, pad_id, reference=None) -> list:
+    """Every rank's micro-batches of the examples ``indices`` (:func:`_plan`)."""
+    plan = _plan(group, examples, indices)
+    return [micro_batches(examples, indices, plan, info.dp_rank, pad_id, reference) for info in group.ranks.infos]
+
+
+def reference_table(group, examples: Examples, chunk: int):
+    """``[pairs, 2]`` float64: the frozen reference's response log-prob of every pair's chosen and
+    rejected sequence, computed on the training ranks ``chunk`` pairs a call."""
+    import torch
+
+    table = torch.full((len(examples), 2), float("nan"), dtype=torch.float64)
+    for first in range(0, len(examples), chunk):
+        indices = list(range(first, min(len(examples), first + chunk)))
+        plan = _plan(group, examples, indices)
+        batches = [micro_batches(examples, indices, plan, info.dp_rank) for info in group.ranks.infos]
+        for info, sums in zip(group.ranks.infos, group.reference_logps(batches)):
+            if sums is not None:   # the DP leaders'
+                for entry, s in zip(plan.micro_batches[info.dp_rank], sums):
+                    table[[indices[j] for j in entry]] = s.view(-1, 2)
+    if torch.isnan(table).any():
+        raise RuntimeError(f"no reference log-probs came back for {int(torch.isnan(table[:, 0]).sum())} pairs")
+    return table
 
 
 def run_stage(cfg, stage: str, resume: bool = False, verbose: bool = False) -> Path:
@@ -119,7 +147,7 @@ def run_stage(cfg, stage: str, resume: bool = False, verbose: bool = False) -> P
     from megarl.algorithms.posttrain import summarize
     from megarl.driver.checkpoint import CheckpointManager
     from megarl.driver.interrupt import RunInterrupted, StopRequest
-    from megarl.driver.loop import _release, precision_line
+    from megarl.driver.loop import _release, export_hf_step, precision_line
     from megarl.actors.group import WorkerGroup
 
     if stage not in STAGES:
@@ -167,6 +195,14 @@ def run_stage(cfg, stage: str, resume: bool = False, verbose: bool = False) -> P
             start, folder = found
             log.info(f"resumed from {folder} (step {start})")
         ckpt.clean_partials()
+        reference = {}   # {"train" | "held": [pairs, 2]} precomputed, else per batch
+        if stage == "dpo" and p.dpo.reference == "precomputed":
+            t = time.perf_counter()
+            reference = {name: reference_table(group, ex, max(p.batch_size, 64))
+                         for name, ex in (("train", train), ("held", held)) if ex is not None}
+            group.release_reference()
+            log.info(f"the reference's log-probs of {sum(len(r) for r in reference.values())} pairs precomputed in "
+                     f"{time.perf_counter() - t:.1f} s; a separate reference model is released")
         metrics = cleanup.enter_context(open_metrics(cfg, run_dir, total_steps=total, start=start, stream=console))
         metrics.add_text("precision", precision, start + 1)
 
@@ -174,7 +210,8 @@ def run_stage(cfg, stage: str, resume: bool = False, verbose: bool = False) -> P
             if held is None:
                 return {}
             t = time.perf_counter()
-            sums = group.posttrain_eval(_rank_batches(group, held, list(range(len(held))), pad_id), options)
+            sums = group.posttrain_eval(_rank_batches(group, held, list(range(len(held))), pad_id,
+                                                      reference.get("held")), options)
             return {**summarize(stage, sums, "eval"), "time/eval_s": time.perf_counter() - t}
 
         if start == 0 and held is not None:   # the starting point: step 0's held-out loss
@@ -190,7 +227,8 @@ def run_stage(cfg, stage: str, resume: bool = False, verbose: bool = False) -> P
                 metrics.progress_line(step, "train")
                 t = time.perf_counter()
                 epoch, indices = step_indices(len(train), p.batch_size, step, cfg.data.seed)
-                out = group.posttrain_step(_rank_batches(group, train, indices, pad_id), options)
+                out = group.posttrain_step(_rank_batches(group, train, indices, pad_id, reference.get("train")),
+                                           options)
                 m.update(summarize(stage, out, "train"), **{"train/loss": out["loss"]})
                 m.update({"train/grad_norm": out["grad_norm"], "train/lr": out["lr"], "train/epoch": epoch + 1,
                           "train/tokens": out["num_tokens"], "train/skipped_updates": int(not out["update_successful"]),
@@ -202,6 +240,8 @@ def run_stage(cfg, stage: str, resume: bool = False, verbose: bool = False) -> P
             stop.last_step = step
             if cfg.checkpoint.save_every and (step % cfg.checkpoint.save_every == 0 or step == total):
                 group.save_checkpoint(ckpt, step, {"stage": stage})
+            if (every := cfg.checkpoint.hf_export_every) and (step % every == 0 or step == total):
+                export_hf_step(group, ckpt.root, step, cfg.checkpoint.keep_last)
         if stop.requested and stop.last_step < total:
             done = stop.last_step
             if cfg.checkpoint.save_on_interrupt and done > start and done not in dict(ckpt.complete()):

@@ -102,7 +102,9 @@ def test_hf_exports_every_step_hold_the_policy_of_that_step(ppo):
     """checkpoint.hf_export_every=1: an HF folder beside the checkpoints after each step, which
     transformers loads, holding the weights whose sum the step logged (actor/weight_checksum: the
     sum of the policy's Megatron parameters after its updates; the export splits fused layers and
-    leaves the tied lm_head out, neither of which changes the sum)."""
+    leaves the tied lm_head out, neither of which changes the sum). Logits: step 1's folder in
+    transformers gives step 2's logged samples the log-probs vLLM sampled them with (vLLM holds
+    what the bridge sent after step 1's update; fp32, < 1e-4 a token), step 2's folder does not."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -111,12 +113,29 @@ def test_hf_exports_every_step_hold_the_policy_of_that_step(ppo):
     root = tmp / "full" / "checkpoints"
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("hf_")) == ["hf_step_00000001",
                                                                                   "hf_step_00000002"]
+    models = {}
     for step in (1, 2):
         folder = root / f"hf_step_{step:08d}"
-        AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        models[step] = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         total = sum(t.double().sum().item() for t in load_file(str(folder / "model.safetensors")).values())
         assert total == pytest.approx(rows[step - 1]["actor/weight_checksum"], rel=1e-9, abs=1e-9), step
     assert rows[0]["actor/weight_checksum"] != rows[1]["actor/weight_checksum"]
+    samples = {line["step"]: line["samples"] for line in read_jsonl(tmp / "full" / "generations.jsonl")}[2]
+    gaps = {step: max(max(abs(a - b) for a, b in zip(response_logprobs(model, s), s["logprobs"])) for s in samples)
+            for step, model in models.items()}
+    print(f"step 2's samples: transformers on the step-1 export vs vLLM {gaps[1]:.2e}, step-2 export {gaps[2]:.2e}")
+    assert gaps[1] < 1e-4 < gaps[2], gaps
+
+
+def response_logprobs(model, sample: dict) -> list[float]:
+    """transformers' log-prob of each response token of a generations.jsonl ``sample`` (temperature 1)."""
+    import torch
+
+    ids = sample["prompt_ids"] + sample["response_ids"]
+    with torch.no_grad():
+        logp = model(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+    start = len(sample["prompt_ids"]) - 1
+    return [logp[start + t, token].item() for t, token in enumerate(sample["response_ids"])]
 
 
 def test_ppo_resume_skips_a_damaged_checkpoint_and_repeats_step_2_then_a_crashing_reward_stops_it(ppo):

@@ -13,7 +13,7 @@ Checked: vLLM's log-probs agree with the old pass's on the ranks to fp32 precisi
 (the ids the ranks fetched are the sampled ones), every reader of the pass reported. Lifetime: the
 ranks hold the same number of object references at each step's policy update (each DP leader's
 objects of the passes, while the step holds them), none after its weight sync (released when its
-training ends) and none after the run. Then, on the same workers, 12 steps (LIFETIME) of each of
+training ends) and none after the run. Then, on the same workers, 8 steps (LIFETIME) of each of
 trainer.mode on_policy and async (the old pass and IcePop's objects on the ranks): neither the
 ranks' references nor the controller's nor the engines' grow over those steps (async drops stale
 groups too), and none are left after each step's training or after each run. In async the ranks
@@ -37,7 +37,7 @@ ALGORITHM = """  name: grpo
   correction_low: 0.5
   correction_high: 2.0"""
 
-LIFETIME = 12
+LIFETIME = 8
 
 
 def check_lifetime(stdout: str) -> None:

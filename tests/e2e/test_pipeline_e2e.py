@@ -13,9 +13,12 @@ train with the reward model as the reward, on the tied tiny llama (Ray, megatron
   reward_scores spans in the timeline); the weight-0 term is logged (reward/gsm8k_lenient_mean);
   the rollout-vs-train alarm holds (vLLM sampled from the SFT export as Megatron trains it).
 - dpo (dp2, the built-in preference pairs, 4 steps, against the starting model as the frozen
-  reference): the held-out loss is ln 2 at step 0 (the policy is its reference; < 1e-6) and falls, the
-  held-out rewards/accuracies rise above 0.5, TRL's metric names are logged; the export is a
-  causal-LM HF folder.
+  reference, its log-probs precomputed for every pair, then the reference model released): the
+  held-out loss is ln 2 at step 0 (the policy is its reference: every pair's precomputed sums found
+  their pair) and falls, the held-out rewards/accuracies rise above 0.5, TRL's metric names are
+  logged; the export is a causal-LM HF folder; checkpoint.hf_export_every=2 leaves the policies of steps 2
+  and 4, whose held-out log-probs in transformers are the ones the engine logged at those steps.
+  (Per-batch reference passes: tests/distributed/test_dpo.py.)
 - LoRA sft (tp2, rank 8 on all four targets, 3 steps): the held-out loss falls with the base frozen;
   the export is the merged HF folder plus adapter/, which peft loads onto the base model to the
   merged folder's logits.
@@ -115,6 +118,7 @@ posttrain:
   max_seq_tokens: 256
   dpo:
     beta: 0.5
+    reference: precomputed
 trainer:
   lr: 2.0e-3
   run_dir: {run_dir}
@@ -124,7 +128,7 @@ trainer:
 @pytest.fixture(scope="module")
 def dpo(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dpo")
-    return tmp, run(tmp, "dpo", DPO, command="dpo", timeout=900)
+    return tmp, run(tmp, "dpo", DPO, "checkpoint.hf_export_every=2", command="dpo", timeout=900)
 
 
 def test_dpo_starts_at_ln2_and_learns_the_preferences(dpo):
@@ -144,6 +148,39 @@ def test_dpo_starts_at_ln2_and_learns_the_preferences(dpo):
     assert rows[1]["train/loss"] == pytest.approx(math.log(2), abs=5e-5)   # before the first update
     cfg = json.loads((tmp / "dpo" / "hf" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert "the reference's log-probs of 80 pairs precomputed" in (tmp / "dpo.log").read_text()
+
+
+def test_dpo_hf_exports_every_2_steps_hold_the_policy_the_engine_evaluated(dpo):
+    """checkpoint.hf_export_every=2 on the 4-step run: step-2 and step-4 folders, which
+    transformers loads and whose log-probs of the held-out pairs (summed over each response) give
+    the eval/logps/* the engine logged at that step (fp32; means of sums of ~100 tokens: 1e-5 measured, < 2e-4)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megarl.config import load_config
+    from megarl.posttrain.run import load_stage_data
+
+    tmp, rows = dpo
+    root = tmp / "dpo" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["hf_step_00000002", "hf_step_00000004"]
+    cfg = load_config(tmp / "dpo" / "config.yaml")
+    _, held = load_stage_data(cfg, "dpo", AutoTokenizer.from_pretrained(cfg.model.path))
+    seqs, prompts = held.sequences(list(range(len(held))))
+    evals = {r["step"]: r for r in rows if "eval/loss" in r}
+    for step in (2, 4):
+        model = AutoModelForCausalLM.from_pretrained(root / f"hf_step_{step:08d}", dtype=torch.float32)
+        sums = []
+        with torch.no_grad():
+            for ids, p in zip(seqs, prompts):
+                logp = model(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+                sums.append(sum(logp[t - 1, ids[t]].item() for t in range(p, len(ids))))
+        chosen, rejected = sum(sums[0::2]) / len(held), sum(sums[1::2]) / len(held)
+        print(f"step {step}: held-out logps chosen {chosen:.5f} (engine {evals[step]['eval/logps/chosen']:.5f}), "
+              f"rejected {rejected:.5f} (engine {evals[step]['eval/logps/rejected']:.5f})")
+        assert chosen == pytest.approx(evals[step]["eval/logps/chosen"], abs=2e-4), step
+        assert rejected == pytest.approx(evals[step]["eval/logps/rejected"], abs=2e-4), step
+    assert evals[2]["eval/logps/chosen"] != pytest.approx(evals[4]["eval/logps/chosen"], abs=1e-2)
 
 
 @pytest.fixture(scope="module")

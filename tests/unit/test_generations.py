@@ -1,6 +1,6 @@
 """generations.jsonl and `megarl samples`: which samples are logged (best, worst, ...), what a
-record holds (decoded prompt and response with special tokens, ids, reward, length, version gap;
-agent turns in order), the printout's order, and resume."""
+record holds (decoded prompt and response with special tokens, ids, vLLM's log-probs, reward,
+length, version gap; agent turns in order), the printout's order, and resume."""
 import io
 
 from helpers import read_jsonl
@@ -38,7 +38,7 @@ def test_records_turns_cli_and_resume(tmp_path):
     assert line["step"] == 2 and [s["id"] for s in line["samples"]] == ["s2.g0.1", "s2.g0.2"]
     best = line["samples"][0]
     assert best == {"id": "s2.g0.1", "reward": 1.0, "length": 2, "gap": 0, "prompt": "<s>ab", "response": "dd",
-                    "response_ids": [4, 4], "prompt_ids": [0, 1, 2]}
+                    "response_ids": [4, 4], "prompt_ids": [0, 1, 2], "logprobs": [-1.0, -1.0]}
     assert texts == [(2, 2)]
     # an agent trajectory: model tokens, the inserted tool result, model tokens again
     agent = rollout([1.0])

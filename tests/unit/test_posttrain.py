@@ -220,6 +220,13 @@ def test_dpo_ipo_and_cdpo_losses_by_hand():
     assert loss.item() == pytest.approx(sum((c - r - 1 / (2 * beta)) ** 2 for c, r in per_token) / 4, rel=1e-6)
     loss, _ = make_loss_fn("dpo", beta=beta, sft_weight=0.2)(lp, batch)   # + chosen mean token NLL
     assert loss.item() == pytest.approx((sum(per_pair) + 0.2 * (3.0 / 2 + 0.5 / 1)) / 4, rel=1e-6)
+    # precomputed: each sequence's reference sum instead of its per-token log-probs, same loss and metrics
+    sums = torch.tensor([-3.5, -3.0, -1.0, -2.5], dtype=torch.float64)
+    for options in ({"beta": beta}, {"beta": beta, "loss": "ipo"}):
+        per_token = make_loss_fn("dpo", **options)(lp, batch)
+        summed = make_loss_fn("dpo", **options)(lp, B([2, 1, 1, 3], {"ref_logps_N": sums}, gseqs=8))
+        assert summed[0].item() == per_token[0].item() and summed[1].keys() == per_token[1].keys()
+        assert all(summed[1][k].item() == per_token[1][k].item() for k in summed[1])
 
 
 def test_dpo_options_are_checked():
@@ -232,6 +239,8 @@ def test_dpo_options_are_checked():
     with pytest.raises(ConfigError, match="posttrain.dpo.beta"):
         load_config(None, ["posttrain.dpo.beta=0"])
     assert load_config(None, ["posttrain.dpo.loss=ipo"]).posttrain.dpo.loss == "ipo"
+    with pytest.raises(ConfigError, match="posttrain.dpo.reference"):
+        load_config(None, ["posttrain.dpo.reference=once"])
 
 
 def test_eval_sums_of_a_fake_engine():
