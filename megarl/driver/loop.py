@@ -95,7 +95,7 @@ def train(cfg: MegaRLConfig, resume: bool = False, verbose: bool = False,
                 run.save(step)
             every = cfg.checkpoint.hf_export_every
             if every and (step % every == 0 or step == cfg.trainer.steps):
-                run.export_hf(step, cfg.checkpoint.keep_last)
+                export_hf_step(run.steps.group, run.ckpt.root, step, cfg.checkpoint.keep_last)
         if cfg.model.lora.rank and stop.last_step == cfg.trainer.steps:   # the trained LoRA policy, for serving
             t = time.perf_counter()
             run.steps.group.export_hf(run_dir / LORA_EXPORT)
@@ -126,10 +126,6 @@ class Run:
         drafts = self.steps.rollouts.drafts
         self.steps.group.save_checkpoint(self.ckpt, step, self.steps.checkpoint_metadata(),
                                          drafts.save if drafts is not None else None)
-
-    def export_hf(self, step: int, keep_last: int) -> Path:
-        """:func:`export_hf_step` of this run's policy."""
-        return export_hf_step(self.steps.group, self.ckpt.root, step, keep_last)
 
 
 def export_hf_step(group, root, step: int, keep_last: int) -> Path:

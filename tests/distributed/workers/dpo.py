@@ -45,9 +45,22 @@ def pair_batches(vocab: int, engine) -> list:
 
 
 def dpo_step(engine, ref, mbs, options=OPTIONS) -> dict:
-    for mb, out in zip(mbs, ref.forward_logprobs(mbs)):
-        mb.extras["ref_logprobs_R"] = out.logprobs_R.detach()
+    """One DPO step of ``engine`` against ``ref`` (a frozen engine, or ``engine`` itself under LoRA:
+    its adapters off), the reference's log-probs attached as megarl dpo's ranks attach them."""
+    from megarl.actors.roles import ReferenceRole
+
+    ReferenceRole(None, ref).attach_logprobs(mbs)
     return engine.train_step(mbs, make_loss_fn("dpo", **options))
+
+
+def record(out: dict, key: str, result: dict, state: dict, first: dict | None) -> dict:
+    """The step's loss and outcome under ``key``, and ``state`` against the first layout's (the
+    first layout's own ``state`` is returned as ``first``)."""
+    out[f"{key}|loss"] = float(result["loss"])
+    out[f"{key}|update_successful"] = bool(result["update_successful"])
+    if first is not None:
+        out[f"{key}|vs_first"] = max_diff(state, first)
+    return state if first is None else first
 
 
 def layouts(path: str, specs: list, world: int) -> dict:
@@ -59,15 +72,10 @@ def layouts(path: str, specs: list, world: int) -> dict:
         engine = PolicyModel(ModelOptions(path=path), groups, OptimOptions(optimizer="sgd", lr=0.5, grad_clip=1.0))
         ref = reference_model(ModelOptions(path=path), groups)
         result = dpo_step(engine, ref, pair_batches(vocab, engine))
-        weights = export(engine)
-        key = spec or "tp1"
-        out[f"{key}|loss"] = float(result["loss"])
-        out[f"{key}|update_successful"] = bool(result["update_successful"])
+        weights, key = export(engine), spec or "tp1"
         if first is None:
-            first = weights
             out[f"{key}|moved"] = max_diff(weights, export(ref))
-        else:
-            out[f"{key}|vs_first"] = max_diff(weights, first)
+        first = record(out, key, result, weights, first)
         del engine, ref
     return out
 
@@ -75,7 +83,6 @@ def layouts(path: str, specs: list, world: int) -> dict:
 def lora_layouts(path: str, specs: list, world: int) -> dict:
     from lora import randomize
 
-    from megarl.actors.roles import ReferenceRole
     from megarl.policy.lora import LoraOptions, adapters_disabled, peft_state
 
     vocab = __import__("json").load(open(f"{path}/config.json"))["vocab_size"]
@@ -89,20 +96,14 @@ def lora_layouts(path: str, specs: list, world: int) -> dict:
         randomize(adapters)
         with adapters_disabled(adapters):
             base = export(engine)
-        mbs = pair_batches(vocab, engine)
-        ReferenceRole(None, engine).attach_logprobs(mbs)       # the policy, adapters off
-        result = engine.train_step(mbs, make_loss_fn("dpo", **OPTIONS))
+        result = dpo_step(engine, engine, pair_batches(vocab, engine))   # the reference: the policy, adapters off
         trained = peft_state(adapters, engine.model.mapping, engine.groups)
         key = spec or "tp1"
-        out[f"{key}|loss"] = float(result["loss"])
-        out[f"{key}|update_successful"] = bool(result["update_successful"])
         with adapters_disabled(adapters):
             out[f"{key}|base_moved"] = max_diff(base, export(engine))
         if first is None:
-            first = trained
             out[f"{key}|adapters"] = len(trained)
-        else:
-            out[f"{key}|vs_first"] = max_diff(trained, first)
+        first = record(out, key, result, trained, first)
         del engine
     return out
 
